@@ -1,0 +1,236 @@
+// Linear attention through the public batched API, float32, beside exact softmax attention (same
+// API family, same sizes) and the machine references, all measured in one run.
+//
+// Shapes: q, k, v [B = 1, H = 8, n, d = 64] (PyTorch's layout), d_v = d. Feature maps: favor+
+// (FavorPositive, f = 256 orthogonal random features, m = 256) and elu+1 (m = d = 64). RoPE width:
+// d for before_map, m for numerator_only and full (none has no rope).
+//
+// Names ("favor" and "elu" rather than "favor+" and "elu+1", so that --benchmark_filter needs no
+// regex escapes):
+//   linear/<map>/<placement>/<noncausal|chunked|scan>/n:<n>   batched linear_attention
+//   linear_stream/<map>/<placement>                            LinearAttentionStream<float>, 1 head,
+//                                                              one token per step (decoding)
+//   softmax/<noncausal|causal>/n:<n>                           batched softmax_attention
+//   machine/peak_fma, machine/sgemm_1024, machine/copy         what this machine can do
+//
+// FLOP model (per (batch, head) slice, times B * H; n = n_k here). exp, elu, the RoPE rotations,
+// the row norms of FAVOR+ and the key sums z += psi_j (n_k m additions) are not counted:
+//   feature GEMMs    2 n d f for q and 2 n_k d f for k    (f = 256 for favor+, 0 for elu+1: no GEMM)
+//   state            2 n_k m d_v                          S = sum_j psi_j v_j^T
+//   read-out         2 n m d_v                            phi_i S
+//   denominators     2 n m                                phi_i . z
+//   causal chunked   + 2 n C m (scores) + 2 n C d_v       the masked C x C blocks inside each chunk,
+//                                                         counted whole (C = chunk_size = 64); the
+//                                                         scan has no intra-chunk term
+//   softmax          2 n n_k (d + d_v), halved when causal (the useful work)
+//   stream           the linear model per token with n = n_k = 1, one head
+// fraction_of_peak (GFLOP/s / machine/peak_fma) is computed offline by bench/compare_pytorch.py.
+// items = tokens: B * n per call (each token through every head), 1 per stream step.
+#include <linrope/attention.hpp>
+#include <linrope/batched.hpp>
+#include <linrope/feature_maps.hpp>
+#include <linrope/rope.hpp>
+
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using linrope::FeatureMapKind;
+using linrope::Index;
+using linrope::MatrixF;
+using linrope::RopePlacement;
+
+constexpr Index kBatch = 1, kHeads = 8, kDim = 64, kFavorFeatures = 256, kChunk = 64;
+
+enum class Mode { NonCausal, Chunked, Scan };
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::NonCausal: return "noncausal";
+    case Mode::Chunked: return "chunked";
+    case Mode::Scan: return "scan";
+  }
+  return "?";
+}
+
+const char* map_name(FeatureMapKind kind) {
+  return kind == FeatureMapKind::FavorPositive ? "favor" : "elu";
+}
+
+// N(0, 1) entries: the scale of q and k after a LayerNorm-ed projection. The timings do not depend
+// on the values (every path computes the same exp and GEMMs), so any fixed seed will do.
+std::vector<float> gaussian_buffer(Index count, unsigned seed) {
+  std::mt19937 engine(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<std::size_t>(count));
+  for (float& value : x) value = normal(engine);
+  return x;
+}
+
+std::unique_ptr<linrope::FeatureMap> make_map(FeatureMapKind kind) {
+  return linrope::make_feature_map(
+      {.kind = kind,
+       .input_dim = kDim,
+       .num_features = kind == FeatureMapKind::FavorPositive ? kFavorFeatures : 0,
+       .orthogonal = true,
+       .seed = 7});
+}
+
+// The rope each placement needs: width d before the map, width m on the features.
+std::optional<linrope::Rope> make_rope(RopePlacement placement, Index m) {
+  if (placement == RopePlacement::None) return std::nullopt;
+  return linrope::Rope({.dim = placement == RopePlacement::BeforeMap ? kDim : m});
+}
+
+// FLOPs of one (batch, head) slice, by the model in the header comment.
+double linear_flops(Index n, Index n_k, Index d, Index d_v, Index f, Index m, Mode mode) {
+  double flops = 2.0 * double(n + n_k) * double(d) * double(f)  // feature GEMMs
+                 + 2.0 * double(n_k) * double(m) * double(d_v)   // state
+                 + 2.0 * double(n) * double(m) * double(d_v)     // read-out
+                 + 2.0 * double(n) * double(m);                  // denominators
+  if (mode == Mode::Chunked)
+    flops += 2.0 * double(n) * double(kChunk) * double(m + d_v);  // intra-chunk blocks
+  return flops;
+}
+
+// Owns [B, H, n, d] buffers for q, k, v and out, and hands out the views.
+struct Problem {
+  explicit Problem(Index n)
+      : n(n),
+        q(gaussian_buffer(kBatch * kHeads * n * kDim, 1)),
+        k(gaussian_buffer(kBatch * kHeads * n * kDim, 2)),
+        v(gaussian_buffer(kBatch * kHeads * n * kDim, 3)),
+        out(static_cast<std::size_t>(kBatch * kHeads * n * kDim)) {}
+  linrope::Heads<const float> in(const std::vector<float>& x) const {
+    return {.data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
+  }
+  linrope::Heads<float> output() { return {.data = out.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim}; }
+  Index n;
+  std::vector<float> q, k, v, out;
+};
+
+void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement placement, Mode mode) {
+  const Index n = state.range(0);
+  Problem problem(n);
+  const auto map = make_map(kind);
+  const Index m = map->output_dim();
+  const std::optional<linrope::Rope> rope = make_rope(placement, m);
+  const linrope::LinearOptions options{
+      .causal = mode != Mode::NonCausal,
+      .placement = placement,
+      .rope = rope ? &*rope : nullptr,
+      .method = mode == Mode::Scan ? linrope::CausalMethod::Scan : linrope::CausalMethod::Chunked,
+      .chunk_size = kChunk};
+  for (auto _ : state) {
+    linrope::linear_attention(problem.in(problem.q), problem.in(problem.k), problem.in(problem.v),
+                              problem.output(), *map, options);
+    benchmark::DoNotOptimize(problem.out.data());
+    benchmark::ClobberMemory();
+  }
+  const Index f = kind == FeatureMapKind::FavorPositive ? kFavorFeatures : 0;
+  state.SetItemsProcessed(state.iterations() * kBatch * n);
+  linrope::bench::set_flops(state,
+                            double(kBatch * kHeads) * linear_flops(n, n, kDim, kDim, f, m, mode));
+  state.counters["threads"] = linrope::bench::threads();
+}
+
+void BM_Softmax(benchmark::State& state, bool causal) {
+  const Index n = state.range(0);
+  Problem problem(n);
+  const linrope::SoftmaxOptions options{.causal = causal};
+  for (auto _ : state) {
+    linrope::softmax_attention(problem.in(problem.q), problem.in(problem.k), problem.in(problem.v),
+                               problem.output(), options);
+    benchmark::DoNotOptimize(problem.out.data());
+    benchmark::ClobberMemory();
+  }
+  const double per_head = 2.0 * double(n) * double(n) * double(2 * kDim);
+  state.SetItemsProcessed(state.iterations() * kBatch * n);
+  linrope::bench::set_flops(state, double(kBatch * kHeads) * (causal ? per_head / 2 : per_head));
+  state.counters["threads"] = linrope::bench::threads();
+}
+
+// Decoding: one head, one token per step, the state carried across steps (positions keep growing,
+// which costs nothing extra: memory and work per step are O(m d_v) whatever the position).
+void BM_Stream(benchmark::State& state, FeatureMapKind kind, RopePlacement placement) {
+  constexpr Index kTokens = 256;  // distinct input rows, cycled
+  const auto map = make_map(kind);
+  const Index m = map->output_dim();
+  const std::optional<linrope::Rope> rope = make_rope(placement, m);
+  const linrope::LinearOptions options{.placement = placement, .rope = rope ? &*rope : nullptr};
+  const std::vector<float> q = gaussian_buffer(kTokens * kDim, 1),
+                           k = gaussian_buffer(kTokens * kDim, 2),
+                           v = gaussian_buffer(kTokens * kDim, 3);
+  std::vector<MatrixF> q_rows, k_rows, v_rows;
+  for (Index t = 0; t < kTokens; ++t) {
+    q_rows.push_back(Eigen::Map<const MatrixF>(q.data() + t * kDim, 1, kDim));
+    k_rows.push_back(Eigen::Map<const MatrixF>(k.data() + t * kDim, 1, kDim));
+    v_rows.push_back(Eigen::Map<const MatrixF>(v.data() + t * kDim, 1, kDim));
+  }
+  linrope::LinearAttentionStream<float> stream(*map, kDim, options);
+  Index t = 0;
+  for (auto _ : state) {
+    MatrixF out = stream.step(q_rows[t], k_rows[t], v_rows[t]);
+    benchmark::DoNotOptimize(out.data());
+    t = (t + 1) % kTokens;
+  }
+  const Index f = kind == FeatureMapKind::FavorPositive ? kFavorFeatures : 0;
+  state.SetItemsProcessed(state.iterations());
+  linrope::bench::set_flops(state, linear_flops(1, 1, kDim, kDim, f, m, Mode::Scan));
+  state.counters["position"] = double(stream.position());
+}
+
+bool register_all() {
+  const FeatureMapKind maps[] = {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive};
+  const RopePlacement placements[] = {RopePlacement::None, RopePlacement::NumeratorOnly,
+                                      RopePlacement::Full, RopePlacement::BeforeMap};
+  const std::vector<std::int64_t> sizes = {1024, 4096, 16384};
+  for (const FeatureMapKind kind : maps)
+    for (const RopePlacement placement : placements)
+      for (const Mode mode : {Mode::NonCausal, Mode::Chunked, Mode::Scan}) {
+        const std::string name = std::string("linear/") + map_name(kind) + "/" +
+                                 linrope::to_string(placement) + "/" + mode_name(mode);
+        // The scan runs one rank-1 update per token: too slow to be worth timing past 4096.
+        std::vector<std::int64_t> ns = sizes;
+        if (mode == Mode::Scan) ns = {1024, 4096};
+        // The log-log slope of time against n (2k .. 32k) is fitted on this one configuration.
+        if (kind == FeatureMapKind::FavorPositive && placement == RopePlacement::NumeratorOnly &&
+            mode == Mode::NonCausal)
+          ns = {1024, 2048, 4096, 8192, 16384, 32768};
+        benchmark::RegisterBenchmark(name.c_str(), BM_Linear, kind, placement, mode)
+            ->ArgsProduct({ns})
+            ->ArgNames({"n"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+  for (const bool causal : {false, true})
+    benchmark::RegisterBenchmark(causal ? "softmax/causal" : "softmax/noncausal", BM_Softmax,
+                                 causal)
+        ->ArgsProduct({sizes})
+        ->ArgNames({"n"})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  for (const FeatureMapKind kind : maps)
+    for (const RopePlacement placement : {RopePlacement::None, RopePlacement::NumeratorOnly}) {
+      const std::string name = std::string("linear_stream/") + map_name(kind) + "/" +
+                               linrope::to_string(placement);
+      benchmark::RegisterBenchmark(name.c_str(), BM_Stream, kind, placement)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+  return true;
+}
+
+// Before main: BENCHMARK_MAIN parses the flags and runs whatever has been registered by then.
+const bool registered = register_all();
+
+}  // namespace
+
+LINROPE_REGISTER_MACHINE_REFERENCES();
+BENCHMARK_MAIN();

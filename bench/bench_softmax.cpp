@@ -1,0 +1,117 @@
+// Exact softmax attention, float, one head: the streaming online-softmax kernel against the naive
+// form that materialises the full n x n score matrix, beside the machine references (peak FMA,
+// Eigen SGEMM 1024^3) measured in the same run.
+// FLOPs: 4 n n_k d (Q K^T and P V, 2 n n_k d each) non-causal, half of that causal (the useful
+// work; the naive form computes the whole square either way). items = query tokens.
+#include <linrope/attention.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using linrope::Index;
+using linrope::MatrixF;
+
+MatrixF random_matrix(Index rows, Index cols, unsigned seed) {
+  std::srand(seed);
+  return MatrixF::Random(rows, cols);
+}
+
+double attention_flops(Index n, Index n_k, Index d, Index d_v, bool causal) {
+  const double flops = 2.0 * double(n) * double(n_k) * double(d + d_v);
+  return causal ? flops / 2 : flops;
+}
+
+// The textbook form: S = scale Q K^T [n x n], mask, row-wise softmax, S V. O(n^2) memory.
+void naive_softmax_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v, bool causal,
+                             MatrixF& s, MatrixF& out) {
+  const Index n = q.rows(), n_k = k.rows();
+  const float scale = 1.0f / std::sqrt(float(q.cols()));
+  s.noalias() = (scale * q) * k.transpose();  // Eigen parallelises this GEMM itself
+#pragma omp parallel for schedule(static)
+  for (Index i = 0; i < n; ++i) {
+    const Index len = causal ? std::min(i + 1, n_k) : n_k;
+    auto row = s.row(i).head(len).array();
+    row = (row - row.maxCoeff()).exp();
+    row /= row.sum();
+    s.row(i).tail(n_k - len).setZero();
+  }
+  out.noalias() = s * v;
+}
+
+void BM_Naive(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  const bool causal = state.range(2) != 0;
+  const MatrixF q = random_matrix(n, d, 1), k = random_matrix(n, d, 2), v = random_matrix(n, d, 3);
+  MatrixF s(n, n), out(n, d);
+  for (auto _ : state) {
+    naive_softmax_attention(q, k, v, causal, s, out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  linrope::bench::set_flops(state, attention_flops(n, n, d, d, causal));
+  state.counters["threads"] = linrope::bench::threads();
+}
+
+void BM_Streaming(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  const bool causal = state.range(2) != 0;
+  const Index block_size = state.range(3);
+  const MatrixF q = random_matrix(n, d, 1), k = random_matrix(n, d, 2), v = random_matrix(n, d, 3);
+  const linrope::SoftmaxOptions options{.causal = causal, .block_size = block_size};
+  for (auto _ : state) {
+    MatrixF out = linrope::softmax_attention(q, k, v, options);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  linrope::bench::set_flops(state, attention_flops(n, n, d, d, causal));
+  state.counters["threads"] = linrope::bench::threads();
+}
+
+// Decoding: a few new queries against a long key cache (causal, the last query sees every key).
+void BM_Decode(benchmark::State& state) {
+  const Index n = state.range(0), n_k = state.range(1), d = 64;
+  const MatrixF q = random_matrix(n, d, 1), k = random_matrix(n_k, d, 2),
+                v = random_matrix(n_k, d, 3);
+  const linrope::SoftmaxOptions options{.causal = true, .q_offset = n_k - n};
+  for (auto _ : state) {
+    MatrixF out = linrope::softmax_attention(q, k, v, options);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  linrope::bench::set_flops(state, 4.0 * double(n) * double(n_k) * double(d));
+}
+
+}  // namespace
+
+BENCHMARK(BM_Naive)
+    ->Name("softmax/naive")
+    ->ArgsProduct({{1024, 4096}, {64}, {0, 1}})
+    ->ArgNames({"n", "d", "causal"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Streaming)
+    ->Name("softmax/streaming")
+    ->ArgsProduct({{1024, 4096, 16384}, {64}, {0, 1}, {0}})
+    ->ArgNames({"n", "d", "causal", "block"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+// Key block sizes around the default (0 = 256), for tuning.
+BENCHMARK(BM_Streaming)
+    ->Name("softmax/streaming_block")
+    ->ArgsProduct({{4096}, {64}, {0}, {64, 128, 512}})
+    ->ArgNames({"n", "d", "causal", "block"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Decode)
+    ->Name("softmax/decode")
+    ->ArgsProduct({{1, 16}, {16384}})
+    ->ArgNames({"n", "n_k"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+LINROPE_REGISTER_MACHINE_REFERENCES();
+BENCHMARK_MAIN();

@@ -1,0 +1,533 @@
+#!/usr/bin/python3
+"""linrope against PyTorch: the same attention computations, checked for agreement, then timed.
+
+What it does, in order:
+  1. Agreement: on a small case (batch 1, 2 heads, n = 200, d = 64, m = 256) every computation is
+     run by linrope (bench/compare_io, raw float32 files) and by PyTorch on the same q, k, v and, for
+     FAVOR+, the same projection W (written by compare_io); prints max|ours - torch| / max|torch| per
+     computation and exits 1 if any exceeds 1e-3.
+  2. Our timings: runs build/bench/bench_linear once (every case, 3 repetitions, Google Benchmark
+     median of real time) unless --bench-json gives a saved run; prints every linear/softmax case
+     with GFLOP/s, fraction of machine/peak_fma and of machine/sgemm_1024 (measured in that run),
+     the log-log slope of time against n, the softmax/linear crossover and the targets.
+  3. PyTorch timings (batch 1, 8 heads, d = 64, m = 256, float32, n in 1024, 4096, 16384; median
+     of 5 calls, 3 at n = 16384, after one warm-up call) and one table: ours, PyTorch, ratio.
+
+PyTorch is written the way a PyTorch user would write it:
+  softmax        (q * scale) @ k^T, masked_fill with a triu mask when causal, softmax, @ v
+  linear         phi(q), phi(k) in PyTorch (elu+1: F.elu(x) + 1; FAVOR+: exp(x' W^T - |x'|^2/2)
+                 / sqrt(m), x' = x d^-1/4, the same W), then einsum: S = phi(k)^T v, z = sum phi(k)
+  causal cumsum  the prefix-sum form: cumsum over n of phi(k_j) v_j^T, O(n m d_v) memory
+  causal chunked quadratic (tril-masked) inside chunks of 64, plus the state of the earlier chunks
+                 (exclusive cumsum over chunks of phi(K_c)^T V_c), all batched PyTorch ops
+PyTorch has no implementation of RoPE on the features in the numerator only (RoFormer eq. 19), so
+our speed is compared with placement `none`; our numerator_only rows are listed on their own.
+
+Environment, so that PyTorch runs at its best:
+  * libopenblas0-openmp must be installed (apt-get install python3-torch libopenblas0-openmp):
+    Debian's torch does its GEMMs through libblas.so.3, which is otherwise the reference BLAS,
+    ~20x slower. The script checks which BLAS is loaded and says so.
+  * GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736: without it
+    glibc returns every large temporary to the kernel and it is page-faulted afresh on the next
+    call (PyTorch 1.5-3x slower). The script re-executes itself with it when it is not set. Our
+    binaries run without it (the environment a user has; it does not help linrope's kernels).
+  * torch.set_num_threads(T) and OMP_NUM_THREADS=T for our binaries, T = --threads (default:
+    OMP_NUM_THREADS, else the number of CPUs).
+Cases skipped: a PyTorch computation needing more than --max-gb GB (default 8) of temporaries, or
+predicted (from the previous size) to take more than 60 s per call, e.g. softmax at n = 16384
+(2 x 8.6 GB of scores) and the FAVOR+ cumsum form at n = 16384 (2 x 8.6 GB of prefix sums); they print as "skipped".
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The benchmarked problem.
+BATCH, HEADS, DIM, FEATURES, CHUNK = 1, 8, 64, 256, 64
+SIZES = [1024, 4096, 16384]
+EPS = 1e-6
+TOLERANCE = 1e-3
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"),
+                        help="build tree holding bench/bench_linear and bench/compare_io")
+    parser.add_argument("--threads", type=int,
+                        default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count()))
+    parser.add_argument("--bench-json", help="use this saved bench_linear JSON instead of running it")
+    parser.add_argument("--save-json", help="write the bench_linear JSON of this run here")
+    parser.add_argument("--repetitions", type=int, default=3, help="bench_linear repetitions")
+    parser.add_argument("--max-gb", type=float, default=8.0,
+                        help="skip PyTorch cases needing more temporaries than this")
+    parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
+    parser.add_argument("--check-only", action="store_true", help="only the agreement check")
+    parser.add_argument("--skip-torch-timing", action="store_true")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="comma-separated n for the PyTorch table")
+    return parser.parse_args()
+
+
+def reexec_with_tunables():
+    current = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.mmap_max=0" in current and "glibc.malloc.trim_threshold" in current:
+        return
+    env = dict(os.environ)
+    env["GLIBC_TUNABLES"] = TUNABLES if not current else current + ":" + TUNABLES
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+
+args = parse_args()
+reexec_with_tunables()
+
+import numpy as np  # noqa: E402  (after the re-exec: glibc reads its tunables at start-up)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+torch.set_num_threads(args.threads)
+torch.set_grad_enabled(False)
+
+
+def say(*parts):
+    print(*parts, flush=True)
+
+
+def loaded_blas():
+    """Which BLAS the process has mapped (after a matmul has run)."""
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    with open("/proc/self/maps") as maps:
+        names = {line.split()[-1] for line in maps if "blas" in line.lower() and "/" in line}
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch side. Tensors are [B, H, n, d]; features [B, H, n, m].
+
+def torch_softmax(q, k, v, causal):
+    n = q.shape[-2]
+    s = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-1, -2)
+    if causal:
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu_(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def phi_elu(x):
+    return F.elu(x) + 1
+
+
+def phi_favor(x, w):
+    xp = x * x.shape[-1] ** -0.25
+    return torch.exp(xp @ w.t() - (xp * xp).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
+
+
+def linear_noncausal(fq, fk, v, fq_num=None, fk_num=None):
+    """fq_num/fk_num: rotated features for the numerator (eq. 19); the plain ones by default."""
+    fq_num = fq if fq_num is None else fq_num
+    fk_num = fk if fk_num is None else fk_num
+    s = torch.einsum("bhnm,bhnd->bhmd", fk_num, v)
+    num = torch.einsum("bhnm,bhmd->bhnd", fq_num, s)
+    den = torch.einsum("bhnm,bhm->bhn", fq, fk.sum(-2))
+    return num / (den.unsqueeze(-1) + EPS)
+
+
+def linear_causal_cumsum(fq, fk, v, fq_num=None, fk_num=None):
+    fq_num = fq if fq_num is None else fq_num
+    fk_num = fk if fk_num is None else fk_num
+    s = torch.einsum("bhnm,bhnd->bhnmd", fk_num, v).cumsum_(2)  # [B,H,n,m,d_v]: every prefix
+    num = torch.einsum("bhnm,bhnmd->bhnd", fq_num, s)
+    den = (fq * fk.cumsum(2)).sum(-1)
+    return num / (den.unsqueeze(-1) + EPS)
+
+
+def linear_causal_chunked(fq, fk, v, chunk=CHUNK):
+    b, h, n, m = fq.shape
+    dv = v.shape[-1]
+    pad = (-n) % chunk  # zero rows at the end: later than every real row, so invisible to them
+    if pad:
+        fq, fk, v = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v))
+    c = (n + pad) // chunk
+    qc, kc, vc = fq.view(b, h, c, chunk, m), fk.view(b, h, c, chunk, m), v.view(b, h, c, chunk, dv)
+    kv = kc.transpose(-1, -2) @ vc                                   # [B,H,c,m,d_v] per chunk
+    state = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], dim=2)
+    zc = kc.sum(3)                                                   # [B,H,c,m]
+    z = torch.cat([torch.zeros_like(zc[:, :, :1]), zc[:, :, :-1].cumsum(2)], dim=2)
+    scores = (qc @ kc.transpose(-1, -2)).tril_()                     # [B,H,c,C,C]
+    num = qc @ state + scores @ vc
+    den = (qc * z.unsqueeze(3)).sum(-1) + scores.sum(-1)
+    out = num / (den.unsqueeze(-1) + EPS)
+    return out.reshape(b, h, c * chunk, dv)[:, :, :n]
+
+
+def rope_interleaved(x, base=10000.0):
+    """RoPE on the last dim (interleaved pairs (2i, 2i+1)), row p at position p; angles in double."""
+    n, r = x.shape[-2], x.shape[-1]
+    theta = base ** (-torch.arange(0, r // 2, dtype=torch.float64) * 2 / r)
+    angle = torch.arange(n, dtype=torch.float64).unsqueeze(-1) * theta
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement on a small case.
+
+def run_compare_io(tmp, kind, causal, placement="none", method="chunked", n=200, heads=2,
+                   seed=11):
+    out = os.path.join(tmp, "out.bin")
+    command = [os.path.join(args.build_dir, "bench", "compare_io"), "--kind", kind,
+               "--causal", str(int(causal)), "--placement", placement, "--method", method,
+               "--chunk", str(CHUNK), "--seed", str(seed), "--m", str(FEATURES),
+               "--batch", "1", "--heads", str(heads), "--n", str(n), "--d", str(DIM),
+               "--q", os.path.join(tmp, "q.bin"), "--k", os.path.join(tmp, "k.bin"),
+               "--v", os.path.join(tmp, "v.bin"), "--out", out, "--w", os.path.join(tmp, "w.bin")]
+    subprocess.run(command, check=True, env=our_env())
+    return torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(1, heads, n, DIM))
+
+
+def check_agreement():
+    say("## Agreement on a small case (batch 1, 2 heads, n = 200, d = 64, m = 256, float32)\n")
+    say("max|ours - torch| / max|torch| per computation; a failure is > %g\n" % TOLERANCE)
+    n, heads = 200, 2
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, heads, n, DIM, generator=gen) for _ in range(3))
+    worst = 0.0
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            x.numpy().tofile(os.path.join(tmp, name + ".bin"))
+        run_compare_io(tmp, "favor", False)  # writes W
+        w = torch.from_numpy(np.fromfile(os.path.join(tmp, "w.bin"), dtype=np.float32)
+                             .reshape(FEATURES, DIM))
+        features = {"elu": (phi_elu(q), phi_elu(k)), "favor": (phi_favor(q, w), phi_favor(k, w))}
+        cases = [("softmax non-causal", ("softmax", False), torch_softmax(q, k, v, False)),
+                 ("softmax causal (masked)", ("softmax", True), torch_softmax(q, k, v, True))]
+        for kind, label in (("elu", "elu+1"), ("favor", "favor+")):
+            fq, fk = features[kind]
+            rq, rk = rope_interleaved(fq), rope_interleaved(fk)
+            cases += [
+                (f"{label} non-causal (einsum)", (kind, False), linear_noncausal(fq, fk, v)),
+                (f"{label} causal: ours chunked vs torch cumsum", (kind, True),
+                 linear_causal_cumsum(fq, fk, v)),
+                (f"{label} causal: ours scan vs torch cumsum", (kind, True, "none", "scan"),
+                 linear_causal_cumsum(fq, fk, v)),
+                (f"{label} causal: ours chunked vs torch chunked", (kind, True),
+                 linear_causal_chunked(fq, fk, v)),
+                (f"{label} numerator_only non-causal (eq. 19 written here)",
+                 (kind, False, "numerator_only"), linear_noncausal(fq, fk, v, rq, rk)),
+                (f"{label} numerator_only causal (eq. 19 written here, cumsum)",
+                 (kind, True, "numerator_only"), linear_causal_cumsum(fq, fk, v, rq, rk)),
+            ]
+        say("| computation | max rel. diff |\n|---|---|")
+        for name, call, expected in cases:
+            ours = run_compare_io(tmp, *call)
+            diff = float((ours - expected).abs().max() / expected.abs().max())
+            worst = max(worst, diff)
+            flag = "" if diff <= TOLERANCE else "  **FAILED**"
+            if diff > TOLERANCE:
+                failures.append(name)
+            say(f"| {name} | {diff:.2e}{flag} |")
+    say("")
+    if failures:
+        say("AGREEMENT CHECK FAILED (> %g): %s" % (TOLERANCE, "; ".join(failures)))
+        sys.exit(1)
+    say(f"All agree (worst {worst:.2e}).\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Our timings, from bench_linear.
+
+def our_env():
+    env = dict(os.environ)
+    env.pop("GLIBC_TUNABLES", None)
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    return env
+
+
+def run_bench():
+    if args.bench_json:
+        with open(args.bench_json) as f:
+            return json.load(f)
+    binary = os.path.join(args.build_dir, "bench", "bench_linear")
+    command = [binary, "--benchmark_min_time=0.05", "--benchmark_format=json",
+               f"--benchmark_repetitions={args.repetitions}",
+               "--benchmark_report_aggregates_only=true"]
+    say("Running: OMP_NUM_THREADS=%d %s" % (args.threads, " ".join(command)))
+    start = time.time()
+    result = subprocess.run(command, check=True, env=our_env(), stdout=subprocess.PIPE, text=True)
+    say("(%.0f s)\n" % (time.time() - start))
+    data = json.loads(result.stdout)
+    if args.save_json:
+        with open(args.save_json, "w") as f:
+            json.dump(data, f, indent=1)
+    return data
+
+
+UNIT_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def medians(data):
+    """name -> {"ms": median real time, "gflops": median GFLOP/s, ...} per benchmark."""
+    table = {}
+    for b in data["benchmarks"]:
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        name = b.get("run_name", b["name"])
+        name = re.sub(r"/real_time$", "", name)
+        entry = {"ms": b["real_time"] * UNIT_MS[b.get("time_unit", "ns")]}
+        for key in ("GFLOP/s", "items_per_second", "GB/s"):  # already rates, in these units
+            if key in b:
+                entry[key] = b[key]
+        table[name] = entry
+    return table
+
+
+def slope(points):
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(t) for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def crossover(linear, softmax):
+    """Smallest n where linear beats softmax, from the measured sizes; log-log interpolation."""
+    if linear[0][1] < softmax[0][1]:
+        return f"<= {linear[0][0]} (linear already faster at the smallest size)"
+    for (n0, l0), (n1, l1), (_, s0), (_, s1) in zip(linear, linear[1:], softmax, softmax[1:]):
+        if l1 < s1:
+            # log t = a + b log n on each side; solve for equal times.
+            r0, r1 = math.log(l0 / s0), math.log(l1 / s1)
+            return "~%d (between %d and %d)" % (
+                round(math.exp(math.log(n0) + r0 / (r0 - r1) * (math.log(n1) - math.log(n0)))),
+                n0, n1)
+    return f"> {linear[-1][0]} (softmax faster at every measured size)"
+
+
+def report_bench(ours):
+    peak = ours["machine/peak_fma"]["GFLOP/s"]
+    sgemm = ours["machine/sgemm_1024"]["GFLOP/s"]
+    say("## Our figures (bench_linear, median of %d repetitions, real time, %d threads)\n"
+        % (args.repetitions, args.threads))
+    say(f"machine/peak_fma {peak:.1f} GFLOP/s, machine/sgemm_1024 {sgemm:.1f} GFLOP/s, "
+        + ", ".join(f"{k} {v['GB/s']:.1f} GB/s" for k, v in ours.items() if "GB/s" in v) + "\n")
+    say("| case | ms | GFLOP/s | of peak_fma | of sgemm_1024 | tokens/s |")
+    say("|---|---|---|---|---|---|")
+    for name, e in ours.items():
+        if name.startswith("machine/"):
+            continue
+        g = e.get("GFLOP/s", 0.0)
+        ms = f"{e['ms'] * 1e3:.2f} us" if e["ms"] < 0.1 else f"{e['ms']:.2f}"
+        say(f"| {name} | {ms} | {g:.3g} | {g / peak:.1%} | {g / sgemm:.1%} "
+            f"| {e.get('items_per_second', 0):.3g} |")
+    say("")
+
+    def t(name):
+        return ours[name]["ms"] if name in ours else None
+
+    fit_name = "linear/favor/numerator_only/noncausal/n:%d"
+    fit = [(n, t(fit_name % n)) for n in (2048, 4096, 8192, 16384, 32768) if t(fit_name % n)]
+    s = slope(fit) if len(fit) >= 2 else float("nan")
+    say(f"Log-log slope of time vs n, favor+ numerator_only non-causal, n = 2048..32768: {s:.3f}\n")
+
+    say("Crossover (linear faster than exact softmax), measured at n = 1024, 4096, 16384:\n")
+    crossings = {}
+    for label, lin, soft in (
+            ("favor+ numerator_only non-causal vs softmax non-causal",
+             "linear/favor/numerator_only/noncausal", "softmax/noncausal"),
+            ("favor+ none non-causal vs softmax non-causal",
+             "linear/favor/none/noncausal", "softmax/noncausal"),
+            ("elu+1 numerator_only non-causal vs softmax non-causal",
+             "linear/elu/numerator_only/noncausal", "softmax/noncausal"),
+            ("favor+ numerator_only causal chunked vs softmax causal",
+             "linear/favor/numerator_only/chunked", "softmax/causal"),
+            ("elu+1 numerator_only causal chunked vs softmax causal",
+             "linear/elu/numerator_only/chunked", "softmax/causal")):
+        lp = [(n, t(f"{lin}/n:{n}")) for n in SIZES]
+        sp = [(n, t(f"{soft}/n:{n}")) for n in SIZES]
+        if all(x for _, x in lp + sp):
+            crossings[label] = crossover(lp, sp)
+            say(f"- {label}: {crossings[label]}")
+    say("")
+    return {"peak": peak, "sgemm": sgemm, "slope": s, "t": t, "crossings": crossings}
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch timings and the table.
+
+def time_call(fn, reps):
+    fn()  # warm-up: first-touch of the buffers, OpenMP pool start
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def torch_cases(n, w):
+    """(key, function, bytes of large temporaries) for one n."""
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(BATCH, HEADS, n, DIM, generator=gen) for _ in range(3))
+    bh = BATCH * HEADS
+    scores = bh * n * n * 4
+    cases = [("softmax/noncausal", lambda: torch_softmax(q, k, v, False), 2 * scores),
+             ("softmax/causal", lambda: torch_softmax(q, k, v, True), 2 * scores + n * n)]
+    for kind, m, phi in (("elu", DIM, phi_elu), ("favor", FEATURES, lambda x: phi_favor(x, w))):
+        cases += [
+            (f"{kind}/noncausal", lambda phi=phi: linear_noncausal(phi(q), phi(k), v), 0),
+            # The [B,H,n,m,d_v] prefix sums, and the copy einsum makes of them for its bmm.
+            (f"{kind}/cumsum", lambda phi=phi: linear_causal_cumsum(phi(q), phi(k), v),
+             2 * bh * n * m * DIM * 4),
+            (f"{kind}/chunked", lambda phi=phi: linear_causal_chunked(phi(q), phi(k), v),
+             bh * n * (CHUNK + 2 * m) * 4)]
+    return cases
+
+
+def torch_timings(sizes):
+    say("## PyTorch timings\n")
+    blas = loaded_blas()
+    say("PyTorch %s, %d threads, BLAS loaded: %s" % (torch.__version__, torch.get_num_threads(),
+                                                     ", ".join(blas) or "none found"))
+    if not any("openblas" in b for b in blas):
+        say("WARNING: PyTorch is not using OpenBLAS (install libopenblas0-openmp): its GEMMs run on "
+            "the reference BLAS and every PyTorch figure below is ~20x too slow.")
+    say("GLIBC_TUNABLES=%s\n" % os.environ.get("GLIBC_TUNABLES"))
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(FEATURES, DIM, generator=gen)  # timing only: any W of the right shape will do
+    results, previous = {}, {}
+    for n in sizes:
+        reps = 3 if n >= 16384 else 5
+        for key, fn, temporaries in torch_cases(n, w):
+            if temporaries > args.max_gb * 1e9:
+                results[(key, n)] = "skipped: needs %.1f GB" % (temporaries / 1e9)
+            elif key in previous and previous[key][1] * (n / previous[key][0]) ** (
+                    2 if key.startswith("softmax") else 1) > 60e3:
+                results[(key, n)] = "skipped: predicted > 60 s per call"
+            else:
+                results[(key, n)] = time_call(fn, reps)
+                previous[key] = (n, results[(key, n)])
+            value = results[(key, n)]
+            say(f"  torch {key:20s} n={n:6d}: "
+                + (f"{value:10.2f} ms" if isinstance(value, float) else value))
+            gc.collect()
+    say("")
+    return results
+
+
+def comparison_table(ours, torch_results, sizes):
+    t = ours["t"]
+    rows = [("softmax non-causal: matmul + softmax", "softmax/noncausal", "softmax/noncausal"),
+            ("softmax causal: matmul + mask + softmax", "softmax/causal", "softmax/causal"),
+            ("elu+1 non-causal: einsum", "linear/elu/none/noncausal", "elu/noncausal"),
+            ("elu+1 causal: ours chunked / torch cumsum", "linear/elu/none/chunked", "elu/cumsum"),
+            ("elu+1 causal: ours chunked / torch chunked", "linear/elu/none/chunked",
+             "elu/chunked"),
+            ("favor+ non-causal: einsum", "linear/favor/none/noncausal", "favor/noncausal"),
+            ("favor+ causal: ours chunked / torch cumsum", "linear/favor/none/chunked",
+             "favor/cumsum"),
+            ("favor+ causal: ours chunked / torch chunked", "linear/favor/none/chunked",
+             "favor/chunked"),
+            ("elu+1 numerator_only non-causal (ours only)", "linear/elu/numerator_only/noncausal",
+             None),
+            ("elu+1 numerator_only causal chunked (ours only)",
+             "linear/elu/numerator_only/chunked", None),
+            ("favor+ numerator_only non-causal (ours only)",
+             "linear/favor/numerator_only/noncausal", None),
+            ("favor+ numerator_only causal chunked (ours only)",
+             "linear/favor/numerator_only/chunked", None)]
+    say("## linrope vs PyTorch (batch 1, 8 heads, d = 64, m = 256 for favor+, float32, "
+        f"{args.threads} threads; ms, median)\n")
+    say("Ours: placement `none` (PyTorch has no eq. 19 implementation); our numerator_only is "
+        "listed separately. Ratio = PyTorch / ours (> 1: ours faster).\n")
+    say("| computation | n | ours (ms) | PyTorch (ms) | ratio |\n|---|---|---|---|---|")
+    ratios = {}
+    for label, our_key, torch_key in rows:
+        for n in sizes:
+            mine = t(f"{our_key}/n:{n}")
+            theirs = torch_results.get((torch_key, n)) if torch_key else "n/a (no eq. 19)"
+            if isinstance(theirs, float) and mine:
+                ratio = theirs / mine
+                ratios[(torch_key, n)] = ratio
+                say(f"| {label} | {n} | {mine:.2f} | {theirs:.2f} | {ratio:.2f}x |")
+            else:
+                say(f"| {label} | {n} | {mine:.2f} | {theirs} | - |" if mine else
+                    f"| {label} | {n} | - | {theirs} | - |")
+    say("")
+    return ratios
+
+
+def targets(ours, ratios, sizes):
+    t, peak = ours["t"], ours["peak"]
+
+    bench = ours["table"]
+    say("## Targets\n")
+    say("| target | measured | met? |\n|---|---|---|")
+
+    def row(target, measured, met):
+        say(f"| {target} | {measured} | {'yes' if met else 'NO'} |")
+
+    fr = {n: bench[f"linear/favor/numerator_only/noncausal/n:{n}"]["GFLOP/s"] / peak
+          for n in SIZES}
+    row("FAVOR+ numerator-only non-causal >= 50% of fp32 peak",
+        ", ".join(f"n={n}: {f:.1%}" for n, f in fr.items()), all(f >= 0.5 for f in fr.values()))
+    for placement in ("numerator_only", "none"):
+        cr = {n: t(f"linear/favor/{placement}/chunked/n:{n}")
+              / t(f"linear/favor/{placement}/noncausal/n:{n}") for n in SIZES}
+        row(f"FAVOR+ causal chunked <= 1.5x non-causal ({placement})",
+            ", ".join(f"n={n}: {r:.2f}x" for n, r in cr.items()), all(r <= 1.5 for r in cr.values()))
+    for key, goal, what in (("elu/noncausal", 3.0, "PyTorch non-causal (einsum)"),
+                            ("elu/chunked", 5.0, "PyTorch chunked causal")):
+        rs = {n: ratios.get((key, n)) for n in sizes}
+        row(f"elu+1 linear >= {goal:g}x faster than {what}",
+            ", ".join(f"n={n}: {r:.2f}x" if r else f"n={n}: -" for n, r in rs.items()),
+            all(r and r >= goal for r in rs.values()))
+    sf = {f"{c} n={n}": bench[f"softmax/{c}/n:{n}"]["GFLOP/s"] / peak
+          for c in ("noncausal", "causal") for n in SIZES}
+    row("streaming softmax >= 50% of peak", ", ".join(f"{k}: {f:.1%}" for k, f in sf.items()),
+        all(f >= 0.5 for f in sf.values()))
+    s = ours["slope"]
+    row("linear log-log slope in [0.95, 1.1] (2k..32k)", f"{s:.3f}", 0.95 <= s <= 1.1)
+    lin_1024 = {lbl: t(f"{lin}/n:1024") < t(f"{soft}/n:1024") for lbl, lin, soft in (
+        ("favor+ num_only non-causal", "linear/favor/numerator_only/noncausal",
+         "softmax/noncausal"),
+        ("elu+1 num_only non-causal", "linear/elu/numerator_only/noncausal", "softmax/noncausal"),
+        ("favor+ num_only causal", "linear/favor/numerator_only/chunked", "softmax/causal"),
+        ("elu+1 num_only causal", "linear/elu/numerator_only/chunked", "softmax/causal"))}
+    row("linear overtakes exact softmax at n <= 1024",
+        "; ".join(f"{k}: {'faster' if v else 'slower'} at 1024" for k, v in lin_1024.items()),
+        all(lin_1024.values()))
+    say("")
+
+
+def main():
+    say("# linrope vs PyTorch — %s, %d threads, load average %s\n"
+        % (time.strftime("%Y-%m-%d %H:%M"), args.threads,
+           " ".join(f"{x:.2f}" for x in os.getloadavg())))
+    if not args.skip_check:
+        check_agreement()
+    if args.check_only:
+        return
+    table = medians(run_bench())
+    ours = report_bench(table)
+    ours["table"] = table
+    sizes = [int(x) for x in args.sizes.split(",")]
+    torch_results = {} if args.skip_torch_timing else torch_timings(sizes)
+    ratios = comparison_table(ours, torch_results, sizes)
+    targets(ours, ratios, sizes)
+    say("Load average at the end: %s" % " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+// The experiments and what they share: a Context in, an Outcome (summary numbers and a report
+// section) out. The runner (runner.cpp) adds the JSON metadata, the plots and REPORT.md.
+#pragma once
+
+#include "options.hpp"
+#include "report.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace linrope::experiments {
+
+struct Context {
+  const Options& options;
+  std::filesystem::path dir;  // <out>/<experiment>, created by the runner
+  std::size_t measured = 0;   // points computed in this run
+  std::size_t resumed = 0;    // points kept from an existing CSV (--resume)
+  // Called with the key of each point just before it is measured (tests count re-measurements).
+  std::function<void(const std::vector<std::string>& key)> on_measure;
+};
+
+struct Outcome {
+  std::vector<std::uint64_t> seeds;                       // every seed the run used
+  nlohmann::json summary = nlohmann::json::object();     // derived numbers (fits, means, ...)
+  Section section;
+};
+
+struct Experiment {
+  std::string name;         // subcommand, directory, CSV and JSON stem
+  std::string description;  // one line for --help
+  Outcome (*run)(Context&);
+};
+
+Outcome run_scaling(Context& context);
+Outcome run_normalization(Context& context);
+Outcome run_favor_error(Context& context);
+Outcome run_rope_decay(Context& context);
+Outcome run_rope_relative(Context& context);
+
+// "favor-error" -> "favor_error": the directory, CSV and JSON stem of an experiment.
+std::string stem_of(const std::string& name);
+
+// In report order.
+const std::vector<Experiment>& all_experiments();
+const Experiment* find_experiment(const std::string& name);
+
+// Runs one experiment into options.out/<name>: CSV (by the experiment), <name>.json, plots,
+// report_section.md, then rebuilds options.out/REPORT.md. Returns the context (counters) for tests.
+// Throws on failure (std::runtime_error, std::invalid_argument).
+Context run_experiment(const Experiment& experiment, const Options& options,
+                       std::function<void(const std::vector<std::string>&)> on_measure = {});
+
+}  // namespace linrope::experiments

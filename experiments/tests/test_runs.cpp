@@ -1,0 +1,259 @@
+// Small sweeps of every experiment through the same runner the program uses: the CSV schema, the
+// metadata, the report, resuming after an interruption, and no temporary file left behind.
+#include "atomic_file.hpp"
+#include "csv.hpp"
+#include "experiment.hpp"
+#include "scratch_dir.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+using namespace linrope::experiments;
+using linrope::Index;
+using linrope::experiments::testing::count_temporaries;
+using linrope::experiments::testing::ScratchDir;
+
+namespace {
+
+// Tiny sizes: the whole file runs in about a second, and under the sanitizers in a few.
+Options small_options(const std::filesystem::path& out) {
+  Options o;
+  o.out = out;
+  o.quiet = true;
+  o.plots = false;
+  o.lengths = {16, 32};
+  o.heads = 2;
+  o.dim = 8;
+  o.reps = 1;
+  o.naive_max = 32;
+  o.softmax_max = 32;
+  o.scaling_features = 8;
+  o.one_head_n = 64;
+  o.fit_min_n = 16;
+  o.norm_lengths = {8, 16};
+  o.norm_seeds = 2;
+  o.norm_dim = 8;
+  o.norm_features = 8;
+  o.favor_length = 32;
+  o.favor_dim = 4;
+  o.favor_features = {4, 8};
+  o.favor_seeds = 2;
+  o.favor_pairs = 64;
+  o.decay_dim = 16;
+  o.decay_distance = 8;
+  o.relative_positions = {10, 1000, 1000000};
+  o.relative_dim = 8;
+  o.relative_samples = 16;
+  resolve_presets(o);
+  return o;
+}
+
+std::vector<std::string> header_of(const std::filesystem::path& csv) {
+  std::istringstream in(read_file(csv));
+  std::string line;
+  std::getline(in, line);
+  return split_csv_line(line);
+}
+
+std::size_t rows_of(const std::filesystem::path& csv) {
+  std::istringstream in(read_file(csv));
+  std::string line;
+  std::size_t count = 0;
+  while (std::getline(in, line)) count += !line.empty();
+  return count - 1;
+}
+
+// The published schema of each experiment: parameter columns first, then the measurements.
+struct Schema {
+  const char* experiment;
+  std::vector<std::string> columns;
+  std::size_t rows;  // for small_options()
+};
+const std::vector<Schema>& schemas() {
+  static const std::vector<Schema> list = {
+      {"scaling",
+       {"method", "map", "placement", "causal", "heads", "n", "d", "m", "reps", "time_ms",
+        "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib", "extra_mib", "io_mib",
+        "threads"},
+       // per n: 2 naive + 2 streaming + 2 maps x 4 placements x 2 causal; one-head: 16
+       2 * (4 + 16) + 16},
+      {"normalization",
+       {"input", "map", "placement", "causal", "n", "seed", "d", "m", "den_min",
+        "den_nonpositive_frac", "den_below_frac", "den_threshold", "out_row_norm_mean",
+        "exact_row_norm_mean", "rel_error", "rel_error_norope"},
+       2 * 2 * 5 * 2 * 3 * 4},  // lengths x seeds x inputs x causal x maps x placements
+      {"favor-error",
+       {"features", "sampling", "m", "seed", "n", "d", "scale", "pairs", "output_dim",
+        "kernel_mse", "kernel_rel_mse", "attn_rel_error"},
+       2 * 4 * 2},  // seeds x variants x m
+      {"rope-decay",
+       {"dim", "base", "scaling", "factor", "distance", "decay", "decay_relative"},
+       6 * 9},  // curves x distances 0..8
+      {"rope-relative",
+       {"precision", "dim", "max_position", "samples", "seed", "max_abs_dev", "max_rel_dev",
+        "mean_rel_dev"},
+       2 * 3},
+  };
+  return list;
+}
+
+}  // namespace
+
+TEST_CASE("every experiment writes its CSV schema, JSON metadata and report section") {
+  for (const auto& schema : schemas()) {
+    CAPTURE(schema.experiment);
+    ScratchDir dir("schema");
+    const Options o = small_options(dir.path());
+    const Experiment* e = find_experiment(schema.experiment);
+    REQUIRE(e != nullptr);
+    const Context c = run_experiment(*e, o);
+    const std::string stem = stem_of(e->name);
+    const auto csv = dir.path() / stem / (stem + ".csv");
+    REQUIRE(std::filesystem::exists(csv));
+    CHECK(header_of(csv) == schema.columns);
+    CHECK(rows_of(csv) == schema.rows);
+    CHECK(c.measured == schema.rows);
+    CHECK(c.resumed == 0);
+
+    const auto meta = nlohmann::json::parse(read_file(dir.path() / stem / (stem + ".json")));
+    CHECK(meta["experiment"] == schema.experiment);
+    CHECK(meta["git_commit"].is_string());
+    CHECK(!meta["machine"]["cpu"].get<std::string>().empty());
+    CHECK(meta["machine"]["cores"].get<unsigned>() >= 1);
+    CHECK(meta["compiler"].get<std::string>().find(__VERSION__) != std::string::npos);
+    CHECK(meta["seeds"].is_array());
+    if (std::string(schema.experiment) != "rope-decay")  // the only one without randomness
+      CHECK(!meta["seeds"].empty());
+    CHECK(meta["options"]["seed"] == 1);
+    CHECK(meta["date"].get<std::string>().size() == 20);  // 2024-05-01T12:00:00Z
+    CHECK(meta["points_measured"] == schema.rows);
+
+    const std::string report = read_file(dir.path() / "REPORT.md");
+    CHECK(report.find("## ") != std::string::npos);
+    CHECK(report.find(stem + "/" + stem + ".csv") != std::string::npos);
+    CHECK(count_temporaries(dir.path()) == 0);
+  }
+}
+
+TEST_CASE("the numbers obey what the maths guarantees") {
+  ScratchDir dir("numbers");
+  const Options o = small_options(dir.path());
+
+  SUBCASE("normalization: numerator-only denominators stay positive for non-negative maps") {
+    run_experiment(*find_experiment("normalization"), o);
+    CsvTable t(header_of(dir.path() / "normalization" / "normalization.csv"), 6);
+    t.load(dir.path() / "normalization" / "normalization.csv");
+    for (std::size_t r = 0; r < t.size(); ++r) {
+      CAPTURE(t.text(r, "input"));
+      CAPTURE(t.text(r, "map"));
+      CAPTURE(t.text(r, "placement"));
+      if (t.text(r, "placement") == "numerator_only" || t.text(r, "placement") == "none") {
+        CHECK(t.number(r, "den_nonpositive_frac") == 0);
+        CHECK(t.number(r, "den_min") > 0);
+      }
+      CHECK(std::isfinite(t.number(r, "rel_error")));
+      CHECK(t.number(r, "exact_row_norm_mean") > 0);
+    }
+  }
+  SUBCASE("rope-decay: the bound starts at (d/2 + 1) / 2") {
+    // At m = 0 every partial sum |sum_{i<j} 1| = j, so the mean over j = 1..d/2 is (d/2 + 1) / 2.
+    run_experiment(*find_experiment("rope-decay"), o);
+    CsvTable t(header_of(dir.path() / "rope_decay" / "rope_decay.csv"), 5);
+    t.load(dir.path() / "rope_decay" / "rope_decay.csv");
+    for (std::size_t r = 0; r < t.size(); ++r)
+      if (t.number(r, "distance") == 0 && t.text(r, "scaling") != "yarn")
+        CHECK(t.number(r, "decay") == doctest::Approx((16 / 2 + 1) / 2.0));
+  }
+  SUBCASE("rope-relative: double keeps the identity far better than float") {
+    run_experiment(*find_experiment("rope-relative"), o);
+    CsvTable t(header_of(dir.path() / "rope_relative" / "rope_relative.csv"), 4);
+    t.load(dir.path() / "rope_relative" / "rope_relative.csv");
+    for (std::size_t r = 0; r < t.size(); ++r) {
+      CAPTURE(t.text(r, "max_position"));
+      // Float: rotated values rounded to 2^-24 relative, d = 8 terms, a few roundings each:
+      // ~1e-6 relative to |q||k|; bound 1e-5. Double: the angle p theta (up to p = max_position)
+      // carries an error of ~ulp(p) = p 2^-52, which moves the dot product by as much relative to
+      // |q||k|; a few such angles enter (m, n and n - m): bound 16 p 2^-52 + 1e-14.
+      const double p = t.number(r, "max_position");
+      const double bound = t.text(r, "precision") == "float" ? 1e-5 : 16 * p * 0x1p-52 + 1e-14;
+      CHECK(t.number(r, "max_rel_dev") < bound);
+    }
+  }
+  SUBCASE("scaling: times positive; memory measured") {
+    run_experiment(*find_experiment("scaling"), o);
+    CsvTable t(header_of(dir.path() / "scaling" / "scaling.csv"), 8);
+    t.load(dir.path() / "scaling" / "scaling.csv");
+    for (std::size_t r = 0; r < t.size(); ++r) {
+      CHECK(t.number(r, "time_ms") > 0);
+      CHECK(t.number(r, "time_min_ms") <= t.number(r, "time_ms"));
+      CHECK(t.number(r, "peak_rss_mib") >= t.number(r, "rss_before_mib"));
+      CHECK(t.number(r, "io_mib") ==
+            doctest::Approx(4.0 * t.number(r, "heads") * t.number(r, "n") * t.number(r, "d") * 4 /
+                            (1024.0 * 1024.0)));
+    }
+    const auto meta = nlohmann::json::parse(read_file(dir.path() / "scaling" / "scaling.json"));
+    CHECK(meta["summary"]["fits"].size() == 2 * (2 + 8));
+    CHECK(meta["summary"]["one_head"].size() == 16);
+  }
+}
+
+TEST_CASE("--resume keeps the rows of an interrupted run and measures only the rest") {
+  // An interrupted run leaves a CSV with the first rows only (every save is atomic). Simulate it:
+  // a complete run, then the CSV cut to its first rows, whose measured values are replaced by a
+  // sentinel that no real measurement produces.
+  for (const char* name : {"rope-relative", "scaling", "favor-error"}) {
+    CAPTURE(name);
+    ScratchDir dir("resume");
+    Options o = small_options(dir.path());
+    const Experiment& e = *find_experiment(name);
+    const std::string stem = stem_of(name);
+    const auto csv = dir.path() / stem / (stem + ".csv");
+    const std::size_t total = run_experiment(e, o).measured;
+    REQUIRE(total >= 4);
+
+    std::vector<std::string> columns = header_of(csv);
+    const std::string measured_column = columns.back();  // a measured value in every schema
+    CsvTable full(columns, columns.size());  // every column in the key: keep every row
+    full.load(csv);
+    std::string partial = read_file(csv).substr(0, read_file(csv).find('\n') + 1);
+    const std::size_t kept = 3;
+    for (std::size_t r = 0; r < kept; ++r) {
+      std::vector<std::string> cells = full.row(r);
+      cells.back() = "12345";
+      for (std::size_t c = 0; c < cells.size(); ++c) partial += (c ? "," : "") + cells[c];
+      partial += '\n';
+    }
+    write_file_atomic(csv, partial);
+    // A temporary file from the killed run.
+    std::ofstream(dir.path() / stem / ("." + stem + ".csv.tmp-424242")) << "half a row";
+
+    o.resume = true;
+    std::size_t measured = 0;
+    const Context c = run_experiment(e, o, [&](const std::vector<std::string>&) { ++measured; });
+    CHECK(c.resumed == kept);
+    CHECK(c.measured == total - kept);
+    CHECK(measured == total - kept);
+
+    CsvTable after(columns, columns.size());
+    after.load(csv);
+    REQUIRE(after.size() == total);
+    for (std::size_t r = 0; r < kept; ++r) CHECK(after.row(r).back() == "12345");
+    for (std::size_t r = kept; r < total; ++r) CHECK(after.row(r).back() != "12345");
+    CHECK(count_temporaries(dir.path()) == 0);
+    const auto meta = nlohmann::json::parse(read_file(dir.path() / stem / (stem + ".json")));
+    CHECK(meta["points_resumed"] == kept);
+  }
+}
+
+TEST_CASE("--resume refuses a CSV written with other columns") {
+  ScratchDir dir("resume-foreign");
+  Options o = small_options(dir.path());
+  o.resume = true;
+  write_file_atomic(dir.path() / "rope_decay" / "rope_decay.csv", "dim,base\n16,10000\n");
+  CHECK_THROWS_WITH_AS(run_experiment(*find_experiment("rope-decay"), o),
+                       doctest::Contains("header"), std::runtime_error);
+}

@@ -1,0 +1,116 @@
+// linrope: single-head attention — exact softmax (the baseline) and O(n) linear attention with the
+// four RoPE placements that the research compares.
+//
+// Shapes, for every function here: q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v].
+// Row i of q sits at position q_offset + i, row j of k and v at k_offset + j; causal keeps the keys
+// with k_offset + j <= q_offset + i. A query with no admissible key gets a zero row.
+#pragma once
+
+#include <linrope/feature_maps.hpp>
+#include <linrope/rope.hpp>
+#include <linrope/types.hpp>
+
+#include <memory>
+#include <string_view>
+
+namespace linrope {
+
+struct SoftmaxOptions {
+  bool causal = false;
+  double scale = 0;             // 0 means 1 / sqrt(d)
+  const Rope* rope = nullptr;   // applied to q and k (width d) at their positions
+  Index q_offset = 0, k_offset = 0;
+  Index block_size = 0;         // keys per streamed block; 0 chooses
+};
+
+// Exact softmax attention:
+//   o_i = sum_j softmax_j(scale * <R_i q_i, R_j k_j>) v_j
+// Streams blocks of keys with an online softmax (running max and running sum): O(n n_k d) time,
+// O((n + n_k) d) memory; nothing n x n is ever stored. Parallel over blocks of queries.
+// Throws std::invalid_argument on shape mismatch, non-finite inputs, a rope of width other than d,
+// or a non-finite or negative scale.
+MatrixF softmax_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
+                          const SoftmaxOptions& options = {});
+MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                          const SoftmaxOptions& options = {});
+
+// Where RoPE enters linear attention (phi_i = phi(q_i), psi_j = phi(k_j), R = RoPE):
+//   None           num <phi_i, psi_j>                          den sum_j <phi_i, psi_j>
+//   BeforeMap      num <phi(R_i q_i), phi(R_j k_j)>            den the same kernel, summed
+//                  (rope width d)
+//   NumeratorOnly  num <R_i phi_i, R_j psi_j>  (RoFormer eq. 19; rope width m = map.output_dim())
+//                  den sum_j <phi_i, psi_j>: unrotated, so positive for non-negative maps
+//   Full           num <R_i phi_i, R_j psi_j>                  den sum_j <R_i phi_i, R_j psi_j>
+//                  (may reach zero or go negative)
+enum class RopePlacement { None, BeforeMap, NumeratorOnly, Full };
+
+// How a causal linear attention is computed; all agree to rounding.
+//   Chunked: quadratic (masked GEMMs) inside chunks of chunk_size rows, running state between them.
+//   Scan:    the plain recurrence, one token at a time (the RNN view of Katharopoulos et al.).
+enum class CausalMethod { Chunked, Scan };
+
+struct LinearOptions {
+  bool causal = false;
+  RopePlacement placement = RopePlacement::NumeratorOnly;
+  const Rope* rope = nullptr;
+  double eps = 1e-6;  // o_i = num_i / (den_i + eps); eps >= 0
+  Index q_offset = 0, k_offset = 0;
+  CausalMethod method = CausalMethod::Chunked;
+  Index chunk_size = 64;
+};
+
+// Statistics of den_i over the query rows, on the unstabilised scale and without eps.
+// `threshold` is an input: below_threshold counts |den_i| < threshold.
+struct DenominatorStats {
+  double min = 0;
+  Index nonpositive = 0;
+  Index below_threshold = 0;
+  double threshold = 1e-3;
+  Index count = 0;  // how many den_i were seen (query rows)
+};
+
+// Linear attention, O((n + n_k) m d_v) time and O(m d_v) extra memory besides the features;
+// never an n x n matrix:
+//   o_i = num_i / (den_i + eps), with num and den from the placement table above.
+// Non-causal: S = sum_j (R_j psi_j) v_j^T [m x d_v], z = sum_j psi_j, then one pass over queries.
+// Exp-based maps are stabilised (per-row shifts for queries, a running maximum over past keys for
+// keys) so that large inputs give finite outputs and a causal output never depends on a later key;
+// the shifts are undone exactly in eps and in the statistics.
+// Throws std::invalid_argument on shape mismatch, non-finite inputs, eps < 0 or not finite,
+// a placement other than None without a rope, or a rope whose width does not fit the placement
+// (d for BeforeMap, map.output_dim() for NumeratorOnly and Full), chunk_size < 1.
+MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v, const FeatureMap& map,
+                         const LinearOptions& options = {}, DenominatorStats* stats = nullptr);
+MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v, const FeatureMap& map,
+                         const LinearOptions& options = {}, DenominatorStats* stats = nullptr);
+
+// Causal linear attention as a stream, for autoregressive decoding: each call appends t tokens
+// (q, k, v rows at the next t positions, starting at options.q_offset == options.k_offset) and
+// returns their outputs, each attending to every token so far including itself. Memory is
+// O(m d_v) whatever the length. The concatenated outputs equal one causal linear_attention call.
+// options.causal is ignored (always causal); q_offset and k_offset must be equal.
+template <class T>
+class LinearAttentionStream {
+ public:
+  LinearAttentionStream(const FeatureMap& map, Index value_dim, const LinearOptions& options = {});
+  ~LinearAttentionStream();
+  LinearAttentionStream(LinearAttentionStream&&) noexcept;
+  LinearAttentionStream& operator=(LinearAttentionStream&&) noexcept;
+
+  // q [t x d], k [t x d], v [t x d_v] -> [t x d_v]; t may be 1.
+  Matrix<T> step(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                 DenominatorStats* stats = nullptr);
+  Index position() const;  // position of the next token
+  void reset();            // back to an empty state at options.q_offset
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+using LinearAttentionStreamF = LinearAttentionStream<float>;
+using LinearAttentionStreamD = LinearAttentionStream<double>;
+
+const char* to_string(RopePlacement placement);  // "none", "before_map", "numerator_only", "full"
+RopePlacement rope_placement_from_string(std::string_view name);
+
+}  // namespace linrope

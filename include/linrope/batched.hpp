@@ -1,0 +1,34 @@
+// linrope: multi-head attention over contiguous row-major [batch, heads, n, d] buffers (PyTorch's
+// layout, `x.contiguous()`), parallel across (batch, head) and, when there are fewer heads than
+// threads, along the sequence. Each (b, h) slice gives exactly what the single-head call gives.
+#pragma once
+
+#include <linrope/attention.hpp>
+
+namespace linrope {
+
+// A view of a [batch, heads, n, d] buffer. `lengths` (optional, `batch` entries) marks padding:
+// rows at or past lengths[b] are neither attended to (keys) nor written (outputs).
+template <class T>
+struct Heads {
+  T* data = nullptr;
+  Index batch = 1, heads = 1, n = 0, d = 0;
+  const Index* lengths = nullptr;
+};
+
+// q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n,d_v]. Options as for the single-head
+// calls. Throws std::invalid_argument on null data, mismatched batch/heads/widths, lengths outside
+// [0, n], or non-finite inputs (within the lengths).
+void softmax_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                       Heads<float> out, const SoftmaxOptions& options = {});
+void softmax_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                       Heads<double> out, const SoftmaxOptions& options = {});
+// stats, if given, accumulate over every (b, h) slice.
+void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                      Heads<float> out, const FeatureMap& map, const LinearOptions& options = {},
+                      DenominatorStats* stats = nullptr);
+void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                      Heads<double> out, const FeatureMap& map, const LinearOptions& options = {},
+                      DenominatorStats* stats = nullptr);
+
+}  // namespace linrope

@@ -1,0 +1,85 @@
+// linrope: feature maps phi: R^d -> R^m whose inner products replace the softmax kernel.
+//
+// All maps act row-wise on x [n x d] -> [n x m]. With x' = x * d^(-1/4) and W [f x d] the random
+// projection (f = num_features):
+//   EluPlusOne      phi(x) = elu(x) + 1                                          m = d
+//   Relu            phi(x) = max(x, 0)                                           m = d
+//   FavorPositive   phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(f)                    m = f
+//   FavorTrig       phi(x) = exp(|x'|^2 / 2) / sqrt(f) [sin(W x'), cos(W x')]    m = 2f (signed)
+//   OnePlusCosine   phi(x) = [x / |x|, 1], so phi(q).phi(k) = 1 + cos(q, k)      m = d + 1
+//   FavorHyperbolic phi(x) = exp(-|x'|^2/2) / sqrt(2f) [exp(W x'), exp(-W x')]   m = 2f
+// The three Favor maps are unbiased: E[phi(q) . phi(k)] = exp(<q, k> / sqrt(d)) (Performer, FAVOR+).
+// OnePlusCosine maps x = 0 to [0, ..., 0, 1].
+//
+// W: rows iid N(0, I_d), or (orthogonal = true) blocks of d mutually orthogonal rows, each block the
+// Q of a QR of a Gaussian d x d matrix with the signs of R's diagonal folded into Q (so that Q is
+// Haar-distributed), each row rescaled to the norm of an independent N(0, I_d) vector, or to sqrt(d)
+// when `regularized`. f need not be a multiple of d: the last block is cut.
+// Gaussians come from a splitmix64/xoshiro256** stream and a Box-Muller transform written here (the
+// standard library's normal_distribution differs between implementations), so a seed gives
+// bit-identical W on every platform.
+#pragma once
+
+#include <linrope/types.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+namespace linrope {
+
+enum class FeatureMapKind { EluPlusOne, Relu, FavorPositive, FavorTrig, OnePlusCosine, FavorHyperbolic };
+
+struct FeatureMapConfig {
+  FeatureMapKind kind = FeatureMapKind::EluPlusOne;
+  Index input_dim = 0;     // d
+  Index num_features = 0;  // f: rows of W (Favor maps only; must be >= 1 for them, ignored otherwise)
+  bool orthogonal = true;  // orthogonal blocks of W instead of iid rows
+  std::uint64_t seed = 0;
+  bool regularized = false;  // orthogonal rows of norm exactly sqrt(d) instead of random norms
+};
+
+class FeatureMap {
+ public:
+  virtual ~FeatureMap() = default;
+
+  const FeatureMapConfig& config() const { return config_; }
+  FeatureMapKind kind() const { return config_.kind; }
+  Index input_dim() const { return config_.input_dim; }
+  virtual Index output_dim() const = 0;
+  // True when every feature is >= 0 for every input (all maps but FavorTrig).
+  virtual bool nonnegative() const = 0;
+  // The random projection W [f x d] (double), or an empty matrix for deterministic maps.
+  virtual const MatrixD& projection() const;
+
+  // out = phi(x), exactly as defined above (unstabilised; may overflow for large inputs).
+  //   x [n x d] -> out [n x m]. Throws if the shapes do not fit or x has a non-finite value.
+  virtual void apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const = 0;
+  virtual void apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const = 0;
+
+  // Stabilised form for the attention kernels: out = phi(x) * exp(-log_scale[i]) row by row, with
+  // log_scale chosen per row so that the largest |feature| of the row is about 1 (exp-based maps),
+  // and 0 for the others. Finite for any finite x. log_scale.size() must equal x.rows().
+  virtual void apply_stabilized(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
+                                std::span<double> log_scale) const = 0;
+  virtual void apply_stabilized(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
+                                std::span<double> log_scale) const = 0;
+
+  // Draws a new W from `seed` (no effect on deterministic maps beyond recording the seed).
+  virtual void redraw(std::uint64_t seed) = 0;
+
+ protected:
+  explicit FeatureMap(const FeatureMapConfig& config) : config_(config) {}
+  FeatureMapConfig config_;
+};
+
+// Throws std::invalid_argument on input_dim < 1, or num_features < 1 for a Favor map.
+std::unique_ptr<FeatureMap> make_feature_map(const FeatureMapConfig& config);
+
+// Name used in CSV files and on the command line: "elu+1", "relu", "favor+", "favor-trig", "1+cos",
+// "favor-hyp"; and its inverse (throws std::invalid_argument listing the valid names).
+const char* to_string(FeatureMapKind kind);
+FeatureMapKind feature_map_kind_from_string(std::string_view name);
+
+}  // namespace linrope

@@ -1,0 +1,8 @@
+// linrope: linear attention with Rotary Position Embedding. The one header to include.
+#pragma once
+
+#include <linrope/attention.hpp>
+#include <linrope/batched.hpp>
+#include <linrope/feature_maps.hpp>
+#include <linrope/rope.hpp>
+#include <linrope/types.hpp>

@@ -1,0 +1,113 @@
+// linrope: Rotary Position Embedding (RoPE).
+//
+// A row x at position p has each rotary pair (a, b) rotated by the angle p * theta_i:
+//   (a, b) -> (a cos(p theta_i) - b sin(p theta_i),  a sin(p theta_i) + b cos(p theta_i)),
+//   theta_i = base^(-2i / r),  i = 0 .. r/2 - 1,  r = rotary_dim (even, r <= dim).
+// Dimensions >= r pass through unchanged. So <R_m q, R_n k> depends on m - n only and |R_m x| = |x|
+// (YaRN alone multiplies the rotated part by its magnitude, see RopeScaling).
+//
+// Which dimensions form pair i (c = a cosine slot, s = its sine partner, 0 = pass-through), for
+// dim = 8 and rotary_dim = 4:
+//   Interleaved (RoFormer, GPT-J):   pair i = (2i, 2i+1)      [c s c s 0 0 0 0]
+//   Half        (GPT-NeoX, LLaMA):   pair i = (i, i + r/2)    [c c s s 0 0 0 0]
+#pragma once
+
+#include <linrope/types.hpp>
+
+#include <span>
+#include <vector>
+
+namespace linrope {
+
+enum class RopeLayout { Interleaved, Half };
+
+enum class RopeScalingKind { None, Linear, Ntk, Yarn };
+
+// Context-extension scalings, with factor s = `factor` (s > 0; s = 1 is plain RoPE):
+// - Linear (position interpolation, Chen et al. 2023): theta_i' = theta_i / s.
+// - Ntk ("NTK-aware", bloc97): base' = base * s^(r / (r - 2)); needs r > 2.
+// - Yarn (Peng et al. 2023, "NTK-by-parts" + attention temperature), following the paper's eq. 17-23
+//   and the reference implementation: with L = original_max_position and the wavelength ratio
+//   rho_i = L * theta_i / (2 pi) (how many turns pair i makes over the original context),
+//     gamma_i = clamp((rho_i - beta_slow) / (beta_fast - beta_slow), 0, 1),
+//     theta_i' = (1 - gamma_i) * theta_i / s + gamma_i * theta_i,
+//   i.e. slow pairs (< beta_slow turns) are interpolated, fast ones (> beta_fast turns) kept; and the
+//   rotated dimensions are multiplied by the magnitude 0.1 ln(s) + 1 (so logits scale by its square).
+//   Needs original_max_position > 0 and beta_fast > beta_slow.
+struct RopeScaling {
+  RopeScalingKind kind = RopeScalingKind::None;
+  double factor = 1.0;
+  Index original_max_position = 0;
+  double beta_fast = 32.0, beta_slow = 1.0;
+};
+
+struct RopeConfig {
+  Index dim = 0;         // width of the rows the rope is applied to
+  Index rotary_dim = 0;  // r: how many leading dimensions rotate (even); 0 means dim
+  double base = 10000.0;
+  RopeLayout layout = RopeLayout::Interleaved;
+  RopeScaling scaling = {};
+};
+
+// A rope of fixed width. Immutable after construction, so one Rope may be shared across threads.
+// Angles are computed in double for every position (at position 65536 a float angle is already off
+// by ~4e-3 rad); cos/sin come from a small cached table and one angle-addition per row, so a float
+// row at position 10^6 matches its double twin to ~1e-7 relative.
+// Throws std::invalid_argument on: dim < 1, odd rotary_dim, rotary_dim > dim, base <= 1 or not
+// finite, factor <= 0 or not finite, Ntk with r = 2, Yarn without original_max_position or with
+// beta_fast <= beta_slow.
+class Rope {
+ public:
+  explicit Rope(const RopeConfig& config);
+
+  const RopeConfig& config() const { return config_; }
+  Index dim() const { return config_.dim; }
+  Index rotary_dim() const { return rotary_dim_; }
+  // theta_i after scaling, i = 0 .. r/2 - 1.
+  std::vector<double> frequencies() const { return theta_; }
+  // Factor on the rotated dimensions: 0.1 ln(s) + 1 for Yarn, 1 otherwise.
+  double magnitude() const { return magnitude_; }
+
+  // x [n x dim], in place: row i is at position first_position + i (first_position may be < 0).
+  // O(n dim) time, O(dim) extra memory. Throws if x.cols() != dim.
+  void apply(Eigen::Ref<MatrixF> x, Index first_position = 0) const;
+  void apply(Eigen::Ref<MatrixD> x, Index first_position = 0) const;
+  // Row i is at position positions[i] (packed sequences); positions.size() must equal x.rows().
+  void apply(Eigen::Ref<MatrixF> x, std::span<const Index> positions) const;
+  void apply(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
+
+  // R^-1 (rotation by -p theta_i, divided by the magnitude): apply_inverse(apply(x)) == x.
+  void apply_inverse(Eigen::Ref<MatrixF> x, Index first_position = 0) const;
+  void apply_inverse(Eigen::Ref<MatrixD> x, Index first_position = 0) const;
+  void apply_inverse(Eigen::Ref<MatrixF> x, std::span<const Index> positions) const;
+  void apply_inverse(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
+
+  // Raw-pointer form for kernels: rotates `rows` rows of width dim() spaced `stride` elements apart,
+  // row i at position first_position + i. No checks beyond debug asserts.
+  template <class T>
+  void rotate_rows(T* x, Index rows, Index stride, Index first_position, bool inverse) const;
+
+ private:
+  template <class T>
+  void apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, bool inverse) const;
+  template <class T>
+  void apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positions, bool inverse) const;
+
+  RopeConfig config_;
+  Index rotary_dim_ = 0;
+  double magnitude_ = 1.0;
+  std::vector<double> theta_;
+  // cos/sin(l * theta_i) for l = -8 .. 8, row-major [17 x r/2].
+  std::vector<double> table_cos_, table_sin_;
+  // cos/sin(16 l theta_i), then cos/sin(256 l theta_i), l = 0 .. 15: row-major [32 x r/2].
+  std::vector<double> block_cos_, block_sin_;
+};
+
+// The long-term decay of RoPE (RoFormer sec. 3.4.3, and the kexue.fm derivation):
+//   decay(m) = (1 / (r/2)) * sum_{j=1}^{r/2} | sum_{i<j} exp(1j * m * theta_i) |,  theta_i = base^(-2i/r)
+// for relative distance m = 0 .. max_distance (returns max_distance + 1 values). The RoFormer blog
+// plots it for dim 128, m = 0 .. 256. Uses frequencies() of the given rope, so scalings apply too.
+std::vector<double> rope_decay_curve(const Rope& rope, Index max_distance);
+std::vector<double> rope_decay_curve(Index dim, double base, Index max_distance);
+
+}  // namespace linrope

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: install dependencies, build (Release), and run every experiment with fast defaults.
+# Results (CSV, JSON, PNG plots, REPORT.md) go to results/. Extra arguments go to the program, e.g.
+#   bash scripts/experiments.sh --full        bash scripts/experiments.sh scaling --quick
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+install_dependencies
+build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
+  -DLINROPE_BUILD_BENCHMARKS=ON
+cd "$ROOT"
+if [ $# -eq 0 ]; then set -- all --quick; fi
+exec "$ROOT/build/release/experiments/linrope-experiments" "$@" --out "$ROOT/results"

@@ -1,0 +1,193 @@
+// Multi-head attention over [batch, heads, n, d] buffers: checks, then one single-head kernel per
+// (batch, head) slice, the slices spread over OpenMP threads.
+#include <linrope/batched.hpp>
+
+#include <exception>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "linear_kernel.hpp"
+#include "softmax_kernel.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace linrope {
+namespace {
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// "[B, H, n, d]". (A stream, not std::string concatenation: GCC 12 raises a false -Wrestrict on
+// the latter, GCC bug 105329.)
+template <class T>
+std::string describe(const Heads<T>& h) {
+  std::ostringstream s;
+  s << '[' << h.batch << ", " << h.heads << ", " << h.n << ", " << h.d << ']';
+  return s.str();
+}
+
+// Valid rows of batch b (the padding mask).
+template <class T>
+Index valid_rows(const Heads<T>& h, Index b) {
+  return h.lengths ? h.lengths[b] : h.n;
+}
+
+template <class T>
+const T* slice(const Heads<T>& h, Index b, Index head) {
+  return h.data + (b * h.heads + head) * h.n * h.d;
+}
+template <class T>
+T* slice_out(const Heads<T>& h, Index b, Index head) {
+  return h.data + (b * h.heads + head) * h.n * h.d;
+}
+
+template <class T>
+void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
+  if (h.batch < 0 || h.heads < 0 || h.n < 0 || h.d < 0)
+    detail::throw_invalid(fn, name, " is ", describe(h), " but expected non-negative sizes");
+  if (h.data == nullptr && h.batch * h.heads * h.n * h.d > 0)
+    detail::throw_invalid(fn, name, ".data is null but ", name, " is ", describe(h));
+  if (h.lengths)
+    for (Index b = 0; b < h.batch; ++b)
+      if (h.lengths[b] < 0 || h.lengths[b] > h.n)
+        detail::throw_invalid(fn, name, ".lengths[", b, "] is ", h.lengths[b],
+                              " but expected a length in [0, ", h.n, "]");
+}
+
+// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v], out [B,H,n,d_v];
+// then every valid row finite.
+template <class T>
+void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                 const Heads<const T>& v, const Heads<T>& out) {
+  check_view(fn, "q", q);
+  check_view(fn, "k", k);
+  check_view(fn, "v", v);
+  check_view(fn, "out", out);
+  const auto same_batch_heads = [&](std::string_view name, Index batch, Index heads,
+                                    const std::string& shape) {
+    if (batch != q.batch || heads != q.heads)
+      detail::throw_invalid(fn, name, " is ", shape, " but q has batch = ", q.batch,
+                            ", heads = ", q.heads);
+  };
+  same_batch_heads("k", k.batch, k.heads, describe(k));
+  same_batch_heads("v", v.batch, v.heads, describe(v));
+  same_batch_heads("out", out.batch, out.heads, describe(out));
+  if (k.d != q.d) detail::throw_invalid(fn, "k is ", describe(k), " but q has d = ", q.d);
+  if (v.n != k.n) detail::throw_invalid(fn, "v is ", describe(v), " but k has n = ", k.n);
+  if (out.n != q.n || out.d != v.d)
+    detail::throw_invalid(fn, "out is ", describe(out), " but expected [", q.batch, ", ", q.heads,
+                          ", ", q.n, ", ", v.d, "]");
+  for (Index b = 0; b < q.batch; ++b)
+    for (Index h = 0; h < q.heads; ++h) {
+      const auto name = [&](char tensor) {
+        std::ostringstream s;
+        s << tensor << '[' << b << ", " << h << ']';
+        return s.str();
+      };
+      detail::require_finite(fn, name('q'),
+                             detail::ConstRowMap<T>(slice(q, b, h), valid_rows(q, b), q.d));
+      detail::require_finite(fn, name('k'),
+                             detail::ConstRowMap<T>(slice(k, b, h), valid_rows(k, b), k.d));
+      detail::require_finite(fn, name('v'),
+                             detail::ConstRowMap<T>(slice(v, b, h), valid_rows(k, b), v.d));
+    }
+}
+
+// Runs body(b, h) for every slice on the OpenMP threads; the first exception (only bad_alloc can
+// occur after the checks) is rethrown outside the parallel region.
+template <class Body>
+void for_each_slice(Index batch, Index heads, Body body) {
+  const Index slices = batch * heads;
+  std::exception_ptr failure;
+#pragma omp parallel for schedule(dynamic)
+  for (Index s = 0; s < slices; ++s) {
+    try {
+      body(s / heads, s % heads);
+    } catch (...) {
+#pragma omp critical(linrope_batched_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+template <class T>
+void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<T> out,
+                     const SoftmaxOptions& options) {
+  constexpr std::string_view fn = "softmax_attention";
+  check_heads(fn, q, k, v, out);
+  detail::check_softmax_options(fn, q.d, options);
+  const auto run = [&](Index b, Index h, bool parallel) {
+    detail::softmax_head(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
+                         valid_rows(q, b), valid_rows(k, b), q.d, v.d, options, parallel);
+  };
+  // Enough slices for every thread: one slice per thread. Otherwise each slice uses all threads.
+  if (q.batch * q.heads >= max_threads()) {
+    for_each_slice(q.batch, q.heads, [&](Index b, Index h) { run(b, h, false); });
+  } else {
+    for (Index b = 0; b < q.batch; ++b)
+      for (Index h = 0; h < q.heads; ++h) run(b, h, true);
+  }
+}
+
+template <class T>
+void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<T> out,
+                    const FeatureMap& map, const LinearOptions& options, DenominatorStats* stats) {
+  constexpr std::string_view fn = "linear_attention";
+  check_heads(fn, q, k, v, out);
+  detail::check_linear_setup(fn, map, options, q.d);
+  const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
+  const double threshold = stats ? stats->threshold : 0.0;
+  std::vector<detail::DenominatorTally> tallies(q.batch * q.heads,
+                                                detail::DenominatorTally(threshold));
+  for_each_slice(q.batch, q.heads, [&](Index b, Index h) {
+    detail::DenominatorTally* tally = stats ? &tallies[b * q.heads + h] : nullptr;
+    const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+    if (options.causal) {
+      detail::LinearState<T> state;
+      state.reset(setup.m, setup.dv);
+      detail::linear_causal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
+                            n, nk, options.q_offset, options.k_offset, setup, state, false, tally);
+    } else {
+      detail::linear_noncausal(slice(q, b, h), slice(k, b, h), slice(v, b, h),
+                               slice_out(out, b, h), n, nk, options.q_offset, options.k_offset,
+                               setup, tally);
+    }
+  });
+  if (stats) {
+    detail::DenominatorTally(threshold).store(*stats);
+    for (const auto& tally : tallies) tally.merge_into(*stats);
+  }
+}
+
+}  // namespace
+
+void softmax_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                       Heads<float> out, const SoftmaxOptions& options) {
+  softmax_batched(q, k, v, out, options);
+}
+void softmax_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                       Heads<double> out, const SoftmaxOptions& options) {
+  softmax_batched(q, k, v, out, options);
+}
+void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                      Heads<float> out, const FeatureMap& map, const LinearOptions& options,
+                      DenominatorStats* stats) {
+  linear_batched(q, k, v, out, map, options, stats);
+}
+void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                      Heads<double> out, const FeatureMap& map, const LinearOptions& options,
+                      DenominatorStats* stats) {
+  linear_batched(q, k, v, out, map, options, stats);
+}
+
+}  // namespace linrope

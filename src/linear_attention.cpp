@@ -1,0 +1,95 @@
+// Linear attention: argument checks and dispatch for the single-head calls; placement names.
+#include <linrope/attention.hpp>
+
+#include <array>
+#include <cmath>
+
+#include "check.hpp"
+#include "linear_kernel.hpp"
+
+namespace linrope {
+namespace detail {
+
+void check_linear_setup(std::string_view fn, const FeatureMap& map, const LinearOptions& options,
+                        Index d) {
+  if (d != map.input_dim())
+    throw_invalid(fn, "q has d = ", d, " but map.input_dim() is ", map.input_dim());
+  if (!std::isfinite(options.eps) || options.eps < 0)
+    throw_invalid(fn, "options.eps is ", options.eps, " but expected a finite eps >= 0");
+  if (options.chunk_size < 1)
+    throw_invalid(fn, "options.chunk_size is ", options.chunk_size, " but expected >= 1");
+  if (options.placement == RopePlacement::None) return;
+  const bool before_map = options.placement == RopePlacement::BeforeMap;
+  const Index width = before_map ? d : map.output_dim();
+  const char* what = before_map ? "d" : "m = map.output_dim()";
+  if (options.rope == nullptr)
+    throw_invalid(fn, "options.rope is null but placement ", to_string(options.placement),
+                  " needs a rope of width ", what, " = ", width);
+  if (options.rope->dim() != width)
+    throw_invalid(fn, "options.rope has dim ", options.rope->dim(), " but placement ",
+                  to_string(options.placement), " needs width ", what, " = ", width);
+}
+
+}  // namespace detail
+
+namespace {
+
+template <class T>
+Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const FeatureMap& map, const LinearOptions& options,
+                        DenominatorStats* stats) {
+  constexpr std::string_view fn = "linear_attention";
+  if (k.cols() != q.cols())
+    detail::throw_invalid(fn, "k is ", detail::shape_of(k), " but q has d = ", q.cols());
+  if (v.rows() != k.rows())
+    detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but k has ", k.rows(), " rows");
+  detail::check_linear_setup(fn, map, options, q.cols());
+  detail::require_finite(fn, "q", q);
+  detail::require_finite(fn, "k", k);
+  detail::require_finite(fn, "v", v);
+
+  const detail::LinearSetup setup{&map, options, q.cols(), v.cols(), map.output_dim()};
+  Matrix<T> out(q.rows(), v.cols());
+  detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
+  detail::DenominatorTally* tally_ptr = stats ? &tally : nullptr;
+  if (options.causal) {
+    detail::LinearState<T> state;
+    state.reset(setup.m, setup.dv);
+    detail::linear_causal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
+                          options.q_offset, options.k_offset, setup, state, false, tally_ptr);
+  } else {
+    detail::linear_noncausal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
+                             options.q_offset, options.k_offset, setup, tally_ptr);
+  }
+  if (stats) tally.store(*stats);
+  return out;
+}
+
+constexpr std::array<const char*, 4> kPlacementNames = {"none", "before_map", "numerator_only",
+                                                        "full"};
+
+}  // namespace
+
+MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
+                         const FeatureMap& map, const LinearOptions& options,
+                         DenominatorStats* stats) {
+  return linear_single(q, k, v, map, options, stats);
+}
+MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                         const FeatureMap& map, const LinearOptions& options,
+                         DenominatorStats* stats) {
+  return linear_single(q, k, v, map, options, stats);
+}
+
+const char* to_string(RopePlacement placement) {
+  return kPlacementNames[static_cast<std::size_t>(placement)];
+}
+
+RopePlacement rope_placement_from_string(std::string_view name) {
+  for (std::size_t i = 0; i < kPlacementNames.size(); ++i)
+    if (name == kPlacementNames[i]) return static_cast<RopePlacement>(i);
+  detail::throw_invalid("rope_placement_from_string", "placement is \"", name,
+                        "\" but expected one of none, before_map, numerator_only, full");
+}
+
+}  // namespace linrope

@@ -1,0 +1,315 @@
+// Linear attention kernels: stabilised features, the non-causal form, the chunked causal form and
+// the plain recurrent scan. See linear_kernel.hpp for the stabilisation algebra.
+#include "linear_kernel.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <span>
+
+namespace linrope::detail {
+namespace {
+
+constexpr double kEmpty = -std::numeric_limits<double>::infinity();
+
+// Stabilised feature rows of one block of tokens, in the form the placement needs:
+//   num(): features on the numerator side (rotated by R_i for NumeratorOnly and Full),
+//   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
+//   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features.
+template <class T>
+class FeatureBlock {
+ public:
+  FeatureBlock(const LinearSetup& setup, Index capacity)
+      : setup_(setup), num_(capacity, setup.m), log_scale_(capacity) {
+    if (setup.options.placement == RopePlacement::NumeratorOnly) den_.resize(capacity, setup.m);
+    if (setup.options.placement == RopePlacement::BeforeMap) rotated_.resize(capacity, setup.d);
+  }
+
+  // Features of rows x [rows x d] at positions first_position, first_position + 1, ...
+  void compute(const T* x, Index rows, Index first_position) {
+    rows_ = rows;
+    const FeatureMap& map = *setup_.map;
+    const Rope* rope = setup_.options.rope;
+    ConstRowMap<T> input(x, rows, setup_.d);
+    std::span<double> log_scale(log_scale_.data(), std::size_t(rows));
+    switch (setup_.options.placement) {
+      case RopePlacement::None:
+        map.apply_stabilized(input, num_.topRows(rows), log_scale);
+        break;
+      case RopePlacement::BeforeMap:
+        rotated_.topRows(rows) = input;
+        rope->rotate_rows(rotated_.data(), rows, setup_.d, first_position, false);
+        map.apply_stabilized(rotated_.topRows(rows), num_.topRows(rows), log_scale);
+        break;
+      case RopePlacement::NumeratorOnly:
+        map.apply_stabilized(input, den_.topRows(rows), log_scale);
+        num_.topRows(rows) = den_.topRows(rows);
+        rope->rotate_rows(num_.data(), rows, setup_.m, first_position, false);
+        break;
+      case RopePlacement::Full:
+        map.apply_stabilized(input, num_.topRows(rows), log_scale);
+        rope->rotate_rows(num_.data(), rows, setup_.m, first_position, false);
+        break;
+    }
+  }
+
+  Index rows() const { return rows_; }
+  auto num() const { return num_.topRows(rows_); }
+  auto den() const { return (den_.rows() ? den_ : num_).topRows(rows_); }
+  double log_scale(Index i) const { return log_scale_[i]; }
+  double max_log_scale() const {
+    return rows_ ? *std::max_element(log_scale_.begin(), log_scale_.begin() + rows_) : kEmpty;
+  }
+
+ private:
+  const LinearSetup& setup_;
+  Matrix<T> num_, den_, rotated_;
+  std::vector<double> log_scale_;
+  Index rows_ = 0;
+};
+
+// Rescales the state to log scale new_max (>= state.M).
+template <class T>
+void raise_scale(LinearState<T>& state, double new_max) {
+  if (new_max <= state.M) return;
+  if (state.M != kEmpty) {
+    const T factor = T(std::exp(state.M - new_max));
+    state.S *= factor;
+    state.z *= factor;
+  }
+  state.M = new_max;
+}
+
+// Adds the keys of `keys` (features) with values v [rows x d_v] to the state.
+template <class T>
+void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Index dv,
+            Matrix<T>& weighted, Vector<T>& weights) {
+  const Index rows = keys.rows();
+  if (rows == 0) return;
+  raise_scale(state, keys.max_log_scale());
+  weights.resize(rows);
+  for (Index j = 0; j < rows; ++j) weights[j] = T(std::exp(keys.log_scale(j) - state.M));
+  weighted = weights.asDiagonal() * keys.num();
+  state.S.noalias() += weighted.transpose() * ConstRowMap<T>(v, rows, dv);
+  state.z.noalias() += keys.den().transpose() * weights;
+}
+
+// o_i = num~_i / (den~_i + eps exp(-(a_i + M_i))); a zero row when nothing is attended to.
+template <class T, class Row>
+void write_output(T* out, const Row& numerator, double den, double log_scale, double eps,
+                  DenominatorTally* tally) {
+  const Index dv = numerator.size();
+  if (log_scale == kEmpty) {  // no admissible key
+    std::fill(out, out + dv, T(0));
+    if (tally) tally->add(0.0, 0.0);
+    return;
+  }
+  if (tally) tally->add(den, log_scale);
+  const double total = den + (eps > 0 ? eps * std::exp(-log_scale) : 0.0);
+  if (total == 0 || !std::isfinite(total)) {  // 0 / 0 (eps = 0), or num / inf
+    std::fill(out, out + dv, T(0));
+    return;
+  }
+  for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) / total);
+}
+
+}  // namespace
+
+DenominatorTally::DenominatorTally(double threshold)
+    : threshold_(threshold),
+      log_threshold_(threshold > 0 ? std::log(threshold) : -std::numeric_limits<double>::infinity()) {}
+
+void DenominatorTally::add(double den, double log_scale) {
+  ++count_;
+  min_ = std::min(min_, den == 0 ? 0.0 : den * std::exp(log_scale));
+  if (den <= 0) ++nonpositive_;
+  if (den == 0 ? threshold_ > 0 : std::log(std::abs(den)) + log_scale < log_threshold_) ++below_;
+}
+
+void DenominatorTally::merge_into(DenominatorStats& stats) const {
+  if (count_ == 0) return;
+  stats.min = stats.count == 0 ? min_ : std::min(stats.min, min_);
+  stats.nonpositive += nonpositive_;
+  stats.below_threshold += below_;
+  stats.count += count_;
+}
+
+void DenominatorTally::store(DenominatorStats& stats) const {
+  stats = DenominatorStats{.threshold = threshold_};
+  merge_into(stats);
+}
+
+template <class T>
+void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
+                      Index k_pos0, const LinearSetup& setup, DenominatorTally* tally) {
+  const Index block = std::max<Index>(setup.options.chunk_size, 64);
+  const Index d = setup.d, dv = setup.dv;
+  LinearState<T> state;
+  state.reset(setup.m, dv);
+  {
+    FeatureBlock<T> keys(setup, block);
+    Matrix<T> weighted;
+    Vector<T> weights;
+    for (Index js = 0; js < nk; js += block) {
+      const Index rows = std::min(block, nk - js);
+      keys.compute(k + js * d, rows, k_pos0 + js);
+      absorb(state, keys, v + js * dv, dv, weighted, weights);
+    }
+  }
+  FeatureBlock<T> queries(setup, block);
+  Matrix<T> numerator;
+  for (Index qs = 0; qs < n; qs += block) {
+    const Index rows = std::min(block, n - qs);
+    queries.compute(q + qs * d, rows, q_pos0 + qs);
+    numerator.noalias() = queries.num() * state.S;
+    const Vector<T> den = queries.den() * state.z;
+    for (Index r = 0; r < rows; ++r)
+      write_output(out + (qs + r) * dv, numerator.row(r), double(den[r]),
+                   queries.log_scale(r) + state.M, setup.options.eps, tally);
+  }
+}
+
+namespace {
+
+// Chunked causal form: per chunk of queries, the state holds every key before the chunk's first
+// visible key; the chunk's own keys enter through a masked (rows x keys) GEMM, weighted with
+// exp(c_j - M_i) computed once per run of queries sharing the same M_i.
+template <class T>
+void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
+                    Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
+                    DenominatorTally* tally) {
+  const Index L = setup.options.chunk_size, d = setup.d, dv = setup.dv;
+  const Index shift = q_pos0 - k_pos0;  // query i sees key j iff j <= i + shift
+  FeatureBlock<T> queries(setup, L), keys(setup, L);
+  Matrix<T> weighted, numerator, scores;
+  Vector<T> weights, z_running;
+  std::vector<double> query_max(L), den(L);
+  std::vector<T> key_weight(L);
+  Index absorbed = 0;  // keys [0, absorbed) are in the state
+  const auto absorb_until = [&](Index end) {
+    while (absorbed < end) {
+      const Index rows = std::min(L, end - absorbed);
+      keys.compute(k + absorbed * d, rows, k_pos0 + absorbed);
+      absorb(state, keys, v + absorbed * dv, dv, weighted, weights);
+      absorbed += rows;
+    }
+  };
+  for (Index qs = 0; qs < n; qs += L) {
+    const Index rows = std::min(L, n - qs);
+    const Index js = std::clamp(qs + shift, Index(0), nk);
+    const Index je = std::clamp(qs + rows + shift, Index(0), nk);
+    absorb_until(js);
+    queries.compute(q + qs * d, rows, q_pos0 + qs);
+    const Index kb = je - js;
+    if (kb > 0) keys.compute(k + js * d, kb, k_pos0 + js);
+
+    // Denominators and per-query maxima M_i, admitting the chunk's keys as they become visible.
+    z_running = state.z;
+    double m_running = state.M;
+    Index next = 0;  // next key of the chunk, relative to js
+    for (Index r = 0; r < rows; ++r) {
+      for (; next < kb && js + next <= qs + r + shift; ++next) {
+        const double c = keys.log_scale(next);
+        if (c > m_running) {
+          if (m_running != kEmpty) z_running *= T(std::exp(m_running - c));
+          m_running = c;
+        }
+        z_running += T(std::exp(c - m_running)) * keys.den().row(next).transpose();
+      }
+      query_max[r] = m_running;
+      den[r] = m_running == kEmpty ? 0.0 : double(queries.den().row(r).dot(z_running));
+    }
+
+    // Numerators: the state's part, then the chunk's own keys.
+    if (state.M != kEmpty) {
+      numerator.noalias() = queries.num() * state.S;
+      for (Index r = 0; r < rows; ++r)
+        if (query_max[r] > state.M) numerator.row(r) *= T(std::exp(state.M - query_max[r]));
+    } else {
+      numerator.setZero(rows, dv);
+    }
+    if (kb > 0) {
+      scores.noalias() = queries.num() * keys.num().transpose();
+      double weight_max = kEmpty;
+      Index weight_count = 0;
+      for (Index r = 0; r < rows; ++r) {
+        const Index visible = std::clamp(qs + r + shift - js + 1, Index(0), kb);
+        if (query_max[r] != weight_max) weight_max = query_max[r], weight_count = 0;
+        for (; weight_count < visible; ++weight_count)
+          key_weight[weight_count] = T(std::exp(keys.log_scale(weight_count) - weight_max));
+        T* row = scores.data() + r * kb;
+        for (Index j = 0; j < visible; ++j) row[j] *= key_weight[j];
+        std::fill(row + visible, row + kb, T(0));
+      }
+      numerator.noalias() += scores * ConstRowMap<T>(v + js * dv, kb, dv);
+    }
+    for (Index r = 0; r < rows; ++r)
+      write_output(out + (qs + r) * dv, numerator.row(r), den[r],
+                   queries.log_scale(r) + query_max[r], setup.options.eps, tally);
+    if (kb > 0) {
+      absorb(state, keys, v + js * dv, dv, weighted, weights);
+      absorbed = je;
+    }
+  }
+  if (absorb_all) absorb_until(nk);
+}
+
+// The plain recurrence (Katharopoulos et al.): S += psi_j v_j^T and z += psi_j one key at a time,
+// o_i = phi_i S / (phi_i z + eps). Features are still computed in blocks; the state is not.
+template <class T>
+void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
+                 Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
+                 DenominatorTally* tally) {
+  const Index block = 64, d = setup.d, dv = setup.dv;
+  const Index shift = q_pos0 - k_pos0;
+  FeatureBlock<T> queries(setup, block), keys(setup, block);
+  Index key_block_start = 0, next = 0;
+  const auto admit = [&](Index j) {
+    if (j >= key_block_start + keys.rows()) {
+      key_block_start = j;
+      keys.compute(k + j * d, std::min(block, nk - j), k_pos0 + j);
+    }
+    const Index r = j - key_block_start;
+    raise_scale(state, keys.log_scale(r));
+    const T w = T(std::exp(keys.log_scale(r) - state.M));
+    state.S.noalias() += (w * keys.num().row(r)).transpose() * ConstRowMap<T>(v + j * dv, 1, dv);
+    state.z += w * keys.den().row(r).transpose();
+  };
+  for (Index qs = 0; qs < n; qs += block) {
+    const Index rows = std::min(block, n - qs);
+    queries.compute(q + qs * d, rows, q_pos0 + qs);
+    for (Index r = 0; r < rows; ++r) {
+      for (; next < nk && next <= qs + r + shift; ++next) admit(next);
+      const double den = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
+      const Matrix<T> numerator = queries.num().row(r) * state.S;
+      write_output(out + (qs + r) * dv, numerator.row(0), den, queries.log_scale(r) + state.M,
+                   setup.options.eps, tally);
+    }
+  }
+  if (absorb_all)
+    for (; next < nk; ++next) admit(next);
+}
+
+}  // namespace
+
+template <class T>
+void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
+                   Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
+                   DenominatorTally* tally) {
+  if (setup.options.method == CausalMethod::Scan)
+    causal_scan(q, k, v, out, n, nk, q_pos0, k_pos0, setup, state, absorb_all, tally);
+  else
+    causal_chunked(q, k, v, out, n, nk, q_pos0, k_pos0, setup, state, absorb_all, tally);
+}
+
+template void linear_noncausal<float>(const float*, const float*, const float*, float*, Index,
+                                      Index, Index, Index, const LinearSetup&, DenominatorTally*);
+template void linear_noncausal<double>(const double*, const double*, const double*, double*, Index,
+                                       Index, Index, Index, const LinearSetup&, DenominatorTally*);
+template void linear_causal<float>(const float*, const float*, const float*, float*, Index, Index,
+                                   Index, Index, const LinearSetup&, LinearState<float>&, bool,
+                                   DenominatorTally*);
+template void linear_causal<double>(const double*, const double*, const double*, double*, Index,
+                                    Index, Index, Index, const LinearSetup&, LinearState<double>&,
+                                    bool, DenominatorTally*);
+
+}  // namespace linrope::detail

@@ -1,0 +1,80 @@
+// Private: the per-head linear attention kernels, on raw row-major buffers whose arguments are
+// already checked. Shared by the single-head calls, the multi-head [B,H,n,d] calls and the stream.
+//
+//   q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v]
+//
+// Stabilisation. Features come from FeatureMap::apply_stabilized: phi_i = exp(a_i) phi~_i and
+// psi_j = exp(c_j) psi~_j with the largest |feature| of each row ~1. For query i let M_i be the
+// largest c_j over the keys it may see (a prefix maximum when causal, so it never looks at a later
+// key). Then
+//   num_i = exp(a_i + M_i) sum_j <phi~_i, psi~_j> exp(c_j - M_i) v_j      (all weights <= 1)
+//   den_i = exp(a_i + M_i) den~_i
+//   o_i   = num~_i / (den~_i + eps exp(-(a_i + M_i)))                     (eps undone exactly)
+// The state (S, z) is kept at the scale exp(M) of the largest key absorbed so far and rescaled when
+// a larger one arrives, as the online softmax does with its running maximum.
+#pragma once
+
+#include <linrope/attention.hpp>
+
+#include <limits>
+#include <vector>
+
+namespace linrope::detail {
+
+template <class T>
+using ConstRowMap = Eigen::Map<const Matrix<T>>;
+template <class T>
+using RowMap = Eigen::Map<Matrix<T>>;
+
+// Running state of causal linear attention: everything the keys absorbed so far contribute.
+template <class T>
+struct LinearState {
+  Matrix<T> S;  // [m x d_v]: sum_j exp(c_j - M) (R_j psi~_j) v_j^T (numerator features)
+  Vector<T> z;  // [m]:       sum_j exp(c_j - M) psi~_j             (denominator features)
+  double M = -std::numeric_limits<double>::infinity();  // log scale of S and z; -inf: empty
+  void reset(Index m, Index dv) {
+    S.setZero(m, dv);
+    z.setZero(m);
+    M = -std::numeric_limits<double>::infinity();
+  }
+};
+
+// Accumulates DenominatorStats from den~_i and its log scale a_i + M_i.
+class DenominatorTally {
+ public:
+  explicit DenominatorTally(double threshold);
+  void add(double den_stabilized, double log_scale);
+  void merge_into(DenominatorStats& stats) const;  // accumulate (min, counts)
+  void store(DenominatorStats& stats) const;       // replace everything but stats.threshold
+
+ private:
+  double threshold_, log_threshold_;
+  double min_ = std::numeric_limits<double>::infinity();
+  Index nonpositive_ = 0, below_ = 0, count_ = 0;
+};
+
+// Everything a head needs besides its buffers.
+struct LinearSetup {
+  const FeatureMap* map;
+  LinearOptions options;
+  Index d, dv, m;
+};
+
+// Non-causal: every query sees every key; positions (for RoPE) start at q_pos0 and k_pos0.
+template <class T>
+void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
+                      Index k_pos0, const LinearSetup& setup, DenominatorTally* tally);
+
+// Causal, chunked or scan by setup.options.method: query i sees key j iff
+// k_pos0 + j <= q_pos0 + i, plus everything already in `state`. If absorb_all, every key ends up in
+// `state` (the stream); otherwise keys past the last query's horizon are left out.
+template <class T>
+void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
+                   Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
+                   DenominatorTally* tally);
+
+// Argument checks shared by every linear entry point (throws std::invalid_argument).
+void check_linear_setup(std::string_view fn, const FeatureMap& map, const LinearOptions& options,
+                        Index d);
+
+}  // namespace linrope::detail

@@ -1,0 +1,43 @@
+// Private: the exact softmax attention kernel for one head, on raw row-major buffers, shared by the
+// single-head entry points (softmax_attention.cpp) and the [batch, heads, n, d] ones (batched.cpp).
+#pragma once
+
+#include <linrope/attention.hpp>
+
+#include <string_view>
+
+namespace linrope::detail {
+
+// Checks the options that do not depend on the data: a rope of width d, a finite scale >= 0 and
+// block_size >= 0. Throws std::invalid_argument naming `function`.
+void check_softmax_options(std::string_view function, Index d, const SoftmaxOptions& options);
+
+// The scale actually used: options.scale, or 1/sqrt(d) when it is 0 (1 when d = 0: every score is
+// the empty dot product 0 then, so any scale gives the same uniform weights).
+double softmax_scale(Index d, const SoftmaxOptions& options);
+
+// One head of exact softmax attention:
+//   o_i = sum_j softmax_j(scale * <R_i q_i, R_j k_j>) v_j, causal: k_offset + j <= q_offset + i
+//   q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v], every buffer row-major and contiguous
+//   (row stride = its width); a query with no admissible key gets a zero row.
+// Arguments must already be validated (shapes, finiteness, check_softmax_options); nothing is
+// checked here and nothing throws except std::bad_alloc, and only before any parallel region (all
+// workspace is allocated up front).
+// Keys stream in blocks of options.block_size (0 chooses) with an online softmax (running max,
+// running sum, rescaled accumulator); each block is two GEMMs, Q_b K_b^T and P V_b. Memory
+// O((n + n_k) d): a rotated copy of k when there is a rope, plus per-thread blocks; never n x n.
+// `parallel`: open an OpenMP region over blocks of queries (and over slices of keys when there are
+// fewer than 8 blocks of queries, e.g. decoding against a long cache). Pass false when calling from
+// inside a parallel region, e.g. one head per thread; called with false from outside any region,
+// Eigen may fork threads inside each larger GEMM itself (correct, but slow). The blocking depends
+// on n, n_k and options only, so the result is bitwise the same whatever the flag and thread count.
+template <class T>
+void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k, Index d,
+                  Index d_v, const SoftmaxOptions& options, bool parallel);
+
+extern template void softmax_head<float>(const float*, const float*, const float*, float*, Index,
+                                         Index, Index, Index, const SoftmaxOptions&, bool);
+extern template void softmax_head<double>(const double*, const double*, const double*, double*,
+                                          Index, Index, Index, Index, const SoftmaxOptions&, bool);
+
+}  // namespace linrope::detail

@@ -1,0 +1,739 @@
+// RoPE (include/linrope/rope.hpp, src/rope.cpp) against explicit rotation matrices
+// (tests/reference/rope_reference.hpp), worked numbers for every scaling, the properties every
+// suite checks, float accuracy at large positions, the decay curve, and bad input.
+#include <doctest/doctest.h>
+#include <linrope/rope.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numbers>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "reference/random.hpp"
+#include "reference/rope_reference.hpp"
+
+namespace {
+
+using namespace linrope;
+
+const char* layout_name(RopeLayout l) { return l == RopeLayout::Interleaved ? "interleaved" : "half"; }
+
+std::string scaling_name(const RopeScaling& s) {
+  switch (s.kind) {
+    case RopeScalingKind::None: return "none";
+    case RopeScalingKind::Linear: return "linear s=" + std::to_string(s.factor);
+    case RopeScalingKind::Ntk: return "ntk s=" + std::to_string(s.factor);
+    case RopeScalingKind::Yarn:
+      return "yarn s=" + std::to_string(s.factor) + " L=" + std::to_string(s.original_max_position);
+  }
+  return "?";
+}
+
+// Unit roundoff of T: 2^-24 for float, 2^-53 for double.
+template <class T>
+constexpr double unit_roundoff() {
+  return std::numeric_limits<T>::epsilon() / 2;
+}
+constexpr double kUd = unit_roundoff<double>();
+
+double max_abs_position(const std::vector<Index>& positions) {
+  double m = 0;
+  for (Index p : positions) m = std::max(m, std::abs(double(p)));
+  return m;
+}
+
+// Bound on |library - reference| for one output element y = g (a cos - b sin) of a row whose
+// entries are at most max_abs_x, rotated by the double-precision angle p theta:
+//  - in T: cos and sin (magnitude folded in) rounded to T, one product each, one difference:
+//    3 u_T g (|a| + |b|);
+//  - in double: the angle p theta is off by ~2 u_d |p| theta_max (theta from pow versus exp/log,
+//    then the product; the table split only re-associates it), plus ~6 u_d for the table entries,
+//    the angle addition, the magnitude and the reference's own rounding;
+//  - |a| + |b| <= 2 max_abs_x;  4x margin on top.
+template <class T>
+double rope_tolerance(const RopeConfig& c, double max_abs_x, double max_abs_p) {
+  const std::vector<double> theta = reference::frequencies(c);
+  const double theta_max = *std::max_element(theta.begin(), theta.end());
+  const double g = reference::magnitude(c);
+  return 4 * g * 2 * max_abs_x *
+         (3 * unit_roundoff<T>() + 6 * kUd + 2 * kUd * max_abs_p * theta_max);
+}
+
+// x (double, N(0,1)) converted to T: the reference then rotates exactly the values the library saw.
+template <class T>
+Matrix<T> input(Index rows, Index cols, std::uint64_t seed) {
+  return testing::gaussian(rows, cols, seed).cast<T>();
+}
+
+// Applies the library (offset form when positions are consecutive from `first`, list form
+// otherwise) and compares with the explicit matrices; also checks that the pass-through columns
+// are untouched bit for bit.
+template <class T>
+void check_against_matrices(const RopeConfig& c, const Matrix<T>& x0,
+                            const std::vector<Index>& positions, bool use_list, bool inverse) {
+  const Rope rope(c);
+  Matrix<T> x = x0;
+  if (use_list) {
+    inverse ? rope.apply_inverse(x, std::span<const Index>(positions))
+            : rope.apply(x, std::span<const Index>(positions));
+  } else {
+    inverse ? rope.apply_inverse(x, positions.empty() ? 0 : positions.front())
+            : rope.apply(x, positions.empty() ? 0 : positions.front());
+  }
+  const MatrixD expected = reference::apply(c, x0.template cast<double>(), positions, inverse);
+  const double err = (x.template cast<double>() - expected).cwiseAbs().maxCoeff();
+  double tol = rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
+                                 max_abs_position(positions));
+  // The inverse divides by the magnitude g >= 1 instead of multiplying: the bound above, which
+  // carries g, still covers it.
+  CAPTURE(err);
+  CAPTURE(tol);
+  CHECK(err <= tol);
+  const Index r = reference::rotary_width(c);
+  CHECK(x.rightCols(c.dim - r) == x0.rightCols(c.dim - r));
+}
+
+struct Width {
+  Index dim, rotary;
+};
+// Rotary width = dim from 2 to 130, then rotary widths below dim (odd dims included).
+const std::vector<Width> kWidths = {{2, 2},    {4, 4},   {6, 6},    {8, 8},     {10, 10},
+                                    {64, 64},  {66, 66}, {128, 128}, {130, 130}, {3, 2},
+                                    {9, 4},    {66, 64}, {65, 32},  {130, 128}, {128, 2}};
+const std::vector<Index> kRows = {1, 3, 7, 65, 129};
+const std::vector<RopeLayout> kLayouts = {RopeLayout::Interleaved, RopeLayout::Half};
+
+// The scalings swept everywhere. Yarn with L = 4096 puts pairs of every kind (kept, ramped,
+// interpolated) in all but the narrowest widths: for dim 8, theta = 1, 0.1, 0.01, 0.001 make
+// 652, 65, 6.5, 0.65 turns over 4096 positions.
+const std::vector<RopeScaling> kScalings = {
+    {},
+    {.kind = RopeScalingKind::Linear, .factor = 4},
+    {.kind = RopeScalingKind::Linear, .factor = 0.5},
+    {.kind = RopeScalingKind::Ntk, .factor = 8},
+    {.kind = RopeScalingKind::Yarn, .factor = 8, .original_max_position = 4096},
+    {.kind = RopeScalingKind::Yarn, .factor = 16, .original_max_position = 64,
+     .beta_fast = 16, .beta_slow = 2},
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices: widths x rows x offsets", T,
+                   float, double) {
+  // src/rope.cpp splits |p| into table levels of 16, 256 and 4096 positions (and turns negative
+  // positions by -|p| theta), so the offsets put runs across those boundaries: 0; 62 and -66, so
+  // that 3 rows cross a multiple of 16 and 64 from either sign, and 65 or 129 rows cross 0; 250
+  // (7 rows cross 256); 4094 (3 rows cross 4096); 2^20 - 2 (3 rows cross 2^20, a multiple of every
+  // level, at a large angle).
+  const std::vector<Index> offsets = {0, 62, -66, 250, 4094, (1 << 20) - 2};
+  std::uint64_t seed = 1;
+  for (RopeLayout layout : kLayouts)
+    for (Width w : kWidths)
+      for (Index rows : kRows)
+        for (Index first : offsets) {
+          // The last three offsets only on widths <= 10 and up to 7 rows: the boundaries are the
+          // same for every width, and the reference costs dim^2 per row.
+          if (first > 100 && (w.dim > 10 || rows > 7)) continue;
+          CAPTURE(layout_name(layout));
+          CAPTURE(w.dim);
+          CAPTURE(w.rotary);
+          CAPTURE(rows);
+          CAPTURE(first);
+          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout};
+          check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
+                                    reference::consecutive(rows, first), false, false);
+        }
+}
+
+TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices for every scaling", T, float,
+                   double) {
+  const std::vector<Width> widths = {{8, 8}, {10, 6}, {66, 64}, {128, 128}, {131, 128}};
+  std::uint64_t seed = 100;
+  for (const RopeScaling& s : kScalings)
+    for (RopeLayout layout : kLayouts)
+      for (Width w : widths)
+        for (Index rows : {7, 65})
+          for (Index first : {Index(-66), Index(4090)}) {
+            CAPTURE(scaling_name(s));
+            CAPTURE(layout_name(layout));
+            CAPTURE(w.dim);
+            CAPTURE(w.rotary);
+            CAPTURE(rows);
+            CAPTURE(first);
+            const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
+            // The frequencies and magnitude themselves: pow versus exp/log in long double differ
+            // by a few ulps (4 u_d relative, 4x margin -> 16 u_d).
+            const Rope rope(c);
+            const std::vector<double> got = rope.frequencies(), want = reference::frequencies(c);
+            REQUIRE(got.size() == want.size());
+            for (std::size_t i = 0; i < got.size(); ++i) {
+              CAPTURE(i);
+              CHECK(std::abs(got[i] - want[i]) <= 16 * kUd * want[i]);
+            }
+            CHECK(std::abs(rope.magnitude() - reference::magnitude(c)) <= 4 * kUd);
+            check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
+                                      reference::consecutive(rows, first), false, false);
+            check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
+                                      reference::consecutive(rows, first), false, true);
+          }
+}
+
+TEST_CASE_TEMPLATE("explicit position lists match explicit rotation matrices", T, float, double) {
+  // Unsorted, repeated, negative, on and around multiples of 64, and up to 10^6.
+  std::vector<Index> positions = {0, 63, 64, -64, -65, 7, 7, 1000000, -999999, 128, 1, 4095, 4096};
+  testing::Gaussian g(7);
+  while (positions.size() < 129)
+    positions.push_back(Index(std::floor((g.uniform() - 0.5) * 2e5)));
+  const Index rows = Index(positions.size());
+  std::uint64_t seed = 200;
+  for (const RopeScaling& s : kScalings)
+    for (RopeLayout layout : kLayouts)
+      for (Width w : std::vector<Width>{{10, 10}, {66, 64}, {129, 128}}) {
+        CAPTURE(scaling_name(s));
+        CAPTURE(layout_name(layout));
+        CAPTURE(w.dim);
+        CAPTURE(w.rotary);
+        const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
+        check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed), positions, true, false);
+        check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed), positions, true, true);
+      }
+}
+
+TEST_CASE_TEMPLATE("position-list apply equals per-row offset apply", T, float, double) {
+  const std::vector<Index> positions = {5, -1, -64, 63, 64, 12345678, -7, 0, 100, 99, 1 << 20};
+  const Index rows = Index(positions.size());
+  for (const RopeScaling& s : kScalings)
+    for (RopeLayout layout : kLayouts) {
+      CAPTURE(scaling_name(s));
+      CAPTURE(layout_name(layout));
+      const Rope rope({.dim = 67, .rotary_dim = 64, .layout = layout, .scaling = s});
+      const Matrix<T> x0 = input<T>(rows, 67, 300);
+      for (bool inverse : {false, true}) {
+        CAPTURE(inverse);
+        Matrix<T> listed = x0, by_row = x0;
+        if (inverse)
+          rope.apply_inverse(listed, std::span<const Index>(positions));
+        else
+          rope.apply(listed, std::span<const Index>(positions));
+        for (Index i = 0; i < rows; ++i) {
+          Eigen::Ref<Matrix<T>> row = by_row.middleRows(i, 1);
+          inverse ? rope.apply_inverse(row, positions[i]) : rope.apply(row, positions[i]);
+        }
+        // Both forms reach the same angle through the same double arithmetic; allow a few
+        // roundings in T in case one path is reorganised: 8 u_T relative to the row's scale.
+        const double scale = x0.template cast<double>().cwiseAbs().maxCoeff() * rope.magnitude();
+        CHECK((listed - by_row).template cast<double>().cwiseAbs().maxCoeff() <=
+              8 * unit_roundoff<T>() * scale);
+      }
+      // Consecutive positions in list form equal the offset form.
+      const std::vector<Index> run = reference::consecutive(rows, -30);
+      Matrix<T> listed = x0, offset = x0;
+      rope.apply(listed, std::span<const Index>(run));
+      rope.apply(offset, -30);
+      CHECK((listed - offset).template cast<double>().cwiseAbs().maxCoeff() <=
+            8 * unit_roundoff<T>() * x0.template cast<double>().cwiseAbs().maxCoeff() *
+                rope.magnitude());
+    }
+}
+
+TEST_CASE("apply on a strided view rotates only the view; rotate_rows takes a stride") {
+  // The rope is 12 wide; the matrix is 20 wide: leftCols(12) has outer stride 20.
+  const RopeConfig c{.dim = 12, .rotary_dim = 10, .layout = RopeLayout::Half};
+  const Rope rope(c);
+  const MatrixD x0 = testing::gaussian(9, 20, 400);
+  MatrixD x = x0;
+  rope.apply(x.block(2, 0, 5, 12), 61);
+  const MatrixD expected = reference::apply(c, x0.block(2, 0, 5, 12), reference::consecutive(5, 61));
+  const double tol = rope_tolerance<double>(c, x0.cwiseAbs().maxCoeff(), 66);
+  CHECK((x.block(2, 0, 5, 12) - expected).cwiseAbs().maxCoeff() <= tol);
+  CHECK(x.rightCols(8) == x0.rightCols(8));  // columns outside the view: untouched
+  CHECK(x.topRows(2) == x0.topRows(2));      // rows outside the view: untouched
+  CHECK(x.bottomRows(2) == x0.bottomRows(2));
+
+  // The raw-pointer kernel entry point on the same layout, forward then inverse.
+  MatrixF xf = x0.cast<float>();
+  const MatrixF xf0 = xf;
+  rope.rotate_rows(xf.data() + 2 * 20, 5, 20, 61, false);
+  const MatrixD expected_f = reference::apply(c, xf0.block(2, 0, 5, 12).cast<double>(),
+                                              reference::consecutive(5, 61));
+  CHECK((xf.block(2, 0, 5, 12).cast<double>() - expected_f).cwiseAbs().maxCoeff() <=
+        rope_tolerance<float>(c, x0.cwiseAbs().maxCoeff(), 66));
+  CHECK(xf.rightCols(8) == xf0.rightCols(8));
+  rope.rotate_rows(xf.data() + 2 * 20, 5, 20, 61, true);
+  // Forward then inverse: two tolerances' worth.
+  CHECK((xf - xf0).cast<double>().cwiseAbs().maxCoeff() <=
+        2 * rope_tolerance<float>(c, x0.cwiseAbs().maxCoeff(), 66));
+}
+
+TEST_CASE("rotate_rows over a 16 MB span (the prefetching path) matches the matrices") {
+  // 65 rows of width 10 spaced 2^16 floats apart span 16.3 MB: src/rope.cpp then prefetches each
+  // next block's rows, in both directions from position -40.
+  const Index rows = 65, dim = 10, stride = Index(1) << 16;
+  const RopeConfig c{.dim = dim, .rotary_dim = 8, .layout = RopeLayout::Interleaved};
+  const Rope rope(c);
+  std::vector<float> buffer(std::size_t(rows * stride), 0.0f);
+  const MatrixF x0 = input<float>(rows, dim, 900);
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < dim; ++j) buffer[std::size_t(i * stride + j)] = x0(i, j);
+  rope.rotate_rows(buffer.data(), rows, stride, -40, false);
+  MatrixD got(rows, dim);
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < dim; ++j) got(i, j) = buffer[std::size_t(i * stride + j)];
+  const MatrixD expected =
+      reference::apply(c, x0.cast<double>(), reference::consecutive(rows, -40));
+  CHECK((got - expected).cwiseAbs().maxCoeff() <=
+        rope_tolerance<float>(c, x0.cast<double>().cwiseAbs().maxCoeff(), 40));
+  CHECK(buffer[std::size_t(stride + dim)] == 0.0f);  // the gap between rows: untouched
+}
+
+TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both directions", T, float,
+                   double) {
+  // 10001 consecutive rows from -5000 to 5000: every 16-, 256- and 4096-row boundary on both sides
+  // of 0, and the sign change, in one call; narrow widths keep the dim^2 reference cheap.
+  const Index rows = 10001, first = -5000;
+  std::uint64_t seed = 800;
+  for (RopeLayout layout : kLayouts)
+    for (Width w : std::vector<Width>{{4, 4}, {7, 6}})
+      for (bool inverse : {false, true}) {
+        CAPTURE(layout_name(layout));
+        CAPTURE(w.dim);
+        CAPTURE(inverse);
+        const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout,
+                           .scaling = {.kind = RopeScalingKind::Yarn, .factor = 4,
+                                       .original_max_position = 512}};
+        check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
+                                  reference::consecutive(rows, first), false, inverse);
+      }
+}
+
+TEST_CASE("worked numbers for the scalings") {
+  SUBCASE("none: theta_i = base^(-2i/r)") {
+    // r = 8, base 10000: theta = 10000^(-i/4) = 1, 0.1, 0.01, 0.001.
+    const std::vector<double> t = Rope({.dim = 8}).frequencies();
+    REQUIRE(t.size() == 4);
+    CHECK(t[0] == 1.0);
+    CHECK(t[1] == doctest::Approx(0.1).epsilon(1e-14));
+    CHECK(t[2] == doctest::Approx(0.01).epsilon(1e-14));
+    CHECK(t[3] == doctest::Approx(0.001).epsilon(1e-14));
+  }
+  SUBCASE("linear s = 4: theta_i / 4") {
+    const std::vector<double> t =
+        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Linear, .factor = 4}}).frequencies();
+    REQUIRE(t.size() == 4);
+    CHECK(t[0] == 0.25);
+    CHECK(t[1] == doctest::Approx(0.025).epsilon(1e-14));
+    CHECK(t[2] == doctest::Approx(0.0025).epsilon(1e-14));
+    CHECK(t[3] == doctest::Approx(0.00025).epsilon(1e-14));
+  }
+  SUBCASE("ntk: base' = base * s^(r/(r-2))") {
+    // r = 4, s = 4: base' = 10000 * 4^(4/2) = 160000, theta_1 = 160000^(-2/4) = 1/400.
+    const std::vector<double> t4 =
+        Rope({.dim = 4, .scaling = {.kind = RopeScalingKind::Ntk, .factor = 4}}).frequencies();
+    REQUIRE(t4.size() == 2);
+    CHECK(t4[0] == 1.0);
+    CHECK(t4[1] == doctest::Approx(0.0025).epsilon(1e-14));
+    // r = 8, s = 8: base' = 10000 * 8^(8/6) = 10000 * 16 = 160000, so theta_1 = 160000^(-1/4) =
+    // 1/20, theta_3 = 160000^(-3/4) = 1/8000 -- the lowest frequency is exactly theta_3 / s
+    // (0.001 / 8), which is what NTK-aware scaling is designed to do.
+    const std::vector<double> t8 =
+        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Ntk, .factor = 8}}).frequencies();
+    REQUIRE(t8.size() == 4);
+    CHECK(t8[0] == 1.0);
+    CHECK(t8[1] == doctest::Approx(0.05).epsilon(1e-14));
+    CHECK(t8[2] == doctest::Approx(1.0 / 400).epsilon(1e-14));
+    CHECK(t8[3] == doctest::Approx(1.0 / 8000).epsilon(1e-14));
+  }
+  SUBCASE("yarn: L = 4096, s = 8, beta_fast = 32, beta_slow = 1, dim 128") {
+    // theta_i = 10000^(-i/64); turns rho_i = 4096 theta_i / (2 pi) = 651.899 * 10^(-i/16).
+    //   kept (rho >= 32, gamma = 1):       10^(-i/16) >= 0.049088  <=>  i <= 20
+    //     i = 20: rho = 651.899 * 10^-1.25   = 36.659           -> theta' = theta
+    //   ramped (1 < rho < 32):             i = 21 .. 45
+    //     i = 21: rho = 31.745, gamma = 30.745 / 31 = 0.991785
+    //     i = 32: theta = 10^-2 = 0.01, rho = 40.96 / (2 pi) = 6.518986,
+    //             gamma = 5.518986 / 31 = 0.178032,
+    //             theta' = 0.01 (1 - 0.178032) / 8 + 0.01 * 0.178032 = 0.00280778
+    //     i = 45: rho = 1.003876, gamma = 0.000125
+    //   interpolated (rho <= 1, gamma = 0): i >= 46 (rho_46 = 0.869), theta' = theta / 8
+    // magnitude = 0.1 ln 8 + 1 = 1.2079442.
+    const Rope rope({.dim = 128,
+                     .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
+                                 .original_max_position = 4096}});
+    const std::vector<double> t = rope.frequencies();
+    REQUIRE(t.size() == 64);
+    auto plain = [](int i) { return std::pow(10.0, -i / 16.0); };
+    for (int i = 0; i <= 20; ++i) {
+      CAPTURE(i);
+      CHECK(t[i] == doctest::Approx(plain(i)).epsilon(1e-14));
+    }
+    for (int i = 46; i < 64; ++i) {
+      CAPTURE(i);
+      CHECK(t[i] == doctest::Approx(plain(i) / 8).epsilon(1e-14));
+    }
+    for (int i = 21; i <= 45; ++i) {  // strictly between the two
+      CAPTURE(i);
+      CHECK(t[i] < plain(i) * (1 - 1e-6));
+      CHECK(t[i] > plain(i) / 8 * (1 + 1e-6));
+    }
+    CHECK(t[32] == doctest::Approx(0.00280778).epsilon(1e-6));  // 6 digits from the hand sum
+    CHECK(t[32] == doctest::Approx(0.002807778438843074).epsilon(1e-13));  // same, to 16 digits
+    CHECK(t[21] == doctest::Approx(0.048346730768454305).epsilon(1e-13));
+    CHECK(rope.magnitude() == doctest::Approx(0.1 * std::log(8.0) + 1).epsilon(1e-15));
+    CHECK(rope.magnitude() == doctest::Approx(1.2079442).epsilon(1e-7));
+    // Scaled up: the magnitude multiplies the rotated part only.
+    MatrixD x = MatrixD::Ones(1, 128);
+    rope.apply(x, 0);  // angle 0: pure magnitude
+    CHECK((x.array() - rope.magnitude()).abs().maxCoeff() <= 4 * kUd);
+  }
+  SUBCASE("yarn with s <= 1 keeps magnitude 1") {
+    const Rope rope({.dim = 8,
+                     .scaling = {.kind = RopeScalingKind::Yarn, .factor = 0.5,
+                                 .original_max_position = 64}});
+    CHECK(rope.magnitude() == 1.0);
+  }
+  SUBCASE("one rotation by hand") {
+    // Interleaved, dim 4, position 2: pair 0 turns by 2 rad, pair 1 by 2 * 0.01 rad.
+    // x = (1, 0, 0, 1) -> (cos 2, sin 2, -sin 0.02, cos 0.02).
+    MatrixD x(1, 4);
+    x << 1, 0, 0, 1;
+    Rope({.dim = 4, .base = 10000}).apply(x, 2);
+    CHECK(x(0, 0) == doctest::Approx(std::cos(2.0)).epsilon(1e-15));
+    CHECK(x(0, 1) == doctest::Approx(std::sin(2.0)).epsilon(1e-15));
+    CHECK(x(0, 2) == doctest::Approx(-std::sin(0.02)).epsilon(1e-15));
+    CHECK(x(0, 3) == doctest::Approx(std::cos(0.02)).epsilon(1e-15));
+    // Half layout, same x: pairs are (0, 2) and (1, 3), so (x0, x2) = (1, 0) turns by 2 rad and
+    // (x1, x3) = (0, 1) by 0.02 rad -> (cos 2, -sin 0.02, sin 2, cos 0.02).
+    MatrixD y(1, 4);
+    y << 1, 0, 0, 1;
+    Rope({.dim = 4, .layout = RopeLayout::Half}).apply(y, 2);
+    CHECK(y(0, 0) == doctest::Approx(std::cos(2.0)).epsilon(1e-15));
+    CHECK(y(0, 1) == doctest::Approx(-std::sin(0.02)).epsilon(1e-15));
+    CHECK(y(0, 2) == doctest::Approx(std::sin(2.0)).epsilon(1e-15));
+    CHECK(y(0, 3) == doctest::Approx(std::cos(0.02)).epsilon(1e-15));
+  }
+}
+
+TEST_CASE("<R_m q, R_n k> depends on m - n only; |R_m x| = |x|") {
+  // Pairs (m, n) with the same difference d = m - n must give the same logit as (d, 0).
+  const std::vector<Index> anchors = {0, 1, 63, 64, -65, 4096, 1000000, 10000019, -10000000};
+  const std::vector<Index> diffs = {0, 3, -37, 64, 1000};
+  for (const RopeScaling& s : kScalings)
+    for (RopeLayout layout : kLayouts) {
+      CAPTURE(scaling_name(s));
+      CAPTURE(layout_name(layout));
+      const RopeConfig c{.dim = 67, .rotary_dim = 64, .layout = layout, .scaling = s};
+      const Rope rope(c);
+      const double g = rope.magnitude();
+      const MatrixD q0 = testing::gaussian(1, 67, 500), k0 = testing::gaussian(1, 67, 501);
+      const double qn = q0.norm(), kn = k0.norm();
+      auto rotated = [&](const MatrixD& x, Index p) {
+        MatrixD y = x;
+        rope.apply(y, p);
+        return y;
+      };
+      for (Index diff : diffs) {
+        const double base_logit = rotated(q0, diff).row(0).dot(rotated(k0, 0).row(0));
+        for (Index n : anchors) {
+          const Index m = n + diff;
+          CAPTURE(m);
+          CAPTURE(n);
+          const double logit = rotated(q0, m).row(0).dot(rotated(k0, n).row(0));
+          // Each rotated vector is off by <= |x| g (2 u_d |p| theta_max + 9 u_d) (see
+          // rope_tolerance; theta_max <= 1 here), so a logit by |q| |k| g^2 times the sum for both
+          // vectors of both logits; 4x margin.
+          const double tol = 4 * qn * kn * g * g *
+                             (2 * kUd * double(std::abs(m) + std::abs(n) + std::abs(diff)) + 40 * kUd);
+          CHECK(std::abs(logit - base_logit) <= tol);
+        }
+      }
+      // Norms: the rotated part scales by g, the pass-through part is unchanged.
+      for (Index p : anchors) {
+        CAPTURE(p);
+        const MatrixD y = rotated(q0, p);
+        CHECK(std::abs(y.leftCols(64).norm() - g * q0.leftCols(64).norm()) <= 16 * kUd * g * qn);
+        CHECK(y.rightCols(3) == q0.rightCols(3));
+        if (s.kind != RopeScalingKind::Yarn)
+          CHECK(std::abs(y.norm() - qn) <= 16 * kUd * qn);
+      }
+    }
+}
+
+TEST_CASE_TEMPLATE("apply_inverse undoes apply", T, float, double) {
+  for (const RopeScaling& s : kScalings)
+    for (RopeLayout layout : kLayouts)
+      for (Index first : {Index(-100), Index(0), Index(61), Index(10000000)}) {
+        CAPTURE(scaling_name(s));
+        CAPTURE(layout_name(layout));
+        CAPTURE(first);
+        const RopeConfig c{.dim = 35, .rotary_dim = 32, .layout = layout, .scaling = s};
+        const Rope rope(c);
+        const Matrix<T> x0 = input<T>(65, 35, 600);
+        Matrix<T> x = x0;
+        rope.apply(x, first);
+        rope.apply_inverse(x, first);
+        // R^-1 R x: the forward error (rope_tolerance, scaled by g) and the inverse one
+        // (rope_tolerance again, divided by g) add up; both in terms of max |x|. The angle term
+        // cancels (the same angle both ways), but the bound keeps it.
+        const double tol = 2 * rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
+                                                 double(std::abs(first) + 65));
+        CHECK((x - x0).template cast<double>().cwiseAbs().maxCoeff() <= tol);
+        // And the list form.
+        const std::vector<Index> positions = reference::consecutive(65, first);
+        rope.apply(x, std::span<const Index>(positions));
+        rope.apply_inverse(x, std::span<const Index>(positions));
+        CHECK((x - x0).template cast<double>().cwiseAbs().maxCoeff() <= 2 * tol);
+      }
+}
+
+TEST_CASE("float at large positions matches double to ~1e-6 relative") {
+  // Per pair, the float result differs from the exact rotation by cos and sin rounded to float,
+  // one rounding per product and one per difference: |err| <= 3 u_f g (|a| + |b|) per element,
+  // so <= 3 u_f g sqrt(2) sqrt(2) |(a, b)| = 6 u_f g |(a, b)| per pair and 6 u_f g |x_rot| per row
+  // (u_f = 2^-24: 3.6e-7). The angle, in double, is off by ~2 u_d p = 2e-9 rad at p = 10^7:
+  // negligible. Tolerance 2x: 7.2e-7 relative per row.
+  const double u = unit_roundoff<float>();
+  const double rel_tol = 2 * 6 * u;
+  for (RopeLayout layout : kLayouts)
+    for (Index first : {Index(1000000), Index(999990), Index(10000000), Index(-10000019)}) {
+      CAPTURE(layout_name(layout));
+      CAPTURE(first);
+      const RopeConfig c{.dim = 128, .layout = layout};
+      const Rope rope(c);
+      const MatrixD xd = testing::gaussian(65, 128, 700);
+      const MatrixF x0 = xd.cast<float>();
+      MatrixF xf = x0;
+      rope.apply(xf, first);
+      MatrixD x_double = x0.cast<double>();
+      rope.apply(x_double, first);
+      const MatrixD expected =
+          reference::apply(c, x0.cast<double>(), reference::consecutive(65, first));
+      double worst_vs_double = 0, worst_vs_reference = 0;
+      for (Index i = 0; i < 65; ++i) {
+        const double norm = double(x0.row(i).cast<double>().norm());
+        worst_vs_double =
+            std::max(worst_vs_double, (xf.row(i).cast<double>() - x_double.row(i)).norm() / norm);
+        worst_vs_reference =
+            std::max(worst_vs_reference, (xf.row(i).cast<double>() - expected.row(i)).norm() / norm);
+      }
+      CAPTURE(worst_vs_double);
+      CAPTURE(worst_vs_reference);
+      CHECK(worst_vs_double <= rel_tol);
+      CHECK(worst_vs_reference <= rel_tol);
+
+      // The test can fail: angles formed in float (float(p) * float(theta)) are off by up to
+      // ulp(10^6)/2 = 0.03 rad, far outside the bound.
+      if (layout == RopeLayout::Interleaved) {
+        const std::vector<double> theta = reference::frequencies(c);
+        double worst_naive = 0;
+        for (Index i = 0; i < 65; ++i) {
+          MatrixD naive = x0.row(i).cast<double>();
+          for (Index k = 0; k < 64; ++k) {
+            const float angle = float(first + i) * float(theta[k]);
+            const double a = naive(0, 2 * k), b = naive(0, 2 * k + 1);
+            naive(0, 2 * k) = a * std::cos(angle) - b * std::sin(angle);
+            naive(0, 2 * k + 1) = a * std::sin(angle) + b * std::cos(angle);
+          }
+          worst_naive = std::max(worst_naive, (naive - expected.row(i)).norm() /
+                                                  double(x0.row(i).cast<double>().norm()));
+        }
+        CAPTURE(worst_naive);
+        CHECK(worst_naive > 1000 * rel_tol);
+      }
+    }
+}
+
+TEST_CASE("rope_decay_curve") {
+  SUBCASE("m = 0 is mean_j j = (r/2 + 1) / 2") {
+    for (Index dim : {2, 8, 10, 128, 130}) {
+      CAPTURE(dim);
+      const std::vector<double> curve = rope_decay_curve(dim, 10000.0, 3);
+      REQUIRE(curve.size() == 4);
+      CHECK(curve[0] == doctest::Approx((double(dim) / 2 + 1) / 2).epsilon(1e-14));
+    }
+  }
+  SUBCASE("matches the slow reference; decays for d = 128, base 10000") {
+    const std::vector<double> curve = rope_decay_curve(128, 10000.0, 256);
+    REQUIRE(curve.size() == 257);
+    const std::vector<double> want =
+        reference::decay_curve(reference::frequencies({.dim = 128}), 256);
+    // 64 unit phasors summed, 64 moduli averaged: ~64 u_d per partial sum plus the angle
+    // (m theta <= 256, 2 u_d m); values <= 32.5. 64 u_d * 32.5 * 4 margin ~ 1e-12 absolute.
+    for (Index m = 0; m <= 256; ++m) {
+      CAPTURE(m);
+      CHECK(std::abs(curve[m] - want[m]) <= 1e-12);
+    }
+    // The decay: 32.5 at m = 0; 15.8 at 16, 10.1 at 64, 9.27 at 128, 6.54 at 256 (the slow
+    // reference, evaluated independently in Python); it oscillates, so check the trend.
+    CHECK(curve[0] == doctest::Approx(32.5));
+    CHECK(curve[256] < 0.25 * curve[0]);
+    CHECK(curve[16] < 0.5 * curve[0]);
+    CHECK(curve[256] == doctest::Approx(6.543097322978939).epsilon(1e-10));
+    double early = 0, late = 0;
+    for (Index m = 0; m < 16; ++m) early += curve[m] / 16;
+    for (Index m = 192; m <= 256; ++m) late += curve[m] / 65;
+    CHECK(late < 0.5 * early);
+    CHECK(*std::max_element(curve.begin() + 1, curve.end()) < curve[0]);
+  }
+  SUBCASE("the Rope overload uses the scaled frequencies") {
+    // Linear s = 4 slows every pair by 4: decay_scaled(4 m) = decay_plain(m).
+    const Rope plain({.dim = 64, .base = 500});
+    const Rope slow({.dim = 64, .base = 500,
+                     .scaling = {.kind = RopeScalingKind::Linear, .factor = 4}});
+    const std::vector<double> a = rope_decay_curve(plain, 50), b = rope_decay_curve(slow, 200);
+    REQUIRE(a.size() == 51);
+    REQUIRE(b.size() == 201);
+    for (Index m = 0; m <= 50; ++m) {
+      CAPTURE(m);
+      CHECK(std::abs(b[4 * m] - a[m]) <= 1e-12);
+    }
+    // YaRN, partial rotary width: only r/2 = 24 pairs count.
+    const RopeConfig c{.dim = 50, .rotary_dim = 48, .layout = RopeLayout::Half,
+                       .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
+                                   .original_max_position = 512}};
+    const std::vector<double> yarn = rope_decay_curve(Rope(c), 100);
+    const std::vector<double> want = reference::decay_curve(reference::frequencies(c), 100);
+    REQUIRE(yarn.size() == 101);
+    CHECK(yarn[0] == doctest::Approx(12.5).epsilon(1e-14));
+    for (Index m = 0; m <= 100; ++m) {
+      CAPTURE(m);
+      CHECK(std::abs(yarn[m] - want[m]) <= 1e-12);
+    }
+    const std::vector<double> zero = rope_decay_curve(plain, 0);
+    REQUIRE(zero.size() == 1);
+    CHECK(zero[0] == doctest::Approx(16.5));
+  }
+}
+
+TEST_CASE("bad input throws std::invalid_argument naming the argument, expected and actual") {
+  using doctest::Contains;
+  SUBCASE("configuration") {
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8, .rotary_dim = 5}),
+                         Contains("Rope: rotary_dim is 5 but expected an even number"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 7}), Contains("rotary_dim is 7 but expected an even number"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 7}), Contains("rotary_dim = 0 means dim"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8, .rotary_dim = -2}), Contains("rotary_dim is -2"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8, .rotary_dim = 10}),
+                         Contains("rotary_dim is 10 but expected rotary_dim <= dim = 8"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 0}), Contains("Rope: dim is 0 but expected dim >= 1"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = -3}), Contains("dim is -3 but expected dim >= 1"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8, .base = 0}),
+                         Contains("base is 0 but expected a finite base > 0"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8, .base = -10000}),
+                         Contains("base is -10000 but expected a finite base > 0"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8, .base = std::nan("")}),
+                         Contains("base is nan but expected a finite base > 0"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8, .base = std::numeric_limits<double>::infinity()}),
+                         Contains("base is inf but expected a finite base > 0"),
+                         std::invalid_argument);
+  }
+  SUBCASE("scalings") {
+    for (RopeScalingKind kind : {RopeScalingKind::Linear, RopeScalingKind::Ntk,
+                                 RopeScalingKind::Yarn}) {
+      CAPTURE(int(kind));
+      for (double factor : {0.0, -2.0, std::nan("")}) {
+        CAPTURE(factor);
+        const RopeScaling s{.kind = kind, .factor = factor, .original_max_position = 4096};
+        const std::string actual = std::isnan(factor) ? "nan" : factor == 0 ? "0" : "-2";
+        CHECK_THROWS_WITH_AS(
+            Rope({.dim = 8, .scaling = s}),
+            Contains(("scaling.factor is " + actual + " but expected a finite factor > 0").c_str()),
+            std::invalid_argument);
+      }
+    }
+    CHECK_THROWS_WITH_AS(
+        Rope({.dim = 8, .rotary_dim = 2, .scaling = {.kind = RopeScalingKind::Ntk, .factor = 2}}),
+        Contains("rotary_dim is 2 but Ntk scaling needs rotary_dim > 2"), std::invalid_argument);
+    CHECK_NOTHROW(Rope({.dim = 8, .rotary_dim = 4,
+                        .scaling = {.kind = RopeScalingKind::Ntk, .factor = 2}}));
+    CHECK_THROWS_WITH_AS(
+        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8}}),
+        Contains("scaling.original_max_position is 0 but Yarn needs original_max_position > 0"),
+        std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
+                                    .original_max_position = -5}}),
+        Contains("scaling.original_max_position is -5"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
+                                    .original_max_position = 4096, .beta_fast = std::nan("")}}),
+        Contains("scaling.beta_fast is nan and beta_slow is 1 but Yarn needs finite beta_fast > "
+                 "beta_slow"),
+        std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
+                                    .original_max_position = 4096, .beta_slow = std::nan("")}}),
+        Contains("scaling.beta_fast is 32 and beta_slow is nan"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
+                                    .original_max_position = 4096, .beta_fast = 1,
+                                    .beta_slow = 1}}),
+        Contains("scaling.beta_fast is 1 and beta_slow is 1 but Yarn needs finite beta_fast > "
+                 "beta_slow"),
+        std::invalid_argument);
+  }
+  SUBCASE("apply shapes") {
+    const Rope rope({.dim = 8});
+    MatrixF f(3, 7);
+    MatrixD d(3, 9);
+    f.setZero();
+    d.setZero();
+    CHECK_THROWS_WITH_AS(rope.apply(f, 0), Contains("Rope::apply: x is [3 x 7] but the rope has dim = 8"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply(d, 5), Contains("Rope::apply: x is [3 x 9] but the rope has dim = 8"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply_inverse(f, 0),
+                         Contains("Rope::apply_inverse: x is [3 x 7] but the rope has dim = 8"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply_inverse(d, 0),
+                         Contains("Rope::apply_inverse: x is [3 x 9] but the rope has dim = 8"),
+                         std::invalid_argument);
+    const std::vector<Index> three = {0, 1, 2}, two = {0, 1};
+    CHECK_THROWS_WITH_AS(rope.apply(f, std::span<const Index>(three)),
+                         Contains("x is [3 x 7] but the rope has dim = 8"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply_inverse(d, std::span<const Index>(three)),
+                         Contains("x is [3 x 9] but the rope has dim = 8"), std::invalid_argument);
+    MatrixF good_f = MatrixF::Ones(3, 8);
+    MatrixD good_d = MatrixD::Ones(3, 8);
+    CHECK_THROWS_WITH_AS(rope.apply(good_f, std::span<const Index>(two)),
+                         Contains("Rope::apply: positions has 2 entries but x has 3 rows"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply(good_d, std::span<const Index>(two)),
+                         Contains("Rope::apply: positions has 2 entries but x has 3 rows"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply_inverse(good_f, std::span<const Index>(two)),
+                         Contains("Rope::apply_inverse: positions has 2 entries but x has 3 rows"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply_inverse(good_d, std::span<const Index>(two)),
+                         Contains("Rope::apply_inverse: positions has 2 entries but x has 3 rows"),
+                         std::invalid_argument);
+    // A rejected call leaves x alone.
+    CHECK((good_f.array() == 1.0f).all());
+    CHECK((good_d.array() == 1.0).all());
+    // Zero rows: nothing to do, nothing thrown.
+    MatrixF empty(0, 8);
+    CHECK_NOTHROW(rope.apply(empty, 3));
+    CHECK_NOTHROW(rope.apply(empty, std::span<const Index>()));
+  }
+  SUBCASE("decay curve") {
+    CHECK_THROWS_WITH_AS(rope_decay_curve(8, 10000.0, -1),
+                         Contains("rope_decay_curve: max_distance is -1 but expected max_distance >= 0"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope_decay_curve(7, 10000.0, 4), Contains("rotary_dim is 7"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope_decay_curve(8, -1.0, 4), Contains("base is -1"),
+                         std::invalid_argument);
+  }
+}
