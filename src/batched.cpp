@@ -149,20 +149,28 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
   const double threshold = stats ? stats->threshold : 0.0;
   std::vector<detail::DenominatorTally> tallies(q.batch * q.heads,
                                                 detail::DenominatorTally(threshold));
-  for_each_slice(q.batch, q.heads, [&](Index b, Index h) {
+  const auto run = [&](Index b, Index h, bool parallel) {
     detail::DenominatorTally* tally = stats ? &tallies[b * q.heads + h] : nullptr;
     const Index n = valid_rows(q, b), nk = valid_rows(k, b);
     if (options.causal) {
       detail::LinearState<T> state;
       state.reset(setup.m, setup.dv);
       detail::linear_causal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
-                            n, nk, options.q_offset, options.k_offset, setup, state, false, tally);
+                            n, nk, options.q_offset, options.k_offset, setup, state, false, tally,
+                            parallel);
     } else {
       detail::linear_noncausal(slice(q, b, h), slice(k, b, h), slice(v, b, h),
                                slice_out(out, b, h), n, nk, options.q_offset, options.k_offset,
-                               setup, tally);
+                               setup, tally, parallel);
     }
-  });
+  };
+  // As for softmax: one slice per thread when there are enough, else each slice on all threads.
+  if (q.batch * q.heads >= max_threads()) {
+    for_each_slice(q.batch, q.heads, [&](Index b, Index h) { run(b, h, false); });
+  } else {
+    for (Index b = 0; b < q.batch; ++b)
+      for (Index h = 0; h < q.heads; ++h) run(b, h, true);
+  }
   if (stats) {
     detail::DenominatorTally(threshold).store(*stats);
     for (const auto& tally : tallies) tally.merge_into(*stats);

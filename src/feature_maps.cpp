@@ -209,27 +209,17 @@ class ElementwiseMap final : public FeatureMap {
   // phi(q).phi(k) = 1 + cos(q, k) is >= 0, which is what the attention denominators rely on.
   bool nonnegative() const override { return true; }
 
-  void apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const override {
-    check_arguments<float>(*this, "FeatureMap::apply", x, out, nullptr);
-    run<float>(x, out);
-  }
-  void apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const override {
-    check_arguments<double>(*this, "FeatureMap::apply", x, out, nullptr);
-    run<double>(x, out);
-  }
   // Nothing to stabilise: every feature is at most max(x + 1, 1) (elu+1, relu) or 1 (1+cos), and
   // the attention kernels want these unscaled, so log_scale is exactly 0 and out == apply().
-  void apply_stabilized(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
-                        std::span<double> log_scale) const override {
-    check_arguments<float>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
+  void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
+                double* log_scale) const override {
     run<float>(x, out);
-    std::fill(log_scale.begin(), log_scale.end(), 0.0);
+    if (log_scale) std::fill(log_scale, log_scale + x.rows(), 0.0);
   }
-  void apply_stabilized(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
-                        std::span<double> log_scale) const override {
-    check_arguments<double>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
+  void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
+                double* log_scale) const override {
     run<double>(x, out);
-    std::fill(log_scale.begin(), log_scale.end(), 0.0);
+    if (log_scale) std::fill(log_scale, log_scale + x.rows(), 0.0);
   }
 
   void redraw(std::uint64_t seed) override { config_.seed = seed; }
@@ -320,23 +310,13 @@ class FavorMap final : public FeatureMap {
   bool nonnegative() const override { return kind() != FeatureMapKind::FavorTrig; }
   const MatrixD& projection() const override { return w_; }
 
-  void apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const override {
-    check_arguments<float>(*this, "FeatureMap::apply", x, out, nullptr);
-    run<float>(x, out, nullptr);
+  void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
+                double* log_scale) const override {
+    run<float>(x, out, log_scale);
   }
-  void apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const override {
-    check_arguments<double>(*this, "FeatureMap::apply", x, out, nullptr);
-    run<double>(x, out, nullptr);
-  }
-  void apply_stabilized(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
-                        std::span<double> log_scale) const override {
-    check_arguments<float>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
-    run<float>(x, out, log_scale.data());
-  }
-  void apply_stabilized(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
-                        std::span<double> log_scale) const override {
-    check_arguments<double>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
-    run<double>(x, out, log_scale.data());
+  void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
+                double* log_scale) const override {
+    run<double>(x, out, log_scale);
   }
 
   void redraw(std::uint64_t seed) override {
@@ -448,6 +428,25 @@ class FavorMap final : public FeatureMap {
 };
 
 }  // namespace
+
+void FeatureMap::apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const {
+  check_arguments<float>(*this, "FeatureMap::apply", x, out, nullptr);
+  map_rows(x, out, nullptr);
+}
+void FeatureMap::apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const {
+  check_arguments<double>(*this, "FeatureMap::apply", x, out, nullptr);
+  map_rows(x, out, nullptr);
+}
+void FeatureMap::apply_stabilized(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
+                                  std::span<double> log_scale) const {
+  check_arguments<float>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
+  map_rows(x, out, log_scale.data());
+}
+void FeatureMap::apply_stabilized(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
+                                  std::span<double> log_scale) const {
+  check_arguments<double>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
+  map_rows(x, out, log_scale.data());
+}
 
 std::unique_ptr<FeatureMap> make_feature_map(const FeatureMapConfig& config) {
   constexpr std::string_view fn = "make_feature_map";

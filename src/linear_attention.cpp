@@ -56,10 +56,10 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
     detail::LinearState<T> state;
     state.reset(setup.m, setup.dv);
     detail::linear_causal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
-                          options.q_offset, options.k_offset, setup, state, false, tally_ptr);
+                          options.q_offset, options.k_offset, setup, state, false, tally_ptr, true);
   } else {
     detail::linear_noncausal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
-                             options.q_offset, options.k_offset, setup, tally_ptr);
+                             options.q_offset, options.k_offset, setup, tally_ptr, true);
   }
   if (stats) tally.store(*stats);
   return out;

@@ -2,9 +2,15 @@
 // the plain recurrent scan. See linear_kernel.hpp for the stabilisation algebra.
 #include "linear_kernel.hpp"
 
+#include "feature_map_access.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <span>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace linrope::detail {
 namespace {
@@ -30,23 +36,26 @@ class FeatureBlock {
     const FeatureMap& map = *setup_.map;
     const Rope* rope = setup_.options.rope;
     ConstRowMap<T> input(x, rows, setup_.d);
-    std::span<double> log_scale(log_scale_.data(), std::size_t(rows));
+    double* log_scale = log_scale_.data();
+    const auto map_rows = [&](const auto& from, auto to) {
+      FeatureMapAccess::stabilized<T>(map, from, to, log_scale);
+    };
     switch (setup_.options.placement) {
       case RopePlacement::None:
-        map.apply_stabilized(input, num_.topRows(rows), log_scale);
+        map_rows(input, num_.topRows(rows));
         break;
       case RopePlacement::BeforeMap:
         rotated_.topRows(rows) = input;
         rope->rotate_rows(rotated_.data(), rows, setup_.d, first_position, false);
-        map.apply_stabilized(rotated_.topRows(rows), num_.topRows(rows), log_scale);
+        map_rows(rotated_.topRows(rows), num_.topRows(rows));
         break;
       case RopePlacement::NumeratorOnly:
-        map.apply_stabilized(input, den_.topRows(rows), log_scale);
+        map_rows(input, den_.topRows(rows));
         num_.topRows(rows) = den_.topRows(rows);
         rope->rotate_rows(num_.data(), rows, setup_.m, first_position, false);
         break;
       case RopePlacement::Full:
-        map.apply_stabilized(input, num_.topRows(rows), log_scale);
+        map_rows(input, num_.topRows(rows));
         rope->rotate_rows(num_.data(), rows, setup_.m, first_position, false);
         break;
     }
@@ -138,33 +147,117 @@ void DenominatorTally::store(DenominatorStats& stats) const {
   merge_into(stats);
 }
 
+namespace {
+
+// Rows per feature block of the non-causal form: large enough for efficient GEMMs, small enough for
+// the block's features to stay in L2.
+constexpr Index kBlockRows = 256;
+
+int usable_threads(bool parallel) {
+#ifdef _OPENMP
+  return parallel && !omp_in_parallel() ? omp_get_max_threads() : 1;
+#else
+  (void)parallel;
+  return 1;
+#endif
+}
+
+// Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time.
 template <class T>
-void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
-                      Index k_pos0, const LinearSetup& setup, DenominatorTally* tally) {
-  const Index block = std::max<Index>(setup.options.chunk_size, 64);
-  const Index d = setup.d, dv = setup.dv;
-  LinearState<T> state;
-  state.reset(setup.m, dv);
-  {
-    FeatureBlock<T> keys(setup, block);
-    Matrix<T> weighted;
-    Vector<T> weights;
-    for (Index js = 0; js < nk; js += block) {
-      const Index rows = std::min(block, nk - js);
-      keys.compute(k + js * d, rows, k_pos0 + js);
-      absorb(state, keys, v + js * dv, dv, weighted, weights);
-    }
+void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+                 const LinearSetup& setup) {
+  const Index block = std::min<Index>(kBlockRows, std::max<Index>(nk, 1));
+  FeatureBlock<T> keys(setup, block);
+  Matrix<T> weighted;
+  Vector<T> weights;
+  for (Index js = 0; js < nk; js += block) {
+    const Index rows = std::min(block, nk - js);
+    keys.compute(k + js * setup.d, rows, k_pos0 + js);
+    absorb(state, keys, v + js * setup.dv, setup.dv, weighted, weights);
   }
+}
+
+// state += other, both brought to the larger of their two scales.
+template <class T>
+void merge(LinearState<T>& state, const LinearState<T>& other) {
+  if (other.M == kEmpty) return;
+  raise_scale(state, other.M);
+  const T factor = T(std::exp(other.M - state.M));
+  state.S += factor * other.S;
+  state.z += factor * other.z;
+}
+
+// Non-causal read-out of n queries against a complete state.
+template <class T>
+void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_pos0,
+              const LinearSetup& setup, DenominatorTally* tally) {
+  const Index block = std::min<Index>(kBlockRows, std::max<Index>(n, 1));
   FeatureBlock<T> queries(setup, block);
   Matrix<T> numerator;
+  Vector<T> den;
   for (Index qs = 0; qs < n; qs += block) {
     const Index rows = std::min(block, n - qs);
-    queries.compute(q + qs * d, rows, q_pos0 + qs);
+    queries.compute(q + qs * setup.d, rows, q_pos0 + qs);
     numerator.noalias() = queries.num() * state.S;
-    const Vector<T> den = queries.den() * state.z;
+    den.noalias() = queries.den() * state.z;
     for (Index r = 0; r < rows; ++r)
-      write_output(out + (qs + r) * dv, numerator.row(r), double(den[r]),
+      write_output(out + (qs + r) * setup.dv, numerator.row(r), double(den[r]),
                    queries.log_scale(r) + state.M, setup.options.eps, tally);
+  }
+}
+
+// [begin, end) of part t when `count` rows are split into `parts` pieces aligned to `align`.
+Index split_point(Index count, Index parts, Index t, Index align) {
+  return t >= parts ? count : std::min(count, (count * t / parts) / align * align);
+}
+
+}  // namespace
+
+void DenominatorTally::merge(const DenominatorTally& other) {
+  min_ = std::min(min_, other.min_);
+  nonpositive_ += other.nonpositive_;
+  below_ += other.below_;
+  count_ += other.count_;
+}
+
+// Split across threads (when allowed and long enough): each thread absorbs a slice of the keys into
+// its own state, the states are merged, then each thread reads out a slice of the queries.
+template <class T>
+void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
+                      Index k_pos0, const LinearSetup& setup, DenominatorTally* tally,
+                      bool parallel) {
+  const Index d = setup.d, dv = setup.dv;
+  const int threads = usable_threads(parallel);
+  LinearState<T> state;
+  state.reset(setup.m, dv);
+  const Index key_parts = std::min<Index>(threads, nk / kBlockRows);
+  if (key_parts > 1) {
+    std::vector<LinearState<T>> parts(key_parts);
+#pragma omp parallel for num_threads(key_parts)
+    for (Index t = 0; t < key_parts; ++t) {
+      const Index begin = split_point(nk, key_parts, t, kBlockRows);
+      const Index end = split_point(nk, key_parts, t + 1, kBlockRows);
+      parts[t].reset(setup.m, dv);
+      absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
+    }
+    for (const auto& part : parts) merge(state, part);
+  } else {
+    absorb_keys(state, k, v, nk, k_pos0, setup);
+  }
+  const Index query_parts = std::min<Index>(threads, n / kBlockRows);
+  if (query_parts > 1) {
+    std::vector<DenominatorTally> tallies(query_parts, tally ? tally->empty() : DenominatorTally(0));
+#pragma omp parallel for num_threads(query_parts)
+    for (Index t = 0; t < query_parts; ++t) {
+      const Index begin = split_point(n, query_parts, t, kBlockRows);
+      const Index end = split_point(n, query_parts, t + 1, kBlockRows);
+      read_out(state, q + begin * d, out + begin * dv, end - begin, q_pos0 + begin, setup,
+               tally ? &tallies[t] : nullptr);
+    }
+    if (tally)
+      for (const auto& part : tallies) tally->merge(part);
+  } else {
+    read_out(state, q, out, n, q_pos0, setup, tally);
   }
 }
 
@@ -177,7 +270,9 @@ template <class T>
 void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                     Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
                     DenominatorTally* tally) {
-  const Index L = setup.options.chunk_size, d = setup.d, dv = setup.dv;
+  // A chunk longer than the sequence is the whole sequence (and must not allocate chunk_size rows).
+  const Index L = std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));
+  const Index d = setup.d, dv = setup.dv;
   const Index shift = q_pos0 - k_pos0;  // query i sees key j iff j <= i + shift
   FeatureBlock<T> queries(setup, L), keys(setup, L);
   Matrix<T> weighted, numerator, scores;
@@ -291,25 +386,69 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
 
 }  // namespace
 
+// Split across threads (chunked form, when allowed and long enough): the queries are cut into one
+// segment per thread at chunk boundaries. Pass 1: each thread absorbs the keys that separate its
+// segment's start from the next one's into a partial state. The partial states are summed as a
+// prefix (cheap: m x d_v each). Pass 2: each segment runs the chunked form from its prefix state.
+// The key features of pass 1 are computed again in pass 2: ~25% more work for 2x the threads.
 template <class T>
 void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                    Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
-                   DenominatorTally* tally) {
-  if (setup.options.method == CausalMethod::Scan)
+                   DenominatorTally* tally, bool parallel) {
+  if (setup.options.method == CausalMethod::Scan) {
     causal_scan(q, k, v, out, n, nk, q_pos0, k_pos0, setup, state, absorb_all, tally);
-  else
+    return;
+  }
+  const Index L = std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));
+  const Index segments = std::min<Index>(usable_threads(parallel), n / std::max<Index>(4 * L, 256));
+  if (segments < 2) {
     causal_chunked(q, k, v, out, n, nk, q_pos0, k_pos0, setup, state, absorb_all, tally);
+    return;
+  }
+  const Index d = setup.d, dv = setup.dv, shift = q_pos0 - k_pos0;
+  std::vector<Index> query_start(segments + 1), key_start(segments + 1);
+  for (Index t = 0; t <= segments; ++t) {
+    query_start[t] = split_point(n, segments, t, L);
+    key_start[t] = t == 0 ? 0 : std::clamp(query_start[t] + shift, Index(0), nk);
+  }
+  std::vector<LinearState<T>> prefix(segments);
+#pragma omp parallel for num_threads(segments)
+  for (Index t = 0; t < segments; ++t) {  // pass 1: prefix[t + 1] will hold keys [0, key_start[t + 1])
+    if (t + 1 == segments) continue;
+    prefix[t + 1].reset(setup.m, dv);
+    absorb_keys(prefix[t + 1], k + key_start[t] * d, v + key_start[t] * dv,
+                key_start[t + 1] - key_start[t], k_pos0 + key_start[t], setup);
+  }
+  prefix[0] = state;
+  for (Index t = 1; t < segments; ++t) {
+    LinearState<T> keys_of_previous = std::move(prefix[t]);
+    prefix[t] = prefix[t - 1];
+    merge(prefix[t], keys_of_previous);
+  }
+  std::vector<DenominatorTally> tallies(segments, tally ? tally->empty() : DenominatorTally(0));
+#pragma omp parallel for num_threads(segments)
+  for (Index t = 0; t < segments; ++t) {  // pass 2
+    const Index q0 = query_start[t], k0 = key_start[t];
+    causal_chunked(q + q0 * d, k + k0 * d, v + k0 * dv, out + q0 * dv, query_start[t + 1] - q0,
+                   nk - k0, q_pos0 + q0, k_pos0 + k0, setup, prefix[t],
+                   absorb_all && t + 1 == segments, tally ? &tallies[t] : nullptr);
+  }
+  if (absorb_all) state = std::move(prefix[segments - 1]);
+  if (tally)
+    for (const auto& part : tallies) tally->merge(part);
 }
 
 template void linear_noncausal<float>(const float*, const float*, const float*, float*, Index,
-                                      Index, Index, Index, const LinearSetup&, DenominatorTally*);
+                                      Index, Index, Index, const LinearSetup&, DenominatorTally*,
+                                      bool);
 template void linear_noncausal<double>(const double*, const double*, const double*, double*, Index,
-                                       Index, Index, Index, const LinearSetup&, DenominatorTally*);
+                                       Index, Index, Index, const LinearSetup&, DenominatorTally*,
+                                       bool);
 template void linear_causal<float>(const float*, const float*, const float*, float*, Index, Index,
                                    Index, Index, const LinearSetup&, LinearState<float>&, bool,
-                                   DenominatorTally*);
+                                   DenominatorTally*, bool);
 template void linear_causal<double>(const double*, const double*, const double*, double*, Index,
                                     Index, Index, Index, const LinearSetup&, LinearState<double>&,
-                                    bool, DenominatorTally*);
+                                    bool, DenominatorTally*, bool);
 
 }  // namespace linrope::detail

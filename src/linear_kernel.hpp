@@ -44,6 +44,8 @@ class DenominatorTally {
  public:
   explicit DenominatorTally(double threshold);
   void add(double den_stabilized, double log_scale);
+  DenominatorTally empty() const { return DenominatorTally(threshold_); }
+  void merge(const DenominatorTally& other);
   void merge_into(DenominatorStats& stats) const;  // accumulate (min, counts)
   void store(DenominatorStats& stats) const;       // replace everything but stats.threshold
 
@@ -61,17 +63,21 @@ struct LinearSetup {
 };
 
 // Non-causal: every query sees every key; positions (for RoPE) start at q_pos0 and k_pos0.
+// `parallel`: split the sequence across the OpenMP threads (pass false when already inside a
+// parallel region, e.g. one head per thread). Never throws but std::bad_alloc.
 template <class T>
 void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
-                      Index k_pos0, const LinearSetup& setup, DenominatorTally* tally);
+                      Index k_pos0, const LinearSetup& setup, DenominatorTally* tally,
+                      bool parallel);
 
 // Causal, chunked or scan by setup.options.method: query i sees key j iff
 // k_pos0 + j <= q_pos0 + i, plus everything already in `state`. If absorb_all, every key ends up in
 // `state` (the stream); otherwise keys past the last query's horizon are left out.
+// `parallel` as for linear_noncausal (the chunked form only; the scan is sequential by nature).
 template <class T>
 void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                    Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
-                   DenominatorTally* tally);
+                   DenominatorTally* tally, bool parallel);
 
 // Argument checks shared by every linear entry point (throws std::invalid_argument).
 void check_linear_setup(std::string_view fn, const FeatureMap& map, const LinearOptions& options,

@@ -68,7 +68,7 @@ Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k,
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
   detail::linear_causal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
                         state_->position, state_->position, setup, state_->running, true,
-                        stats ? &tally : nullptr);
+                        stats ? &tally : nullptr, true);
   state_->position += q.rows();
   if (stats) tally.store(*stats);
   return out;

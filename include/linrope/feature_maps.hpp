@@ -29,6 +29,10 @@
 
 namespace linrope {
 
+namespace detail {
+struct FeatureMapAccess;  // lets the attention kernels map rows they have already checked
+}
+
 enum class FeatureMapKind { EluPlusOne, Relu, FavorPositive, FavorTrig, OnePlusCosine, FavorHyperbolic };
 
 struct FeatureMapConfig {
@@ -48,30 +52,48 @@ class FeatureMap {
   FeatureMapKind kind() const { return config_.kind; }
   Index input_dim() const { return config_.input_dim; }
   virtual Index output_dim() const = 0;
-  // True when every feature is >= 0 for every input (all maps but FavorTrig).
+  // True when every kernel value phi(q).phi(k) is >= 0 for all inputs: all maps but FavorTrig
+  // (elu+1, relu and the Favor exp maps have non-negative features; 1+cos has signed features
+  // x/|x| but every inner product is 1 + cos >= 0).
   virtual bool nonnegative() const = 0;
   // The random projection W [f x d] (double), or an empty matrix for deterministic maps.
   virtual const MatrixD& projection() const;
 
   // out = phi(x), exactly as defined above (unstabilised; may overflow for large inputs).
-  //   x [n x d] -> out [n x m]. Throws if the shapes do not fit or x has a non-finite value.
-  virtual void apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const = 0;
-  virtual void apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const = 0;
+  //   x [n x d] -> out [n x m]. Throws if the shapes do not fit, out overlaps x (elu+1 and relu may
+  //   map exactly in place), or x has a non-finite value.
+  void apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const;
+  void apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const;
 
   // Stabilised form for the attention kernels: out = phi(x) * exp(-log_scale[i]) row by row, with
-  // log_scale chosen per row so that the largest |feature| of the row is about 1 (exp-based maps),
-  // and 0 for the others. Finite for any finite x. log_scale.size() must equal x.rows().
-  virtual void apply_stabilized(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
-                                std::span<double> log_scale) const = 0;
-  virtual void apply_stabilized(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
-                                std::span<double> log_scale) const = 0;
+  // u = W x', h = |x'|^2 / 2:
+  //   favor+      log_scale = max_l u_l - h - ln(f)/2    (largest feature of the row exactly 1)
+  //   favor-hyp   log_scale = max_l |u_l| - h - ln(2f)/2 (largest feature exactly 1)
+  //   favor-trig  log_scale = h - ln(f)/2                (features [sin u, cos u])
+  //   elu+1, relu, 1+cos: log_scale = 0 and out == apply(x).
+  // Finite for any finite float x, and double x with |x| < ~1e150. log_scale.size() == x.rows().
+  void apply_stabilized(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
+                        std::span<double> log_scale) const;
+  void apply_stabilized(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
+                        std::span<double> log_scale) const;
 
   // Draws a new W from `seed` (no effect on deterministic maps beyond recording the seed).
   virtual void redraw(std::uint64_t seed) = 0;
 
  protected:
   explicit FeatureMap(const FeatureMapConfig& config) : config_(config) {}
+
+  // The map itself, on arguments already checked: phi(x) when log_scale is null, the stabilised
+  // form (writing log_scale[0 .. rows)) otherwise.
+  virtual void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
+                        double* log_scale) const = 0;
+  virtual void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
+                        double* log_scale) const = 0;
+
   FeatureMapConfig config_;
+
+ private:
+  friend struct detail::FeatureMapAccess;
 };
 
 // Throws std::invalid_argument on input_dim < 1, or num_features < 1 for a Favor map.
