@@ -8,10 +8,10 @@
 // Every figure's GB/s counts the matrix read once and written once (2 n d 4 bytes), so the three
 // are directly comparable. All single-threaded (Rope::apply has no OpenMP inside).
 #include <benchmark/benchmark.h>
-#include <linrope/rope.hpp>
 
 #include <cmath>
 #include <cstring>
+#include <linrope/rope.hpp>
 #include <vector>
 
 #include "bench_common.hpp"

@@ -126,6 +126,8 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
   constexpr std::string_view fn = "softmax_attention";
   check_heads(fn, q, k, v, out);
   detail::check_softmax_options(fn, q.d, options);
+  detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
+  detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
   const auto run = [&](Index b, Index h, bool parallel) {
     detail::softmax_head(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
                          valid_rows(q, b), valid_rows(k, b), q.d, v.d, options, parallel);
@@ -145,6 +147,8 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
   constexpr std::string_view fn = "linear_attention";
   check_heads(fn, q, k, v, out);
   detail::check_linear_setup(fn, map, options, q.d);
+  detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
+  detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
   const double threshold = stats ? stats->threshold : 0.0;
   std::vector<detail::DenominatorTally> tallies(q.batch * q.heads,

@@ -47,3 +47,17 @@ void require_finite(std::string_view function, std::string_view name, const M& m
 }
 
 }  // namespace linrope::detail
+
+namespace linrope::detail {
+
+// Positions first .. first + rows - 1 must be exact in double (|p| <= 2^53), which RoPE's angle
+// arithmetic needs.
+inline void require_positions(std::string_view function, std::string_view name, Index first,
+                              Index rows) {
+  constexpr Index kLimit = Index(1) << 53;
+  if (first < -kLimit || first > kLimit || rows > kLimit - first)
+    throw_invalid(function, name, " is ", first, " with ", rows,
+                  " rows but expected every position within +-2^53 = ", kLimit);
+}
+
+}  // namespace linrope::detail

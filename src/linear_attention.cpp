@@ -44,6 +44,8 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
   if (v.rows() != k.rows())
     detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but k has ", k.rows(), " rows");
   detail::check_linear_setup(fn, map, options, q.cols());
+  detail::require_positions(fn, "options.q_offset", options.q_offset, q.rows());
+  detail::require_positions(fn, "options.k_offset", options.k_offset, k.rows());
   detail::require_finite(fn, "q", q);
   detail::require_finite(fn, "k", k);
   detail::require_finite(fn, "v", v);

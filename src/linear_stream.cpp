@@ -61,6 +61,7 @@ Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k,
   if (v.rows() != q.rows() || v.cols() != setup.dv)
     detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but expected [", q.rows(), " x ",
                           setup.dv, "]");
+  detail::require_positions(fn, "position()", state_->position, q.rows());
   detail::require_finite(fn, "q", q);
   detail::require_finite(fn, "k", k);
   detail::require_finite(fn, "v", v);

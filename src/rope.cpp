@@ -2,6 +2,7 @@
 #include <linrope/rope.hpp>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <complex>
 #include <numbers>
@@ -12,21 +13,16 @@ namespace linrope {
 namespace {
 
 constexpr std::string_view kFn = "Rope";
-// Angles. A position's magnitude is written |p| = h + l with h a multiple of 16 (the block centre)
-// and l in [-8, 8), and h = top + 256 m2 + 16 m1 with top a multiple of 4096 and m1, m2 in [0, 16).
-// cos/sin(l theta), (16 m1 theta) and (256 m2 theta) come from three small tables, cos/sin(top theta)
-// from std::cos/sin once per 4096 consecutive rows, and angle additions in double join them: error
+// Angles. With a block size B (16 or 32, see block_size), a position's magnitude is written
+// |p| = h + l with h a multiple of B (the block centre) and l in [-B/2, B/2), and
+// h = top + B^2 m2 + B m1 with top a multiple of B^3 and m1, m2 in [0, B). cos/sin(l theta),
+// (B m1 theta) and (B^2 m2 theta) come from three small tables, cos/sin(top theta) from
+// std::cos/sin once per B^3 consecutive rows, and angle additions in double join them: error
 // ~|p theta| u_d + a few u_d, where a float angle at p = 10^6 is already off by ~0.06 rad.
 // Per row that is one angle addition per pair, fused with the rotation; the rest runs once per
-// 16 rows or less. Rows h + l and h - l share the four products of their angle additions
+// block or less. Rows h + l and h - l share the four products of their angle additions
 // (cos(h +- l) = ch cl -+ sh sl, sin(h +- l) = sh cl +- ch sl), which halves the multiplications
-// of the per-row work. The tables stay small enough for L1 (17 x r/2 cos/sin pairs, 17 KB for
-// r = 128); a std::sincos per pair per block would cost as much as the rotation itself.
-constexpr Index kBlock = 16;                 // block centres are multiples of 16
-constexpr Index kReach = kBlock / 2;         // l in [-8, 8)
-constexpr Index kMid1 = kBlock;              // 16
-constexpr Index kMid2 = kBlock * kMid1;      // 256
-constexpr Index kTopSpan = kBlock * kMid2;   // 4096
+// of the per-row work. A std::sincos per pair per block would cost as much as the rotation itself.
 
 // Software prefetch of the next block's rows, one per 64-byte line, only for x of 16 MB or more:
 // there the centre-outwards row order of the kernel defeats the hardware prefetcher (rope at
@@ -35,8 +31,18 @@ constexpr Index kTopSpan = kBlock * kMid2;   // 4096
 constexpr Index kPrefetchStride = 64;
 constexpr Index kPrefetchBytes = Index(1) << 24;
 
-// The block centre of |p| = q >= 0: the multiple of 16 nearest to q, ties (l = -8) upwards.
-inline Index centre_of(Index q) { return (q + kReach) / kBlock * kBlock; }
+// Positions are limited to |p| <= 2^53: beyond, p is not exact in the double angle p * theta (and
+// -p or p + rows could overflow).
+constexpr Index kMaxPosition = Index(1) << 53;
+
+// Rows per block: 32 while the per-row table ((B + 1) x r/2 cos/sin pairs) stays ~16 KB, so that
+// it shares L1 with the rows in flight; 16 for r/2 > 32 (17 KB at r = 128). Larger blocks spread
+// the per-block work (one angle addition, two unpaired rows) over more rows: +15% for r = 64 in
+// cache; for r = 128 the 33 KB table of B = 32 cost ~20% once x no longer fitted in cache.
+inline Index block_size(Index half) { return half <= 32 ? 32 : 16; }
+
+// The block centre of |p| = q >= 0: the multiple of B nearest to q, ties (l = -B/2) upwards.
+inline Index centre_of(Index q, Index block) { return (q + block / 2) / block * block; }
 
 void check_config(const RopeConfig& c) {
   if (c.dim < 1) detail::throw_invalid(kFn, "dim is ", c.dim, " but expected dim >= 1");
@@ -87,23 +93,25 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
     }
     if (s.factor > 1) magnitude_ = 0.1 * std::log(s.factor) + 1.0;
   }
-  // table_cos_/sin_ row l + 8: cos/sin(l theta), l = -8 .. 8. block_cos_/sin_ rows 0..15:
-  // cos/sin(16 l theta), rows 16..31: cos/sin(256 l theta), l = 0 .. 15. Each row r/2 wide.
-  table_cos_.resize((2 * kReach + 1) * half);
-  table_sin_.resize((2 * kReach + 1) * half);
-  block_cos_.resize(2 * kBlock * half);
-  block_sin_.resize(2 * kBlock * half);
-  for (Index l = -kReach; l <= kReach; ++l)
+  // With B = table_block_ and R = B/2: table_cos_/sin_ row l + R: cos/sin(l theta), l = -R .. R.
+  // block_cos_/sin_ rows 0 .. B-1: cos/sin(B l theta), rows B .. 2B-1: cos/sin(B^2 l theta),
+  // l = 0 .. B-1. Each row r/2 wide.
+  const Index B = table_block_ = block_size(half), R = B / 2;
+  table_cos_.resize((2 * R + 1) * half);
+  table_sin_.resize((2 * R + 1) * half);
+  block_cos_.resize(2 * B * half);
+  block_sin_.resize(2 * B * half);
+  for (Index l = -R; l <= R; ++l)
     for (Index k = 0; k < half; ++k) {
-      table_cos_[(l + kReach) * half + k] = std::cos(double(l) * theta_[k]);
-      table_sin_[(l + kReach) * half + k] = std::sin(double(l) * theta_[k]);
+      table_cos_[(l + R) * half + k] = std::cos(double(l) * theta_[k]);
+      table_sin_[(l + R) * half + k] = std::sin(double(l) * theta_[k]);
     }
-  for (Index l = 0; l < kBlock; ++l)
+  for (Index l = 0; l < B; ++l)
     for (Index k = 0; k < half; ++k) {
-      block_cos_[l * half + k] = std::cos(double(l * kMid1) * theta_[k]);
-      block_sin_[l * half + k] = std::sin(double(l * kMid1) * theta_[k]);
-      block_cos_[(kBlock + l) * half + k] = std::cos(double(l * kMid2) * theta_[k]);
-      block_sin_[(kBlock + l) * half + k] = std::sin(double(l * kMid2) * theta_[k]);
+      block_cos_[l * half + k] = std::cos(double(l * B) * theta_[k]);
+      block_sin_[l * half + k] = std::sin(double(l * B) * theta_[k]);
+      block_cos_[(B + l) * half + k] = std::cos(double(l * B * B) * theta_[k]);
+      block_sin_[(B + l) * half + k] = std::sin(double(l * B * B) * theta_[k]);
     }
 }
 
@@ -119,26 +127,27 @@ inline void rotate_pair(T* __restrict x, Index k, Index half, T c, T s) {
   b = a0 * s + b0 * c;
 }
 
-// The rows of one block: every |position| q in [qa, qb] within [h - 8, h + 8) of the centre h,
-// the row of q at x0 + (q - q0) * q_stride. hc, hs: cos/sin(h theta) times the magnitude. Each row
+// The rows of one block: every |position| q in [qa, qb] within [h - R, h + R) of the centre h
+// (R = reach = B/2), the row of q at x0 + (q - q0) * q_stride; lo_cos/lo_sin row l + R holds
+// cos/sin(l theta). hc, hs: cos/sin(h theta) times the magnitude. Each row
 // gets its angle (h +- l) theta by one angle addition in double, rounded to T (sine negated when
 // Negative), then its rotation. Half > 0 fixes r/2 at compile time (the common widths: loops
 // fully unrolled, hc/hs kept in registers across the block); Half = 0 takes it from half_runtime.
 template <class T, bool Negative, bool Interleaved, Index Half>
-void rotate_block(T* x0, Index q0, Index q_stride, Index qa, Index qb, Index h,
+void rotate_block(T* x0, Index q0, Index q_stride, Index qa, Index qb, Index h, Index reach,
                   const double* __restrict lo_cos, const double* __restrict lo_sin,
                   const double* __restrict hc, const double* __restrict hs, Index half_runtime) {
   const Index half = Half > 0 ? Half : half_runtime;
   auto in_range = [&](Index q) { return q >= qa && q <= qb; };
   auto row_of = [&](Index q) { return x0 + (q - q0) * q_stride; };
   auto sign = [](double v) { return Negative ? -v : v; };
-  for (Index l = 0; l <= kReach; ++l) {
-    const bool plus = l < kReach && in_range(h + l), minus = l > 0 && in_range(h - l);
+  for (Index l = 0; l <= reach; ++l) {
+    const bool plus = l < reach && in_range(h + l), minus = l > 0 && in_range(h - l);
     if (plus && minus) {  // h + l and h - l from the same four products
       T* __restrict xp = row_of(h + l);
       T* __restrict xm = row_of(h - l);
-      const double* __restrict lc = lo_cos + (kReach + l) * half;
-      const double* __restrict ls = lo_sin + (kReach + l) * half;
+      const double* __restrict lc = lo_cos + (reach + l) * half;
+      const double* __restrict ls = lo_sin + (reach + l) * half;
       for (Index k = 0; k < half; ++k) {
         const double cc = hc[k] * lc[k], ss = hs[k] * ls[k];
         const double sc = hs[k] * lc[k], cs = hc[k] * ls[k];
@@ -148,8 +157,8 @@ void rotate_block(T* x0, Index q0, Index q_stride, Index qa, Index qb, Index h,
     } else if (plus || minus) {
       const Index q = plus ? h + l : h - l;
       T* __restrict xq = row_of(q);
-      const double* __restrict lc = lo_cos + (kReach + q - h) * half;
-      const double* __restrict ls = lo_sin + (kReach + q - h) * half;
+      const double* __restrict lc = lo_cos + (reach + q - h) * half;
+      const double* __restrict ls = lo_sin + (reach + q - h) * half;
       for (Index k = 0; k < half; ++k) {
         const double c = hc[k] * lc[k] - hs[k] * ls[k], s = hs[k] * lc[k] + hc[k] * ls[k];
         rotate_pair<T, Interleaved>(xq, k, half, T(c), T(sign(s)));
@@ -159,8 +168,8 @@ void rotate_block(T* x0, Index q0, Index q_stride, Index qa, Index qb, Index h,
 }
 
 template <class T>
-using BlockKernel = void (*)(T*, Index, Index, Index, Index, Index, const double*, const double*,
-                             const double*, const double*, Index);
+using BlockKernel = void (*)(T*, Index, Index, Index, Index, Index, Index, const double*,
+                             const double*, const double*, const double*, Index);
 
 template <class T, bool Negative, bool Interleaved>
 BlockKernel<T> pick_kernel(Index half) {
@@ -175,7 +184,7 @@ BlockKernel<T> pick_kernel(Index half) {
 // Rotates rows of x in place. A row at position p turns by -|p| theta when p < 0 (cos is even,
 // sin odd), so that every table angle is at most ~|p| theta and the rounding error stays
 // ~|p theta| u_d on both sides of 0. Keeps cos/sin (times the magnitude) of the current block
-// centre h, and cos/sin of its 256- and 4096-row spans, recomputing each only when a position
+// centre h, and cos/sin of its B^2- and B^3-row spans, recomputing each only when a position
 // leaves it.
 template <class T>
 class Rotator {
@@ -183,10 +192,12 @@ class Rotator {
   Rotator(std::span<const double> theta, const std::vector<double>& lo_cos,
           const std::vector<double>& lo_sin, const std::vector<double>& mid_cos,
           const std::vector<double>& mid_sin, double magnitude, RopeLayout layout, bool inverse,
-          Index dim)
+          Index dim, Index block)
       : theta_(theta), lo_cos_(lo_cos.data()), lo_sin_(lo_sin.data()), mid_cos_(mid_cos.data()),
         mid_sin_(mid_sin.data()), half_(Index(theta.size())),
         scale_(inverse ? 1.0 / magnitude : magnitude), dim_bytes_(Index(sizeof(T)) * dim),
+        block_rows_(block), reach_(block / 2), mid2_(block * block),
+        top_span_(block * block * block),
         top_cos_(half_), top_sin_(half_), span_cos_(half_), span_sin_(half_), block_cos_(half_),
         block_sin_(half_) {
     // The inverse turns the other way: negative angles for p >= 0, positive ones for p < 0.
@@ -223,11 +234,11 @@ class Rotator {
  private:
   // All blocks that meet |positions| [qa, qb]; the row of q at x0 + (q - q0) * q_stride.
   void blocks(BlockKernel<T> kernel, T* x0, Index q0, Index q_stride, Index qa, Index qb) {
-    for (Index h = centre_of(qa); h - kReach <= qb; h += kBlock) {
+    for (Index h = centre_of(qa, block_rows_); h - reach_ <= qb; h += block_rows_) {
       // The kernel visits a block's rows from the centre outwards, which the hardware prefetcher
       // does not follow; fetch the next block's rows (in memory order) while this one computes.
       if (prefetch_) {
-        const Index na = std::max(qa, h + kReach), nb = std::min(qb, h + kReach + kBlock - 1);
+        const Index na = std::max(qa, h + reach_), nb = std::min(qb, h + reach_ + block_rows_ - 1);
         for (Index q = na; q <= nb; ++q) {
           const char* r = reinterpret_cast<const char*>(x0 + (q - q0) * q_stride);
           for (Index byte = 0; byte < dim_bytes_; byte += kPrefetchStride)
@@ -235,8 +246,8 @@ class Rotator {
         }
       }
       seek_block(h);
-      kernel(x0, q0, q_stride, qa, qb, h, lo_cos_, lo_sin_, block_cos_.data(), block_sin_.data(),
-             half_);
+      kernel(x0, q0, q_stride, qa, qb, h, reach_, lo_cos_, lo_sin_, block_cos_.data(),
+             block_sin_.data(), half_);
     }
   }
 
@@ -250,9 +261,9 @@ class Rotator {
     }
   }
 
-  void seek_block(Index h) {  // h >= 0, a multiple of 16
+  void seek_block(Index h) {  // h >= 0, a multiple of B
     if (block_valid_ && h == block_) return;
-    const Index span = h - h % kMid2, top = h - h % kTopSpan;
+    const Index span = h - h % mid2_, top = h - h % top_span_;
     if (!span_valid_ || span != span_) {
       if (!top_valid_ || top != top_) {
         for (Index k = 0; k < half_; ++k) {
@@ -263,13 +274,13 @@ class Rotator {
         top_ = top;
         top_valid_ = true;
       }
-      const Index row2 = (kBlock + (span - top) / kMid2) * half_;
+      const Index row2 = (block_rows_ + (span - top) / mid2_) * half_;
       add_angle(top_cos_.data(), top_sin_.data(), mid_cos_ + row2, mid_sin_ + row2, 1.0,
                 span_cos_.data(), span_sin_.data(), half_);
       span_ = span;
       span_valid_ = true;
     }
-    const Index row1 = ((h - span) / kMid1) * half_;
+    const Index row1 = ((h - span) / block_rows_) * half_;
     add_angle(span_cos_.data(), span_sin_.data(), mid_cos_ + row1, mid_sin_ + row1, scale_,
               block_cos_.data(), block_sin_.data(), half_);
     block_ = h;
@@ -281,6 +292,7 @@ class Rotator {
   Index half_;
   double scale_;
   Index dim_bytes_;
+  Index block_rows_, reach_, mid2_, top_span_;  // B, B/2, B^2, B^3
   bool prefetch_ = false;
   BlockKernel<T> forward_, backward_;  // for p >= 0 and p < 0
   bool top_valid_ = false, span_valid_ = false, block_valid_ = false;
@@ -292,31 +304,42 @@ class Rotator {
 
 template <class T>
 void Rope::rotate_rows(T* x, Index rows, Index stride, Index first_position, bool inverse) const {
+  assert(first_position >= -kMaxPosition && first_position <= kMaxPosition &&
+         rows - 1 <= kMaxPosition - first_position);
   Rotator<T>(theta_, table_cos_, table_sin_, block_cos_, block_sin_, magnitude_, config_.layout,
-             inverse, config_.dim)
+             inverse, config_.dim, table_block_)
       .run(x, rows, stride, first_position);
 }
 
 template <class T>
 void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, bool inverse) const {
+  const std::string_view fn = inverse ? "Rope::apply_inverse" : "Rope::apply";
   if (x.cols() != config_.dim)
-    detail::throw_invalid(inverse ? "Rope::apply_inverse" : "Rope::apply", "x is ",
-                          detail::shape_of(x), " but the rope has dim = ", config_.dim);
+    detail::throw_invalid(fn, "x is ", detail::shape_of(x), " but the rope has dim = ",
+                          config_.dim);
+  if (first_position < -kMaxPosition || first_position > kMaxPosition ||
+      x.rows() - 1 > kMaxPosition - first_position)
+    detail::throw_invalid(fn, "first_position is ", first_position, " with ", x.rows(),
+                          " rows but expected every position within +-2^53 = ", kMaxPosition);
   rotate_rows(x.data(), x.rows(), x.outerStride(), first_position, inverse);
 }
-
 
 template <class T>
 void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positions,
                          bool inverse) const {
   const std::string_view fn = inverse ? "Rope::apply_inverse" : "Rope::apply";
   if (x.cols() != config_.dim)
-    detail::throw_invalid(fn, "x is ", detail::shape_of(x), " but the rope has dim = ", config_.dim);
+    detail::throw_invalid(fn, "x is ", detail::shape_of(x), " but the rope has dim = ",
+                          config_.dim);
   if (Index(positions.size()) != x.rows())
     detail::throw_invalid(fn, "positions has ", positions.size(), " entries but x has ", x.rows(),
                           " rows");
+  for (std::size_t i = 0; i < positions.size(); ++i)
+    if (positions[i] < -kMaxPosition || positions[i] > kMaxPosition)
+      detail::throw_invalid(fn, "positions[", i, "] is ", positions[i],
+                            " but expected a position within +-2^53 = ", kMaxPosition);
   Rotator<T> rotator(theta_, table_cos_, table_sin_, block_cos_, block_sin_, magnitude_,
-                     config_.layout, inverse, config_.dim);
+                     config_.layout, inverse, config_.dim, table_block_);
   for (Index i = 0; i < x.rows(); ++i) rotator.row(x.data() + i * x.outerStride(), positions[i]);
 }
 

@@ -926,6 +926,17 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument") {
     none.rope = nullptr;
     CHECK_NOTHROW(linear_attention(q, k, v, *map, none));
   }
+  SUBCASE("positions beyond 2^53, where RoPE angles are no longer exact") {
+    LinearOptions far = ok;
+    far.q_offset = (Index(1) << 53) - 3;  // 7 query rows run past 2^53
+    CHECK_THROWS_WITH_AS(linear_attention(q, k, v, *map, far),
+                         doctest::Contains("options.q_offset is 9007199254740989 with 7 rows"),
+                         std::invalid_argument);
+    far = ok;
+    far.k_offset = -(Index(1) << 53) - 1;
+    CHECK_THROWS_WITH_AS(linear_attention(q, k, v, *map, far),
+                         doctest::Contains("options.k_offset"), std::invalid_argument);
+  }
   SUBCASE("non-finite inputs") {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     const float inf = std::numeric_limits<float>::infinity();

@@ -2,12 +2,12 @@
 // (tests/reference/rope_reference.hpp), worked numbers for every scaling, the properties every
 // suite checks, float accuracy at large positions, the decay curve, and bad input.
 #include <doctest/doctest.h>
-#include <linrope/rope.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linrope/rope.hpp>
 #include <numbers>
 #include <span>
 #include <string>
@@ -20,13 +20,18 @@ namespace {
 
 using namespace linrope;
 
-const char* layout_name(RopeLayout l) { return l == RopeLayout::Interleaved ? "interleaved" : "half"; }
+const char* layout_name(RopeLayout l) {
+  return l == RopeLayout::Interleaved ? "interleaved" : "half";
+}
 
 std::string scaling_name(const RopeScaling& s) {
   switch (s.kind) {
-    case RopeScalingKind::None: return "none";
-    case RopeScalingKind::Linear: return "linear s=" + std::to_string(s.factor);
-    case RopeScalingKind::Ntk: return "ntk s=" + std::to_string(s.factor);
+    case RopeScalingKind::None:
+      return "none";
+    case RopeScalingKind::Linear:
+      return "linear s=" + std::to_string(s.factor);
+    case RopeScalingKind::Ntk:
+      return "ntk s=" + std::to_string(s.factor);
     case RopeScalingKind::Yarn:
       return "yarn s=" + std::to_string(s.factor) + " L=" + std::to_string(s.original_max_position);
   }
@@ -51,8 +56,9 @@ double max_abs_position(const std::vector<Index>& positions) {
 //  - in T: cos and sin (magnitude folded in) rounded to T, one product each, one difference:
 //    3 u_T g (|a| + |b|);
 //  - in double: the angle p theta is off by ~2 u_d |p| theta_max (theta from pow versus exp/log,
-//    then the product; the table split only re-associates it), plus ~6 u_d for the table entries,
-//    the angle addition, the magnitude and the reference's own rounding;
+//    then the product; the table split and the mirroring of p < 0 only re-associate it), plus
+//    ~6 u_d for the table entries, the angle addition, the magnitude and the reference's own
+//    rounding;
 //  - |a| + |b| <= 2 max_abs_x;  4x margin on top.
 template <class T>
 double rope_tolerance(const RopeConfig& c, double max_abs_x, double max_abs_p) {
@@ -86,8 +92,8 @@ void check_against_matrices(const RopeConfig& c, const Matrix<T>& x0,
   }
   const MatrixD expected = reference::apply(c, x0.template cast<double>(), positions, inverse);
   const double err = (x.template cast<double>() - expected).cwiseAbs().maxCoeff();
-  double tol = rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
-                                 max_abs_position(positions));
+  const double tol = rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
+                                       max_abs_position(positions));
   // The inverse divides by the magnitude g >= 1 instead of multiplying: the bound above, which
   // carries g, still covers it.
   CAPTURE(err);
@@ -100,10 +106,11 @@ void check_against_matrices(const RopeConfig& c, const Matrix<T>& x0,
 struct Width {
   Index dim, rotary;
 };
-// Rotary width = dim from 2 to 130, then rotary widths below dim (odd dims included).
-const std::vector<Width> kWidths = {{2, 2},    {4, 4},   {6, 6},    {8, 8},     {10, 10},
-                                    {64, 64},  {66, 66}, {128, 128}, {130, 130}, {3, 2},
-                                    {9, 4},    {66, 64}, {65, 32},  {130, 128}, {128, 2}};
+// Rotary width = dim from 2 to 130, then rotary widths below dim (odd dims included). r/2 = 16, 32
+// and 64 take src/rope.cpp's unrolled kernels, the other widths its generic one.
+const std::vector<Width> kWidths = {{2, 2},   {4, 4},   {6, 6},     {8, 8},     {10, 10},
+                                    {64, 64}, {66, 66}, {128, 128}, {130, 130}, {3, 2},
+                                    {9, 4},   {66, 64}, {65, 32},   {130, 128}, {128, 2}};
 const std::vector<Index> kRows = {1, 3, 7, 65, 129};
 const std::vector<RopeLayout> kLayouts = {RopeLayout::Interleaved, RopeLayout::Half};
 
@@ -116,19 +123,23 @@ const std::vector<RopeScaling> kScalings = {
     {.kind = RopeScalingKind::Linear, .factor = 0.5},
     {.kind = RopeScalingKind::Ntk, .factor = 8},
     {.kind = RopeScalingKind::Yarn, .factor = 8, .original_max_position = 4096},
-    {.kind = RopeScalingKind::Yarn, .factor = 16, .original_max_position = 64,
-     .beta_fast = 16, .beta_slow = 2},
+    {.kind = RopeScalingKind::Yarn,
+     .factor = 16,
+     .original_max_position = 64,
+     .beta_fast = 16,
+     .beta_slow = 2},
 };
 
 }  // namespace
 
 TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices: widths x rows x offsets", T,
                    float, double) {
-  // src/rope.cpp splits |p| into table levels of 16, 256 and 4096 positions (and turns negative
-  // positions by -|p| theta), so the offsets put runs across those boundaries: 0; 62 and -66, so
-  // that 3 rows cross a multiple of 16 and 64 from either sign, and 65 or 129 rows cross 0; 250
-  // (7 rows cross 256); 4094 (3 rows cross 4096); 2^20 - 2 (3 rows cross 2^20, a multiple of every
-  // level, at a large angle).
+  // src/rope.cpp splits |p| into blocks of B = 16 or 32 positions with table levels at multiples of
+  // B, B^2 and B^3 (and turns negative positions by -|p| theta), so the offsets put runs across
+  // such boundaries: 0; 62 and -66, so that 3 rows cross a multiple of 16 and 64 from either sign,
+  // and 65 or 129 rows cross 0; 250 (7 rows cross 256); 4094 (3 rows cross 4096); 2^20 - 2 (3 rows
+  // cross 2^20, a multiple of every level, at a large angle). The next test case crosses every
+  // level for both block sizes.
   const std::vector<Index> offsets = {0, 62, -66, 250, 4094, (1 << 20) - 2};
   std::uint64_t seed = 1;
   for (RopeLayout layout : kLayouts)
@@ -164,7 +175,8 @@ TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices for every sca
             CAPTURE(w.rotary);
             CAPTURE(rows);
             CAPTURE(first);
-            const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
+            const RopeConfig c{
+                .dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
             // The frequencies and magnitude themselves: pow versus exp/log in long double differ
             // by a few ulps (4 u_d relative, 4x margin -> 16 u_d).
             const Rope rope(c);
@@ -183,11 +195,12 @@ TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices for every sca
 }
 
 TEST_CASE_TEMPLATE("explicit position lists match explicit rotation matrices", T, float, double) {
-  // Unsorted, repeated, negative, on and around multiples of 64, and up to 10^6.
-  std::vector<Index> positions = {0, 63, 64, -64, -65, 7, 7, 1000000, -999999, 128, 1, 4095, 4096};
+  // Unsorted, repeated, negative, on and around multiples of 16, 64 and 4096 and the edges of
+  // src/rope.cpp's 16-row blocks (centre +- 8), and up to 10^6.
+  std::vector<Index> positions = {0,       63,      64,  -64, -65,  7,    7,    8,     -8,  24,
+                                  1000000, -999999, 128, 1,   4095, 4096, 4104, -4105, 255, 256};
   testing::Gaussian g(7);
-  while (positions.size() < 129)
-    positions.push_back(Index(std::floor((g.uniform() - 0.5) * 2e5)));
+  while (positions.size() < 129) positions.push_back(Index(std::floor((g.uniform() - 0.5) * 2e5)));
   const Index rows = Index(positions.size());
   std::uint64_t seed = 200;
   for (const RopeScaling& s : kScalings)
@@ -240,14 +253,15 @@ TEST_CASE_TEMPLATE("position-list apply equals per-row offset apply", T, float, 
     }
 }
 
-TEST_CASE("apply on a strided view rotates only the view; rotate_rows takes a stride") {
+TEST_CASE("apply on a strided view rotates only the view, and rotate_rows takes a stride") {
   // The rope is 12 wide; the matrix is 20 wide: leftCols(12) has outer stride 20.
   const RopeConfig c{.dim = 12, .rotary_dim = 10, .layout = RopeLayout::Half};
   const Rope rope(c);
   const MatrixD x0 = testing::gaussian(9, 20, 400);
   MatrixD x = x0;
   rope.apply(x.block(2, 0, 5, 12), 61);
-  const MatrixD expected = reference::apply(c, x0.block(2, 0, 5, 12), reference::consecutive(5, 61));
+  const MatrixD expected =
+      reference::apply(c, x0.block(2, 0, 5, 12), reference::consecutive(5, 61));
   const double tol = rope_tolerance<double>(c, x0.cwiseAbs().maxCoeff(), 66);
   CHECK((x.block(2, 0, 5, 12) - expected).cwiseAbs().maxCoeff() <= tol);
   CHECK(x.rightCols(8) == x0.rightCols(8));  // columns outside the view: untouched
@@ -258,8 +272,8 @@ TEST_CASE("apply on a strided view rotates only the view; rotate_rows takes a st
   MatrixF xf = x0.cast<float>();
   const MatrixF xf0 = xf;
   rope.rotate_rows(xf.data() + 2 * 20, 5, 20, 61, false);
-  const MatrixD expected_f = reference::apply(c, xf0.block(2, 0, 5, 12).cast<double>(),
-                                              reference::consecutive(5, 61));
+  const MatrixD expected_f =
+      reference::apply(c, xf0.block(2, 0, 5, 12).cast<double>(), reference::consecutive(5, 61));
   CHECK((xf.block(2, 0, 5, 12).cast<double>() - expected_f).cwiseAbs().maxCoeff() <=
         rope_tolerance<float>(c, x0.cwiseAbs().maxCoeff(), 66));
   CHECK(xf.rightCols(8) == xf0.rightCols(8));
@@ -290,10 +304,36 @@ TEST_CASE("rotate_rows over a 16 MB span (the prefetching path) matches the matr
   CHECK(buffer[std::size_t(stride + dim)] == 0.0f);  // the gap between rows: untouched
 }
 
+TEST_CASE_TEMPLATE("runs across every table boundary of both block sizes", T, float, double) {
+  // src/rope.cpp uses blocks of B = 32 rows for r/2 <= 32 and B = 16 above, with table levels at
+  // multiples of B, B^2 and B^3: 40-row runs centred on each of +-16, 32, 256, 1024, 4096 and
+  // 32768, and on 0, cross them all for either B, from both signs, in the unrolled (r/2 = 32, 64)
+  // and the generic (r/2 = 5, 33) kernels.
+  std::vector<Index> firsts = {-20};
+  for (Index b : {16, 32, 256, 1024, 4096, 32768}) {
+    firsts.push_back(b - 20);
+    firsts.push_back(-b - 20);
+  }
+  std::uint64_t seed = 1000;
+  for (RopeLayout layout : kLayouts)
+    for (Width w : std::vector<Width>{{10, 10}, {64, 64}, {67, 66}, {128, 128}})
+      for (Index first : firsts)
+        for (bool inverse : {false, true}) {
+          CAPTURE(layout_name(layout));
+          CAPTURE(w.dim);
+          CAPTURE(first);
+          CAPTURE(inverse);
+          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout};
+          check_against_matrices<T>(c, input<T>(40, w.dim, ++seed),
+                                    reference::consecutive(40, first), false, inverse);
+        }
+}
+
 TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both directions", T, float,
                    double) {
-  // 10001 consecutive rows from -5000 to 5000: every 16-, 256- and 4096-row boundary on both sides
-  // of 0, and the sign change, in one call; narrow widths keep the dim^2 reference cheap.
+  // 10001 consecutive rows from -5000 to 5000: every block and 1024-row boundary on both sides of 0
+  // (B = 32 for these widths), and the sign change, in one call; narrow widths keep the dim^2
+  // reference cheap.
   const Index rows = 10001, first = -5000;
   std::uint64_t seed = 800;
   for (RopeLayout layout : kLayouts)
@@ -302,9 +342,11 @@ TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both direction
         CAPTURE(layout_name(layout));
         CAPTURE(w.dim);
         CAPTURE(inverse);
-        const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout,
-                           .scaling = {.kind = RopeScalingKind::Yarn, .factor = 4,
-                                       .original_max_position = 512}};
+        const RopeConfig c{
+            .dim = w.dim,
+            .rotary_dim = w.rotary,
+            .layout = layout,
+            .scaling = {.kind = RopeScalingKind::Yarn, .factor = 4, .original_max_position = 512}};
         check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
                                   reference::consecutive(rows, first), false, inverse);
       }
@@ -359,9 +401,9 @@ TEST_CASE("worked numbers for the scalings") {
     //     i = 45: rho = 1.003876, gamma = 0.000125
     //   interpolated (rho <= 1, gamma = 0): i >= 46 (rho_46 = 0.869), theta' = theta / 8
     // magnitude = 0.1 ln 8 + 1 = 1.2079442.
-    const Rope rope({.dim = 128,
-                     .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
-                                 .original_max_position = 4096}});
+    const Rope rope(
+        {.dim = 128,
+         .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8, .original_max_position = 4096}});
     const std::vector<double> t = rope.frequencies();
     REQUIRE(t.size() == 64);
     auto plain = [](int i) { return std::pow(10.0, -i / 16.0); };
@@ -389,9 +431,9 @@ TEST_CASE("worked numbers for the scalings") {
     CHECK((x.array() - rope.magnitude()).abs().maxCoeff() <= 4 * kUd);
   }
   SUBCASE("yarn with s <= 1 keeps magnitude 1") {
-    const Rope rope({.dim = 8,
-                     .scaling = {.kind = RopeScalingKind::Yarn, .factor = 0.5,
-                                 .original_max_position = 64}});
+    const Rope rope(
+        {.dim = 8,
+         .scaling = {.kind = RopeScalingKind::Yarn, .factor = 0.5, .original_max_position = 64}});
     CHECK(rope.magnitude() == 1.0);
   }
   SUBCASE("one rotation by hand") {
@@ -416,7 +458,7 @@ TEST_CASE("worked numbers for the scalings") {
   }
 }
 
-TEST_CASE("<R_m q, R_n k> depends on m - n only; |R_m x| = |x|") {
+TEST_CASE("<R_m q, R_n k> depends on m - n only, and |R_m x| = |x|") {
   // Pairs (m, n) with the same difference d = m - n must give the same logit as (d, 0).
   const std::vector<Index> anchors = {0, 1, 63, 64, -65, 4096, 1000000, 10000019, -10000000};
   const std::vector<Index> diffs = {0, 3, -37, 64, 1000};
@@ -444,8 +486,9 @@ TEST_CASE("<R_m q, R_n k> depends on m - n only; |R_m x| = |x|") {
           // Each rotated vector is off by <= |x| g (2 u_d |p| theta_max + 9 u_d) (see
           // rope_tolerance; theta_max <= 1 here), so a logit by |q| |k| g^2 times the sum for both
           // vectors of both logits; 4x margin.
-          const double tol = 4 * qn * kn * g * g *
-                             (2 * kUd * double(std::abs(m) + std::abs(n) + std::abs(diff)) + 40 * kUd);
+          const double tol =
+              4 * qn * kn * g * g *
+              (2 * kUd * double(std::abs(m) + std::abs(n) + std::abs(diff)) + 40 * kUd);
           CHECK(std::abs(logit - base_logit) <= tol);
         }
       }
@@ -455,8 +498,7 @@ TEST_CASE("<R_m q, R_n k> depends on m - n only; |R_m x| = |x|") {
         const MatrixD y = rotated(q0, p);
         CHECK(std::abs(y.leftCols(64).norm() - g * q0.leftCols(64).norm()) <= 16 * kUd * g * qn);
         CHECK(y.rightCols(3) == q0.rightCols(3));
-        if (s.kind != RopeScalingKind::Yarn)
-          CHECK(std::abs(y.norm() - qn) <= 16 * kUd * qn);
+        if (s.kind != RopeScalingKind::Yarn) CHECK(std::abs(y.norm() - qn) <= 16 * kUd * qn);
       }
     }
 }
@@ -477,8 +519,9 @@ TEST_CASE_TEMPLATE("apply_inverse undoes apply", T, float, double) {
         // R^-1 R x: the forward error (rope_tolerance, scaled by g) and the inverse one
         // (rope_tolerance again, divided by g) add up; both in terms of max |x|. The angle term
         // cancels (the same angle both ways), but the bound keeps it.
-        const double tol = 2 * rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
-                                                 double(std::abs(first) + 65));
+        const double tol =
+            2 * rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
+                                  double(std::abs(first) + 65));
         CHECK((x - x0).template cast<double>().cwiseAbs().maxCoeff() <= tol);
         // And the list form.
         const std::vector<Index> positions = reference::consecutive(65, first);
@@ -515,8 +558,8 @@ TEST_CASE("float at large positions matches double to ~1e-6 relative") {
         const double norm = double(x0.row(i).cast<double>().norm());
         worst_vs_double =
             std::max(worst_vs_double, (xf.row(i).cast<double>() - x_double.row(i)).norm() / norm);
-        worst_vs_reference =
-            std::max(worst_vs_reference, (xf.row(i).cast<double>() - expected.row(i)).norm() / norm);
+        worst_vs_reference = std::max(worst_vs_reference,
+                                      (xf.row(i).cast<double>() - expected.row(i)).norm() / norm);
       }
       CAPTURE(worst_vs_double);
       CAPTURE(worst_vs_reference);
@@ -580,8 +623,8 @@ TEST_CASE("rope_decay_curve") {
   SUBCASE("the Rope overload uses the scaled frequencies") {
     // Linear s = 4 slows every pair by 4: decay_scaled(4 m) = decay_plain(m).
     const Rope plain({.dim = 64, .base = 500});
-    const Rope slow({.dim = 64, .base = 500,
-                     .scaling = {.kind = RopeScalingKind::Linear, .factor = 4}});
+    const Rope slow(
+        {.dim = 64, .base = 500, .scaling = {.kind = RopeScalingKind::Linear, .factor = 4}});
     const std::vector<double> a = rope_decay_curve(plain, 50), b = rope_decay_curve(slow, 200);
     REQUIRE(a.size() == 51);
     REQUIRE(b.size() == 201);
@@ -590,9 +633,11 @@ TEST_CASE("rope_decay_curve") {
       CHECK(std::abs(b[4 * m] - a[m]) <= 1e-12);
     }
     // YaRN, partial rotary width: only r/2 = 24 pairs count.
-    const RopeConfig c{.dim = 50, .rotary_dim = 48, .layout = RopeLayout::Half,
-                       .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
-                                   .original_max_position = 512}};
+    const RopeConfig c{
+        .dim = 50,
+        .rotary_dim = 48,
+        .layout = RopeLayout::Half,
+        .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8, .original_max_position = 512}};
     const std::vector<double> yarn = rope_decay_curve(Rope(c), 100);
     const std::vector<double> want = reference::decay_curve(reference::frequencies(c), 100);
     REQUIRE(yarn.size() == 101);
@@ -640,8 +685,8 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument, expected 
                          std::invalid_argument);
   }
   SUBCASE("scalings") {
-    for (RopeScalingKind kind : {RopeScalingKind::Linear, RopeScalingKind::Ntk,
-                                 RopeScalingKind::Yarn}) {
+    for (RopeScalingKind kind :
+         {RopeScalingKind::Linear, RopeScalingKind::Ntk, RopeScalingKind::Yarn}) {
       CAPTURE(int(kind));
       for (double factor : {0.0, -2.0, std::nan("")}) {
         CAPTURE(factor);
@@ -656,30 +701,40 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument, expected 
     CHECK_THROWS_WITH_AS(
         Rope({.dim = 8, .rotary_dim = 2, .scaling = {.kind = RopeScalingKind::Ntk, .factor = 2}}),
         Contains("rotary_dim is 2 but Ntk scaling needs rotary_dim > 2"), std::invalid_argument);
-    CHECK_NOTHROW(Rope({.dim = 8, .rotary_dim = 4,
-                        .scaling = {.kind = RopeScalingKind::Ntk, .factor = 2}}));
+    CHECK_NOTHROW(
+        Rope({.dim = 8, .rotary_dim = 4, .scaling = {.kind = RopeScalingKind::Ntk, .factor = 2}}));
     CHECK_THROWS_WITH_AS(
         Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8}}),
         Contains("scaling.original_max_position is 0 but Yarn needs original_max_position > 0"),
         std::invalid_argument);
     CHECK_THROWS_WITH_AS(
-        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
-                                    .original_max_position = -5}}),
+        Rope(
+            {.dim = 8,
+             .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8, .original_max_position = -5}}),
         Contains("scaling.original_max_position is -5"), std::invalid_argument);
     CHECK_THROWS_WITH_AS(
-        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
-                                    .original_max_position = 4096, .beta_fast = std::nan("")}}),
+        Rope({.dim = 8,
+              .scaling = {.kind = RopeScalingKind::Yarn,
+                          .factor = 8,
+                          .original_max_position = 4096,
+                          .beta_fast = std::nan("")}}),
         Contains("scaling.beta_fast is nan and beta_slow is 1 but Yarn needs finite beta_fast > "
                  "beta_slow"),
         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Rope({.dim = 8,
+                               .scaling = {.kind = RopeScalingKind::Yarn,
+                                           .factor = 8,
+                                           .original_max_position = 4096,
+                                           .beta_slow = std::nan("")}}),
+                         Contains("scaling.beta_fast is 32 and beta_slow is nan"),
+                         std::invalid_argument);
     CHECK_THROWS_WITH_AS(
-        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
-                                    .original_max_position = 4096, .beta_slow = std::nan("")}}),
-        Contains("scaling.beta_fast is 32 and beta_slow is nan"), std::invalid_argument);
-    CHECK_THROWS_WITH_AS(
-        Rope({.dim = 8, .scaling = {.kind = RopeScalingKind::Yarn, .factor = 8,
-                                    .original_max_position = 4096, .beta_fast = 1,
-                                    .beta_slow = 1}}),
+        Rope({.dim = 8,
+              .scaling = {.kind = RopeScalingKind::Yarn,
+                          .factor = 8,
+                          .original_max_position = 4096,
+                          .beta_fast = 1,
+                          .beta_slow = 1}}),
         Contains("scaling.beta_fast is 1 and beta_slow is 1 but Yarn needs finite beta_fast > "
                  "beta_slow"),
         std::invalid_argument);
@@ -690,9 +745,11 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument, expected 
     MatrixD d(3, 9);
     f.setZero();
     d.setZero();
-    CHECK_THROWS_WITH_AS(rope.apply(f, 0), Contains("Rope::apply: x is [3 x 7] but the rope has dim = 8"),
+    CHECK_THROWS_WITH_AS(rope.apply(f, 0),
+                         Contains("Rope::apply: x is [3 x 7] but the rope has dim = 8"),
                          std::invalid_argument);
-    CHECK_THROWS_WITH_AS(rope.apply(d, 5), Contains("Rope::apply: x is [3 x 9] but the rope has dim = 8"),
+    CHECK_THROWS_WITH_AS(rope.apply(d, 5),
+                         Contains("Rope::apply: x is [3 x 9] but the rope has dim = 8"),
                          std::invalid_argument);
     CHECK_THROWS_WITH_AS(rope.apply_inverse(f, 0),
                          Contains("Rope::apply_inverse: x is [3 x 7] but the rope has dim = 8"),
@@ -719,6 +776,28 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument, expected 
     CHECK_THROWS_WITH_AS(rope.apply_inverse(good_d, std::span<const Index>(two)),
                          Contains("Rope::apply_inverse: positions has 2 entries but x has 3 rows"),
                          std::invalid_argument);
+    // Positions beyond +-2^53 (not exact in the double angle p theta).
+    const Index big = Index(1) << 53;
+    CHECK_THROWS_WITH_AS(rope.apply(good_f, big - 1),
+                         Contains("Rope::apply: first_position is 9007199254740991 with 3 rows but "
+                                  "expected every position within +-2^53 = 9007199254740992"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply_inverse(good_d, -big - 1),
+                         Contains("Rope::apply_inverse: first_position is -9007199254740993"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(rope.apply(good_d, std::numeric_limits<Index>::min()),
+                         Contains("first_position is -9223372036854775808"), std::invalid_argument);
+    const std::vector<Index> far = {0, std::numeric_limits<Index>::min(), 1};
+    CHECK_THROWS_WITH_AS(
+        rope.apply(good_f, std::span<const Index>(far)),
+        Contains("Rope::apply: positions[1] is -9223372036854775808 but expected a "
+                 "position within +-2^53"),
+        std::invalid_argument);
+    // The limits themselves are fine.
+    MatrixD edge = MatrixD::Ones(1, 8);
+    CHECK_NOTHROW(rope.apply(edge, big));
+    CHECK_NOTHROW(rope.apply(edge, -big));
+    CHECK(std::abs(edge.norm() - std::sqrt(8.0)) <= 1e-14);
     // A rejected call leaves x alone.
     CHECK((good_f.array() == 1.0f).all());
     CHECK((good_d.array() == 1.0).all());
@@ -728,9 +807,10 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument, expected 
     CHECK_NOTHROW(rope.apply(empty, std::span<const Index>()));
   }
   SUBCASE("decay curve") {
-    CHECK_THROWS_WITH_AS(rope_decay_curve(8, 10000.0, -1),
-                         Contains("rope_decay_curve: max_distance is -1 but expected max_distance >= 0"),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        rope_decay_curve(8, 10000.0, -1),
+        Contains("rope_decay_curve: max_distance is -1 but expected max_distance >= 0"),
+        std::invalid_argument);
     CHECK_THROWS_WITH_AS(rope_decay_curve(7, 10000.0, 4), Contains("rotary_dim is 7"),
                          std::invalid_argument);
     CHECK_THROWS_WITH_AS(rope_decay_curve(8, -1.0, 4), Contains("base is -1"),

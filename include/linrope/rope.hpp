@@ -32,7 +32,8 @@ enum class RopeScalingKind { None, Linear, Ntk, Yarn };
 //     gamma_i = clamp((rho_i - beta_slow) / (beta_fast - beta_slow), 0, 1),
 //     theta_i' = (1 - gamma_i) * theta_i / s + gamma_i * theta_i,
 //   i.e. slow pairs (< beta_slow turns) are interpolated, fast ones (> beta_fast turns) kept; and the
-//   rotated dimensions are multiplied by the magnitude 0.1 ln(s) + 1 (so logits scale by its square).
+//   rotated dimensions are multiplied by the magnitude 0.1 ln(s) + 1 (so logits scale by its
+//   square; 1 for s <= 1, as in the reference implementation).
 //   Needs original_max_position > 0 and beta_fast > beta_slow.
 struct RopeScaling {
   RopeScalingKind kind = RopeScalingKind::None;
@@ -51,11 +52,12 @@ struct RopeConfig {
 
 // A rope of fixed width. Immutable after construction, so one Rope may be shared across threads.
 // Angles are computed in double for every position (at position 65536 a float angle is already off
-// by ~4e-3 rad); cos/sin come from a small cached table and one angle-addition per row, so a float
-// row at position 10^6 matches its double twin to ~1e-7 relative.
-// Throws std::invalid_argument on: dim < 1, odd rotary_dim, rotary_dim > dim, base <= 1 or not
-// finite, factor <= 0 or not finite, Ntk with r = 2, Yarn without original_max_position or with
-// beta_fast <= beta_slow.
+// by ~4e-3 rad): cos/sin come from small cached tables joined by angle additions in double, so a
+// float row at position 10^6 matches the exact rotation to within 6 * 2^-24 = 3.6e-7 relative (cos
+// and sin rounded once to float, then three float roundings per element).
+// Throws std::invalid_argument on: dim < 1, odd rotary_dim, rotary_dim > dim, base <= 0 or not
+// finite, factor <= 0 or not finite (scaled kinds), Ntk with r = 2, Yarn without
+// original_max_position or with beta_fast <= beta_slow (or either not finite).
 class Rope {
  public:
   explicit Rope(const RopeConfig& config);
@@ -65,14 +67,16 @@ class Rope {
   Index rotary_dim() const { return rotary_dim_; }
   // theta_i after scaling, i = 0 .. r/2 - 1.
   std::vector<double> frequencies() const { return theta_; }
-  // Factor on the rotated dimensions: 0.1 ln(s) + 1 for Yarn, 1 otherwise.
+  // Factor on the rotated dimensions: 0.1 ln(s) + 1 for Yarn with s > 1, 1 otherwise.
   double magnitude() const { return magnitude_; }
 
   // x [n x dim], in place: row i is at position first_position + i (first_position may be < 0).
-  // O(n dim) time, O(dim) extra memory. Throws if x.cols() != dim.
+  // O(n dim) time, O(dim) extra memory. Throws if x.cols() != dim or a position is beyond +-2^53
+  // (where p itself is no longer exact in the double angle p theta).
   void apply(Eigen::Ref<MatrixF> x, Index first_position = 0) const;
   void apply(Eigen::Ref<MatrixD> x, Index first_position = 0) const;
-  // Row i is at position positions[i] (packed sequences); positions.size() must equal x.rows().
+  // Row i is at position positions[i] (packed sequences); positions.size() must equal x.rows(),
+  // and every |positions[i]| <= 2^53.
   void apply(Eigen::Ref<MatrixF> x, std::span<const Index> positions) const;
   void apply(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
 
@@ -83,7 +87,7 @@ class Rope {
   void apply_inverse(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
 
   // Raw-pointer form for kernels: rotates `rows` rows of width dim() spaced `stride` elements apart,
-  // row i at position first_position + i. No checks beyond debug asserts.
+  // row i at position first_position + i (|position| <= 2^53). No checks beyond debug asserts.
   template <class T>
   void rotate_rows(T* x, Index rows, Index stride, Index first_position, bool inverse) const;
 
@@ -97,9 +101,11 @@ class Rope {
   Index rotary_dim_ = 0;
   double magnitude_ = 1.0;
   std::vector<double> theta_;
-  // cos/sin(l * theta_i) for l = -8 .. 8, row-major [17 x r/2].
+  // Angle tables for the kernel (src/rope.cpp), with B = table_block_ (16 or 32) rows per block:
+  // cos/sin(l * theta_i) for l = -B/2 .. B/2, row-major [B + 1 x r/2], and cos/sin(B l theta_i)
+  // then cos/sin(B^2 l theta_i), l = 0 .. B-1, row-major [2B x r/2].
+  Index table_block_ = 16;
   std::vector<double> table_cos_, table_sin_;
-  // cos/sin(16 l theta_i), then cos/sin(256 l theta_i), l = 0 .. 15: row-major [32 x r/2].
   std::vector<double> block_cos_, block_sin_;
 };
 

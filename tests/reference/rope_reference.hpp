@@ -10,10 +10,9 @@
 //   pair i = (2i, 2i + 1) for Interleaved, (i, i + r/2) for Half.
 #pragma once
 
-#include <linrope/rope.hpp>
-
 #include <algorithm>
 #include <cmath>
+#include <linrope/rope.hpp>
 #include <numbers>
 #include <utility>
 #include <vector>
