@@ -2,6 +2,7 @@
 #include <linrope/attention.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -290,6 +291,12 @@ void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k
     }
   }
 
+  // Slices of a block of queries still running; the task that finishes last merges them, so that
+  // the region needs no barrier besides its end (each barrier can cost a time slice on a busy
+  // machine). acq_rel: the last task sees every other slice's state.
+  std::vector<std::atomic<Index>> pending(g.splits > 1 ? query_blocks : 0);
+  for (auto& p : pending) p.store(g.splits, std::memory_order_relaxed);
+
   const Index tasks = query_blocks * g.splits;
   const auto run = [&](Index t, Workspace<T>& ws) {
     // Causal: later blocks see more keys, so they go first (largest jobs first balances best).
@@ -302,32 +309,24 @@ void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k
       const BlockState<T> state{ws.acc.get(), ws.row_max.get(), ws.row_sum.get()};
       stream_keys(q, k, v, i0, rows, kb_begin, kb_end, g, options, scale, ws, state);
       normalise(state, rows, d_v, out + i0 * d_v);
-    } else {
-      const BlockState<T>& s = slices[split];
-      stream_keys(q, k, v, i0, rows, kb_begin, kb_end, g, options, scale, ws,
-                  BlockState<T>{s.acc + i0 * d_v, s.row_max + i0, s.row_sum + i0});
+      return;
     }
-  };
-  const auto merge = [&](Index qblock) {
-    const Index i0 = qblock * g.bq;
-    merge_slices(slices, i0, std::min(g.bq, n - i0), d_v, out);
+    const BlockState<T>& s = slices[split];
+    stream_keys(q, k, v, i0, rows, kb_begin, kb_end, g, options, scale, ws,
+                BlockState<T>{s.acc + i0 * d_v, s.row_max + i0, s.row_sum + i0});
+    if (pending[qblock].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge_slices(slices, i0, rows, d_v, out);
   };
 
   if (threads > 1) {
 #pragma omp parallel num_threads(threads)
     {
       Workspace<T>& ws = workspaces[thread_id()];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
       for (Index t = 0; t < tasks; ++t) run(t, ws);
-      if (g.splits > 1) {
-#pragma omp for schedule(static)
-        for (Index b = 0; b < query_blocks; ++b) merge(b);
-      }
     }
   } else {
     for (Index t = 0; t < tasks; ++t) run(t, workspaces[0]);
-    if (g.splits > 1)
-      for (Index b = 0; b < query_blocks; ++b) merge(b);
   }
 }
 
@@ -349,6 +348,8 @@ Matrix<T> softmax_attention_impl(const Matrix<T>& q, const Matrix<T>& k, const M
   if (v.rows() != n_k)
     detail::throw_invalid(kFn, "v is ", detail::shape_of(v), " but k has n_k = ", n_k, " rows");
   detail::check_softmax_options(kFn, d, options);
+  detail::require_positions(kFn, "options.q_offset", options.q_offset, n);
+  detail::require_positions(kFn, "options.k_offset", options.k_offset, n_k);
   detail::require_finite(kFn, "q", q);
   detail::require_finite(kFn, "k", k);
   detail::require_finite(kFn, "v", v);

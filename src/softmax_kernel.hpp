@@ -20,9 +20,13 @@ double softmax_scale(Index d, const SoftmaxOptions& options);
 //   o_i = sum_j softmax_j(scale * <R_i q_i, R_j k_j>) v_j, causal: k_offset + j <= q_offset + i
 //   q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v], every buffer row-major and contiguous
 //   (row stride = its width); a query with no admissible key gets a zero row.
+// Scores are computed in T: inputs so large that scale * <q_i, k_j> overflows T (|q| |k| scale
+// beyond ~3e38 in float) give NaN rows; anything below that is safe, however large.
 // Arguments must already be validated (shapes, finiteness, check_softmax_options); nothing is
-// checked here and nothing throws except std::bad_alloc, and only before any parallel region (all
-// workspace is allocated up front).
+// checked here. Only std::bad_alloc can be thrown: the workspace is allocated before the parallel
+// region; inside it the only allocations are Rope::rotate_rows's angle buffers (r/2 values) and,
+// for block sizes well above the default, Eigen's GEMM packing buffers (beyond its 128 KiB stack
+// limit) -- a failure there would terminate.
 // Keys stream in blocks of options.block_size (0 chooses) with an online softmax (running max,
 // running sum, rescaled accumulator); each block is two GEMMs, Q_b K_b^T and P V_b. Memory
 // O((n + n_k) d): a rotated copy of k when there is a rope, plus per-thread blocks; never n x n.

@@ -27,8 +27,10 @@ struct SoftmaxOptions {
 //   o_i = sum_j softmax_j(scale * <R_i q_i, R_j k_j>) v_j
 // Streams blocks of keys with an online softmax (running max and running sum): O(n n_k d) time,
 // O((n + n_k) d) memory; nothing n x n is ever stored. Parallel over blocks of queries.
+// Results are bitwise the same for any number of threads. d = 0 is accepted (every score is 0, so
+// each row is the mean of the admissible v rows).
 // Throws std::invalid_argument on shape mismatch, non-finite inputs, a rope of width other than d,
-// or a non-finite or negative scale.
+// a non-finite or negative scale, block_size < 0, or positions beyond +-2^53.
 MatrixF softmax_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
                           const SoftmaxOptions& options = {});
 MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
