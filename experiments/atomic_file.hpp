@@ -21,8 +21,8 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
 // Reads a whole file; throws std::runtime_error if it cannot be opened.
 std::string read_file(const std::filesystem::path& path);
 
-// Deletes leftovers of interrupted writes (names starting with '.' and containing ".tmp-") in `dir`.
-// Returns how many were removed.
+// Deletes leftovers of interrupted writes (names starting with '.' and containing ".tmp-") in
+// `dir`. Returns how many were removed.
 int remove_stale_temporaries(const std::filesystem::path& dir);
 
 }  // namespace linrope::experiments

@@ -1,16 +1,15 @@
 #include "cli.hpp"
 
-#include "csv.hpp"
-#include "experiment.hpp"
-#include "memory.hpp"
-#include "progress.hpp"
-
 #include <CLI/CLI.hpp>
-
 #include <chrono>
 #include <cmath>
 #include <ostream>
 #include <string>
+
+#include "csv.hpp"
+#include "experiment.hpp"
+#include "memory.hpp"
+#include "progress.hpp"
 
 namespace linrope::experiments {
 
@@ -54,20 +53,25 @@ CLI::Validator real_above(double lowest, bool inclusive) {
         }
         if (used != text.size() || text.empty() || !std::isfinite(value) ||
             (inclusive ? value < lowest : value <= lowest))
-          return "'" + text + "' is not a number " + (inclusive ? ">= " : "> ") + format_number(lowest);
+          return "'" + text + "' is not a number " + (inclusive ? ">= " : "> ") +
+                 format_number(lowest);
         return {};
       },
       std::string("NUMBER") + (inclusive ? ">=" : ">") + "0", "real_above");
 }
 
 void add_options(CLI::App& app, Options& o, bool& quick, bool& no_plots) {
-  app.add_flag("--quick", quick, "small sweeps; every experiment together in a few minutes (default)");
+  app.add_flag("--quick", quick,
+               "small sweeps; every experiment together in a few minutes (default)");
   app.add_flag("--full", o.full, "the sizes of the paper figures (long)")->excludes("--quick");
   app.add_option("--out", o.out, "output directory")->capture_default_str();
-  app.add_option("--seed", o.seed, "base seed; experiments use seed, seed+1, ...")->capture_default_str();
-  app.add_option("--threads", o.threads, "OpenMP threads (0: the default)")
+  app.add_option("--seed", o.seed, "base seed; experiments use seed, seed+1, ...")
+      ->capture_default_str();
+  app.add_option("--threads", o.threads,
+                 "OpenMP threads (0: OpenMP's default for scaling, 1 for the accuracy experiments)")
       ->check(integer_at_least(0));
-  app.add_flag("--resume", o.resume, "keep the points already in the CSV files and measure the rest");
+  app.add_flag("--resume", o.resume,
+               "keep the points already in the CSV files and measure the rest");
   app.add_flag("--no-plots", no_plots, "write CSV, JSON and REPORT.md but no PNG");
   app.add_flag("--quiet", o.quiet, "no progress bar");
   app.add_option("--python", o.python, "Python interpreter with matplotlib")->capture_default_str();
@@ -104,7 +108,8 @@ void add_options(CLI::App& app, Options& o, bool& quick, bool& no_plots) {
   list("--favor-features", o.favor_features, "favor-error: feature counts m");
   number("--favor-seeds", o.favor_seeds, "favor-error: seeds");
   number("--favor-pairs", o.favor_pairs, "favor-error: sampled (q, k) pairs");
-  app.add_option("--favor-scale", o.favor_scale, "favor-error: std of q, k entries")
+  app.add_option("--favor-scales", o.favor_scales, "favor-error: std of the q, k entries (0.5,1)")
+      ->delimiter(',')
       ->check(real_above(0, false))
       ->group("Sizes");
   number("--decay-dim", o.decay_dim, "rope-decay: d (128)");
@@ -122,9 +127,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   const std::string program = "linrope-experiments";
   Options options;
   bool quick = false, no_plots = false;
-  CLI::App app{"Experiments on linear attention with RoPE. Writes <out>/<experiment>/ (CSV, JSON, "
-               "PNG) and <out>/REPORT.md.",
-               program};
+  CLI::App app{
+      "Experiments on linear attention with RoPE. Writes <out>/<experiment>/ (CSV, JSON, "
+      "PNG) and <out>/REPORT.md.",
+      program};
   app.fallthrough();  // global options may follow the subcommand
   app.require_subcommand(1, 1);
   add_options(app, options, quick, no_plots);
@@ -143,13 +149,14 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       return 0;
     }
     bool any_subcommand = all->parsed();
-    for (const auto& [sub, experiment] : subcommands) any_subcommand = any_subcommand || sub->parsed();
+    for (const auto& [sub, experiment] : subcommands)
+      any_subcommand = any_subcommand || sub->parsed();
     if (!any_subcommand && !app.remaining().empty()) {
       // "A subcommand is required" hides the actual mistake: a misspelt subcommand.
       std::string names;
       for (const auto& [sub, experiment] : subcommands) names += experiment->name + ", ";
-      err << program << ": unknown subcommand '" << app.remaining().front()
-          << "'; expected one of " << names << "all (see --help)\n";
+      err << program << ": unknown subcommand '" << app.remaining().front() << "'; expected one of "
+          << names << "all (see --help)\n";
       return 2;
     }
     err << program << ": " << one_line(e.what()) << " (see --help)\n";
@@ -179,8 +186,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       status = 1;
     }
   }
-  out << "total " << Progress::format_duration(
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count())
+  out << "total "
+      << Progress::format_duration(
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count())
       << "; report: " << (options.out / "REPORT.md").string() << '\n';
   return status;
 }

@@ -1,7 +1,5 @@
 #include "csv.hpp"
 
-#include "atomic_file.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +8,8 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+
+#include "atomic_file.hpp"
 
 namespace linrope::experiments {
 

@@ -1,11 +1,10 @@
-// A tidy CSV table: one row per measurement, named columns, the first `key_columns` of which are the
-// parameters that identify a point (what --resume keys on); the rest are measured values.
+// A tidy CSV table: one row per measurement, named columns, the first `key_columns` of which are
+// the parameters that identify a point (what --resume keys on); the rest are measured values.
 #pragma once
-
-#include <linrope/types.hpp>
 
 #include <cstddef>
 #include <filesystem>
+#include <linrope/types.hpp>
 #include <map>
 #include <string>
 #include <string_view>
@@ -14,7 +13,8 @@
 namespace linrope::experiments {
 
 // Text form of a value in a CSV cell: integers in decimal, doubles with 9 significant digits
-// ("nan", "inf" and "-inf" for the non-finite ones), so that a key written once reads back the same.
+// ("nan", "inf" and "-inf" for the non-finite ones), so that a key written once reads back the
+// same.
 std::string format_number(double value);
 std::string format_number(Index value);
 
@@ -62,7 +62,8 @@ class CsvTable {
   void save(const std::filesystem::path& path) const;
   // Appends the rows of an existing file (for --resume). Returns how many were read; 0 if the file
   // does not exist. Throws std::runtime_error if its header differs from columns() (a file written
-  // by a different version of the experiment must not be mixed with new rows) or a row is malformed.
+  // by a different version of the experiment must not be mixed with new rows) or a row is
+  // malformed.
   std::size_t load(const std::filesystem::path& path);
 
  private:

@@ -2,16 +2,15 @@
 // section) out. The runner (runner.cpp) adds the JSON metadata, the plots and REPORT.md.
 #pragma once
 
-#include "options.hpp"
-#include "report.hpp"
-
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
+
+#include "options.hpp"
+#include "report.hpp"
 
 namespace linrope::experiments {
 
@@ -25,8 +24,8 @@ struct Context {
 };
 
 struct Outcome {
-  std::vector<std::uint64_t> seeds;                       // every seed the run used
-  nlohmann::json summary = nlohmann::json::object();     // derived numbers (fits, means, ...)
+  std::vector<std::uint64_t> seeds;                   // every seed the run used
+  nlohmann::json summary = nlohmann::json::object();  // derived numbers (fits, means, ...)
   Section section;
 };
 

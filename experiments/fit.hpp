@@ -28,6 +28,7 @@ struct Crossover {
 };
 Crossover crossover(std::span<const double> n, std::span<const double> t_fast,
                     std::span<const double> t_slow, double fit_min_n = 0);
-std::string describe(const Crossover& c);  // e.g. "n ~ 1400", "below 256", "not reached (~ 3e5 by extrapolation)"
+std::string describe(
+    const Crossover& c);  // e.g. "n ~ 1400", "below 256", "not reached (~ 3e5 by extrapolation)"
 
 }  // namespace linrope::experiments

@@ -1,9 +1,9 @@
 #include "inputs.hpp"
 
-#include "random.hpp"
-
 #include <cmath>
 #include <stdexcept>
+
+#include "random.hpp"
 
 namespace linrope::experiments {
 
@@ -16,11 +16,16 @@ const std::vector<InputKind>& all_input_kinds() {
 
 const char* to_string(InputKind kind) {
   switch (kind) {
-    case InputKind::Gaussian: return "gaussian";
-    case InputKind::QEqualsK: return "q_equals_k";
-    case InputKind::RandomWalk: return "random_walk";
-    case InputKind::Sinusoids: return "sinusoids";
-    case InputKind::RepeatedToken: return "repeated_token";
+    case InputKind::Gaussian:
+      return "gaussian";
+    case InputKind::QEqualsK:
+      return "q_equals_k";
+    case InputKind::RandomWalk:
+      return "random_walk";
+    case InputKind::Sinusoids:
+      return "sinusoids";
+    case InputKind::RepeatedToken:
+      return "repeated_token";
   }
   return "?";
 }
@@ -52,7 +57,8 @@ MatrixD sinusoids(Index n, Index d, std::uint64_t seed, double scale) {
   for (Index j = 0; j < d; ++j) {
     const double w = std::pow(10.0, -3.0 + 2.0 * random.uniform());
     const double phase = 2 * 3.141592653589793 * random.uniform();
-    for (Index i = 0; i < n; ++i) m(i, j) = scale * std::sqrt(2.0) * std::sin(w * double(i) + phase);
+    for (Index i = 0; i < n; ++i)
+      m(i, j) = scale * std::sqrt(2.0) * std::sin(w * double(i) + phase);
   }
   return m;
 }
@@ -80,7 +86,8 @@ Inputs make_inputs(InputKind kind, Index n, Index d, std::uint64_t seed, double 
       return {std::move(q), std::move(k), gaussian_matrix(n, d, sv)};
     }
     case InputKind::RandomWalk:
-      return {random_walk(n, d, sq, scale), random_walk(n, d, sk, scale), gaussian_matrix(n, d, sv)};
+      return {random_walk(n, d, sq, scale), random_walk(n, d, sk, scale),
+              gaussian_matrix(n, d, sv)};
     case InputKind::Sinusoids:
       return {sinusoids(n, d, sq, scale), sinusoids(n, d, sk, scale), gaussian_matrix(n, d, sv)};
     case InputKind::RepeatedToken:

@@ -2,20 +2,19 @@
 // normalisation differently (tokens that resemble each other, or the same token over and over).
 #pragma once
 
-#include <linrope/types.hpp>
-
 #include <cstdint>
+#include <linrope/types.hpp>
 #include <string>
 #include <vector>
 
 namespace linrope::experiments {
 
 enum class InputKind {
-  Gaussian,       // q, k, v iid N(0, 1)
-  QEqualsK,       // q = k iid N(0, 1) (self-similarity: the largest score of a query is its own key)
-  RandomWalk,     // q, k mean-reverting random walks x_t = rho x_{t-1} + sqrt(1 - rho^2) g_t,
-                  // rho = 0.99: unit variance, neighbours correlated over ~100 positions
-  Sinusoids,      // column j = sqrt(2) sin(w_j t + phase_j), w_j log-uniform in [1e-3, 1e-1]
+  Gaussian,    // q, k, v iid N(0, 1)
+  QEqualsK,    // q = k iid N(0, 1) (self-similarity: the largest score of a query is its own key)
+  RandomWalk,  // q, k mean-reverting random walks x_t = rho x_{t-1} + sqrt(1 - rho^2) g_t,
+               // rho = 0.99: unit variance, neighbours correlated over ~100 positions
+  Sinusoids,   // column j = sqrt(2) sin(w_j t + phase_j), w_j log-uniform in [1e-3, 1e-1]
   RepeatedToken,  // every row of q (and of k, of v) the same Gaussian token
 };
 const std::vector<InputKind>& all_input_kinds();

@@ -39,7 +39,8 @@ bool hwm_reset_works() {
   static const bool works = [] {
     // mmap, not malloc: the allocator might keep freed memory resident and hide the drop.
     constexpr std::size_t kBytes = std::size_t(64) << 20;
-    void* block = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* block =
+        ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (block == MAP_FAILED) return false;
     std::memset(block, 1, kBytes);
     const double high = peak_rss_mib();

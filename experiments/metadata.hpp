@@ -2,16 +2,15 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
-
 #include <string>
 
 namespace linrope::experiments {
 
-std::string git_commit();     // `git rev-parse HEAD` in the source tree, or "unknown"
-std::string cpu_model();      // first "model name" of /proc/cpuinfo, or "unknown"
-std::string compiler();       // e.g. "GCC 12.2.0"
-std::string utc_timestamp();  // ISO 8601, e.g. "2024-05-01T12:00:00Z"
-int max_threads();            // omp_get_max_threads(), or 1 without OpenMP
+std::string git_commit();       // `git rev-parse HEAD` in the source tree, or "unknown"
+std::string cpu_model();        // first "model name" of /proc/cpuinfo, or "unknown"
+std::string compiler();         // e.g. "GCC 12.2.0"
+std::string utc_timestamp();    // ISO 8601, e.g. "2024-05-01T12:00:00Z"
+int max_threads();              // omp_get_max_threads(), or 1 without OpenMP
 void set_threads(int threads);  // omp_set_num_threads when threads > 0
 
 // The 1-minute load average (/proc/loadavg); NaN if unreadable. Timings taken while it exceeds

@@ -7,9 +7,13 @@
 
 namespace linrope::experiments {
 
-// q [B,H,n,d], k [B,H,n,d], v [B,H,n,d_v] -> out [B,H,n,d_v], heads one after the other so that one
-// n x n float matrix is alive at a time (4 n^2 bytes; 256 MiB at n = 8192). RoPE (width d) on q and
-// k when `rope` is given; scale 1/sqrt(d); causal masks keys after the query. Shapes are trusted.
+// q [B,H,n,d], k [B,H,n,d], v [B,H,n,d_v] -> out [B,H,n,d_v]. RoPE (width d) on q and k when
+// `rope` is given; scale 1/sqrt(d); causal masks keys after the query. Shapes are trusted.
+// Parallel over heads, one head per thread at a time, each with its own n x n float matrix:
+// 4 n^2 bytes per thread (256 MiB at n = 8192). One parallel region per call: on a loaded machine
+// finer-grained parallelism (Eigen's threaded GEMM, a parallel loop per head) waited on
+// descheduled threads and ran 20-50x slower than one thread (measured at n = 512, load 5 on 2
+// cores).
 void naive_softmax_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
                              Heads<float> out, bool causal, const Rope* rope);
 

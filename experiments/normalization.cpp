@@ -3,18 +3,17 @@
 // (the denominator can cancel to zero or below); before_map rotates q and k before the feature
 // map; none drops position. Measured: denominator statistics, output norm against n, and relative
 // error against exact RoPE softmax attention, over inputs, maps, causality, lengths and seeds.
+#include <algorithm>
+#include <cmath>
+#include <linrope/linrope.hpp>
+#include <map>
+#include <memory>
+
 #include "experiment.hpp"
 #include "inputs.hpp"
 #include "metadata.hpp"
 #include "stats.hpp"
 #include "sweep.hpp"
-
-#include <linrope/linrope.hpp>
-
-#include <algorithm>
-#include <cmath>
-#include <map>
-#include <memory>
 
 namespace linrope::experiments {
 
@@ -39,13 +38,15 @@ Rope feature_rope(Index m) { return Rope(RopeConfig{.dim = m, .rotary_dim = m - 
 struct Aggregate {
   std::vector<double> rel_error, nonpositive, below, den_min, out_norm, exact_norm;
 };
-using GroupKey = std::tuple<std::string, std::string, std::string, bool, Index>;  // input map placement causal n
+using GroupKey =
+    std::tuple<std::string, std::string, std::string, bool, Index>;  // input map placement causal n
 
 }  // namespace
 
 Outcome run_normalization(Context& context) {
   const Options& o = context.options;
-  const ScopedThreads one_thread(1);  // see ScopedThreads: many small single-head calls
+  // One thread unless --threads says otherwise: many small single-head calls (see ScopedThreads).
+  const ScopedThreads threads(o.threads > 0 ? o.threads : 1);
   const Index d = o.norm_dim;
   std::vector<Index> lengths = o.norm_lengths;
   std::sort(lengths.begin(), lengths.end());
@@ -71,8 +72,10 @@ Outcome run_normalization(Context& context) {
       // Feature maps of this seed (FAVOR+ draws W from it; the others are deterministic).
       std::vector<std::unique_ptr<FeatureMap>> maps;
       for (const FeatureMapKind kind : kMaps)
-        maps.push_back(make_feature_map({.kind = kind, .input_dim = d,
-                                         .num_features = o.norm_features, .orthogonal = true,
+        maps.push_back(make_feature_map({.kind = kind,
+                                         .input_dim = d,
+                                         .num_features = o.norm_features,
+                                         .orthogonal = true,
                                          .seed = seed}));
       for (const InputKind input : all_input_kinds())
         for (const bool causal : {false, true}) {
@@ -85,15 +88,18 @@ Outcome run_normalization(Context& context) {
           bool needed = false;
           for (const auto& map : maps)
             for (const RopePlacement placement : kPlacements)
-              needed = needed || !sweep.table().contains(sweep.table().key_of(key(*map, placement)));
+              needed =
+                  needed || !sweep.table().contains(sweep.table().key_of(key(*map, placement)));
           const double work = double(n) * (1 + double(n) / 256);
           if (!needed) {
             for (const auto& map : maps)
-              for (const RopePlacement placement : kPlacements) sweep.begin(key(*map, placement), "", work);
+              for (const RopePlacement placement : kPlacements)
+                sweep.begin(key(*map, placement), "", work);
             continue;
           }
           const Inputs x = make_inputs(input, n, d, seed);
-          const MatrixD exact = softmax_attention(x.q, x.k, x.v, {.causal = causal, .rope = &rope_d});
+          const MatrixD exact =
+              softmax_attention(x.q, x.k, x.v, {.causal = causal, .rope = &rope_d});
           const MatrixD exact_norope = softmax_attention(x.q, x.k, x.v, {.causal = causal});
           const double exact_norm = mean_row_norm(exact);
           for (const auto& map : maps) {
@@ -148,9 +154,14 @@ Outcome run_normalization(Context& context) {
   nlohmann::json groups_json = nlohmann::json::array();
   for (const auto& [key, a] : agg) {
     const auto& [input, map, placement, causal, n] = key;
-    groups_json.push_back({{"input", input}, {"map", map}, {"placement", placement},
-                           {"causal", causal}, {"n", n}, {"seeds", a.rel_error.size()},
-                           {"rel_error_mean", mean(a.rel_error)}, {"rel_error_std", std_dev(a.rel_error)},
+    groups_json.push_back({{"input", input},
+                           {"map", map},
+                           {"placement", placement},
+                           {"causal", causal},
+                           {"n", n},
+                           {"seeds", a.rel_error.size()},
+                           {"rel_error_mean", mean(a.rel_error)},
+                           {"rel_error_std", std_dev(a.rel_error)},
                            {"den_nonpositive_frac_mean", mean(a.nonpositive)},
                            {"den_below_frac_mean", mean(a.below)},
                            {"den_min", minimum(a.den_min)},
@@ -161,7 +172,8 @@ Outcome run_normalization(Context& context) {
 
   // ---- Report -------------------------------------------------------------------------------
   Section& s = outcome.section;
-  s.title = "2. Normalisation: RoPE in the numerator only (RoFormer eq. 19) against the alternatives";
+  s.title =
+      "2. Normalisation: RoPE in the numerator only (RoFormer eq. 19) against the alternatives";
   s.figures = {
       {"normalization_denominators.png",
        "Fraction of non-positive denominators against n (mean over seeds), per map and input"},
@@ -171,11 +183,17 @@ Outcome run_normalization(Context& context) {
       {"normalization_output_norm.png",
        "Mean row norm of the output against n; black: exact RoPE softmax"}};
   const Index n_max = lengths.back(), n_min = lengths.front();
-  const std::string setup = "Single head, d = " + std::to_string(d) + ", double precision, " +
-                            std::to_string(seeds.size()) + " seeds; maps elu+1 (m = d), favor+ (m = " +
-                            std::to_string(o.norm_features) + " orthogonal positive features) and "
-                            "1+cos (m = d + 1); numerator_only and full put RoPE of width m on the "
-                            "features, before_map RoPE of width d on q and k.";
+  const std::string setup =
+      "Single head, d = " + std::to_string(d) + ", double precision, " +
+      std::to_string(seeds.size()) +
+      " seeds; maps elu+1 (m = d), favor+ (m = " + std::to_string(o.norm_features) +
+      " orthogonal positive features) and "
+      "1+cos (m = d + 1); numerator_only and full put RoPE of width m on the "
+      "features, before_map RoPE of width d on q and k. Inputs: gaussian (q, "
+      "k, v entries N(0, 1)), q_equals_k, random_walk (AR(1) with rho = "
+      "0.99, unit variance), sinusoids (periods 60 to 6000 positions), "
+      "repeated_token (one token at every position). Reference: exact "
+      "softmax attention with RoPE of width d, scale 1/sqrt(d).";
   s.paragraphs.push_back(setup);
 
   // Denominators: numerator_only against full, over everything measured.
@@ -216,7 +234,8 @@ Outcome run_normalization(Context& context) {
     std::vector<std::string> per_map;
     for (const FeatureMapKind kind : kMaps)
       for (const bool causal : {false, true})
-        if (const auto a = agg.find({"gaussian", to_string(kind), "full", causal, n_max}); a != agg.end())
+        if (const auto a = agg.find({"gaussian", to_string(kind), "full", causal, n_max});
+            a != agg.end())
           per_map.push_back(std::string(to_string(kind)) + (causal ? " causal " : " ") +
                             percent(mean(a->second.nonpositive)));
     if (!per_map.empty()) {
@@ -231,8 +250,9 @@ Outcome run_normalization(Context& context) {
   // Accuracy tables at n_max.
   for (const bool causal : {false, true}) {
     std::string table = "Relative error against exact RoPE softmax attention, " +
-                        std::string(causal ? "causal" : "non-causal") + ", n = " +
-                        std::to_string(n_max) + ", mean +- std over seeds:\n\n| input | placement |";
+                        std::string(causal ? "causal" : "non-causal") +
+                        ", n = " + std::to_string(n_max) +
+                        ", mean +- std over seeds:\n\n| input | placement |";
     for (const FeatureMapKind kind : kMaps) table += " " + std::string(to_string(kind)) + " |";
     table += "\n|---|---|";
     for (std::size_t i = 0; i < std::size(kMaps); ++i) table += "---|";
@@ -241,10 +261,13 @@ Outcome run_normalization(Context& context) {
       for (const RopePlacement placement : kPlacements) {
         table += "| " + std::string(to_string(input)) + " | " + to_string(placement) + " |";
         for (const FeatureMapKind kind : kMaps) {
-          const auto a = agg.find({to_string(input), to_string(kind), to_string(placement), causal, n_max});
+          const auto a =
+              agg.find({to_string(input), to_string(kind), to_string(placement), causal, n_max});
           // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on " " + std::string.
           if (a != agg.end())
-            table.append(" ").append(fmt(mean(a->second.rel_error), 3)).append(" +- ")
+            table.append(" ")
+                .append(fmt(mean(a->second.rel_error), 3))
+                .append(" +- ")
                 .append(fmt(std_dev(a->second.rel_error), 2));
           table += " |";
         }
@@ -265,7 +288,8 @@ Outcome run_normalization(Context& context) {
           std::string best;
           double best_error = INFINITY;
           for (const RopePlacement placement : kPlacements) {
-            const auto a = agg.find({to_string(input), to_string(kind), to_string(placement), causal, n_max});
+            const auto a =
+                agg.find({to_string(input), to_string(kind), to_string(placement), causal, n_max});
             if (a != agg.end() && mean(a->second.rel_error) < best_error)
               best_error = mean(a->second.rel_error), best = to_string(placement);
           }
@@ -284,8 +308,8 @@ Outcome run_normalization(Context& context) {
   }
   // Output norm growth, Gaussian, non-causal.
   if (n_max > n_min) {
-    std::string p = "Output norm from n = " + std::to_string(n_min) + " to n = " +
-                    std::to_string(n_max) + " (Gaussian, non-causal, mean row norm): ";
+    std::string p = "Output norm from n = " + std::to_string(n_min) +
+                    " to n = " + std::to_string(n_max) + " (Gaussian, non-causal, mean row norm): ";
     std::vector<std::string> parts;
     if (const auto a = agg.find({"gaussian", "favor+", "none", false, n_min}),
         b = agg.find({"gaussian", "favor+", "none", false, n_max});
@@ -298,8 +322,9 @@ Outcome run_normalization(Context& context) {
         const auto b = agg.find({"gaussian", to_string(kind), to_string(placement), false, n_max});
         if (a == agg.end() || b == agg.end()) continue;
         parts.push_back(std::string(to_string(kind)) + " " + to_string(placement) + " " +
-                        fmt(mean(a->second.out_norm), 3) + " -> " + fmt(mean(b->second.out_norm), 3) +
-                        " (x" + fmt(mean(b->second.out_norm) / mean(a->second.out_norm), 3) + ")");
+                        fmt(mean(a->second.out_norm), 3) + " -> " +
+                        fmt(mean(b->second.out_norm), 3) + " (x" +
+                        fmt(mean(b->second.out_norm) / mean(a->second.out_norm), 3) + ")");
       }
     for (std::size_t i = 0; i < parts.size(); ++i) p += (i ? "; " : "") + parts[i];
     s.paragraphs.push_back(p + ".");

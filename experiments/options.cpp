@@ -1,5 +1,6 @@
 #include "options.hpp"
 
+#include <cmath>
 #include <stdexcept>
 
 namespace linrope::experiments {
@@ -80,14 +81,18 @@ void resolve_presets(Options& o) {
   require_at_least("--relative-samples", o.relative_samples, 1);
   require_at_least("--threads", o.threads, 0);
   // Even widths: RoPE rotates pairs.
-  for (const auto& [option, value] : {std::pair{"--dim", o.dim}, {"--norm-dim", o.norm_dim},
-                                      {"--decay-dim", o.decay_dim}, {"--relative-dim", o.relative_dim}})
+  for (const auto& [option, value] : {std::pair{"--dim", o.dim},
+                                      {"--norm-dim", o.norm_dim},
+                                      {"--decay-dim", o.decay_dim},
+                                      {"--relative-dim", o.relative_dim}})
     if (value % 2 != 0)
       throw std::invalid_argument(std::string(option) + ": " + std::to_string(value) +
                                   " is odd but RoPE needs an even width");
-  if (!(o.norm_threshold >= 0))
-    throw std::invalid_argument("--norm-threshold: must be >= 0");
-  if (!(o.favor_scale > 0)) throw std::invalid_argument("--favor-scale: must be > 0");
+  if (!(o.norm_threshold >= 0)) throw std::invalid_argument("--norm-threshold: must be >= 0");
+  if (o.favor_scales.empty()) o.favor_scales = {0.5, 1.0};
+  for (const double scale : o.favor_scales)
+    if (!(scale > 0) || !std::isfinite(scale))
+      throw std::invalid_argument("--favor-scales: " + std::to_string(scale) + " is not > 0");
   if (o.out.empty()) throw std::invalid_argument("--out: must not be empty");
 }
 
@@ -100,19 +105,32 @@ nlohmann::json to_json(const Options& o) {
       {"resume", o.resume},
       {"plots", o.plots},
       {"scaling",
-       {{"lengths", o.lengths}, {"heads", o.heads}, {"dim", o.dim}, {"reps", o.reps},
-        {"naive_max", o.naive_max}, {"softmax_max", o.softmax_max},
-        {"favor_features", o.scaling_features}, {"one_head_n", o.one_head_n},
+       {{"lengths", o.lengths},
+        {"heads", o.heads},
+        {"dim", o.dim},
+        {"reps", o.reps},
+        {"naive_max", o.naive_max},
+        {"softmax_max", o.softmax_max},
+        {"favor_features", o.scaling_features},
+        {"one_head_n", o.one_head_n},
         {"fit_min_n", o.fit_min_n}}},
       {"normalization",
-       {{"lengths", o.norm_lengths}, {"seeds", o.norm_seeds}, {"dim", o.norm_dim},
-        {"favor_features", o.norm_features}, {"threshold", o.norm_threshold}}},
+       {{"lengths", o.norm_lengths},
+        {"seeds", o.norm_seeds},
+        {"dim", o.norm_dim},
+        {"favor_features", o.norm_features},
+        {"threshold", o.norm_threshold}}},
       {"favor_error",
-       {{"length", o.favor_length}, {"dim", o.favor_dim}, {"features", o.favor_features},
-        {"seeds", o.favor_seeds}, {"pairs", o.favor_pairs}, {"scale", o.favor_scale}}},
+       {{"length", o.favor_length},
+        {"dim", o.favor_dim},
+        {"features", o.favor_features},
+        {"seeds", o.favor_seeds},
+        {"pairs", o.favor_pairs},
+        {"scales", o.favor_scales}}},
       {"rope_decay", {{"dim", o.decay_dim}, {"max_distance", o.decay_distance}}},
       {"rope_relative",
-       {{"max_positions", o.relative_positions}, {"dim", o.relative_dim},
+       {{"max_positions", o.relative_positions},
+        {"dim", o.relative_dim},
         {"samples", o.relative_samples}}},
   };
 }

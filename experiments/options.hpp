@@ -2,12 +2,10 @@
 // the mode (--quick, the default, or --full) when resolve_presets() is called.
 #pragma once
 
-#include <linrope/types.hpp>
-
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
 #include <filesystem>
+#include <linrope/types.hpp>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -44,12 +42,12 @@ struct Options {
   double norm_threshold = 1e-3;     // DenominatorStats::threshold
 
   // favor-error
-  Index favor_length = 0;              // quick 1024, full 4096
-  Index favor_dim = 0;                 // 16
-  std::vector<Index> favor_features;   // quick 16..256, full 16..512 (powers of 2)
-  Index favor_seeds = 0;               // quick 5, full 10
-  Index favor_pairs = 0;               // sampled (q, k) pairs for the kernel MSE: 4096 / 16384
-  double favor_scale = 1.0;            // std of the q, k entries
+  Index favor_length = 0;             // quick 1024, full 4096
+  Index favor_dim = 0;                // 16
+  std::vector<Index> favor_features;  // quick 16..256, full 16..512 (powers of 2)
+  Index favor_seeds = 0;              // quick 5, full 10
+  Index favor_pairs = 0;              // sampled (q, k) pairs for the kernel MSE: 4096 / 16384
+  std::vector<double> favor_scales;   // std of the q, k entries: 0.5 and 1
 
   // rope-decay
   Index decay_dim = 0;       // 128

@@ -1,10 +1,10 @@
 // Runs experiments/plot.py (matplotlib, under /usr/bin/python3) on an experiment's directory.
 #pragma once
 
-#include "options.hpp"
-
 #include <filesystem>
 #include <string>
+
+#include "options.hpp"
 
 namespace linrope::experiments {
 

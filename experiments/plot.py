@@ -183,7 +183,7 @@ def plot_normalization(directory):
                     ax.set_ylabel("%s\n%s" % (fmap, ylabel), fontsize=8)
                 if i == len(maps) - 1:
                     ax.set_xlabel("n", fontsize=8)
-                ax.tick_params(labelsize=7)
+                ax.tick_params(which="both", labelsize=7)
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
         fig.tight_layout(rect=(0, 0.07, 1, 1))
@@ -200,28 +200,30 @@ def plot_favor_error(directory):
     rows = read_rows(directory, "favor_error")
     groups = defaultdict(list)
     for r in rows:
-        groups[(r["features"], r["sampling"], int(r["m"]))].append(r)
-    variants = sorted({k[:2] for k in groups})
+        groups[(r["scale"], r["features"], r["sampling"], int(r["m"]))].append(r)
+    scales = sorted({k[0] for k in groups}, key=float)
+    variants = sorted({k[1:3] for k in groups})
     style = {("positive", "orthogonal"): ("tab:blue", "-", "o"), ("positive", "iid"): ("tab:blue", "--", "s"),
              ("trig", "orthogonal"): ("tab:red", "-", "o"), ("trig", "iid"): ("tab:red", "--", "s")}
+    n = rows[0]["n"] if rows else "?"
+    d = rows[0]["d"] if rows else "?"
     for column, ylabel, name in [("kernel_mse", "MSE of phi(q).phi(k) vs exp(q.k/sqrt d)", "favor_kernel_mse.png"),
                                  ("attn_rel_error", "relative error of attention output", "favor_attention_error.png")]:
-        fig, ax = plt.subplots(figsize=(7, 5))
-        for v in variants:
-            ms = sorted(k[2] for k in groups if k[:2] == v)
-            stats = [mean_std([num(r, column) for r in groups[(v[0], v[1], m)]]) for m in ms]
-            color, ls, marker = style.get(v, ("tab:green", "-", "."))
-            ax.errorbar(ms, [s[0] for s in stats], yerr=[s[1] for s in stats], color=color, linestyle=ls,
-                        marker=marker, capsize=3, label="%s, %s" % v)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("random features m")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.25)
-        ax.legend()
-        n = rows[0]["n"] if rows else "?"
-        d = rows[0]["d"] if rows else "?"
-        ax.set_title("FAVOR+ (L = %s, d = %s), mean +- std over seeds" % (n, d))
+        fig, axes = plt.subplots(1, len(scales), figsize=(6.5 * len(scales), 5), squeeze=False)
+        for ax, scale in zip(axes[0], scales):
+            for v in variants:
+                ms = sorted(k[3] for k in groups if k[:3] == (scale,) + v)
+                stats = [mean_std([num(r, column) for r in groups[(scale, v[0], v[1], m)]]) for m in ms]
+                color, ls, marker = style.get(v, ("tab:green", "-", "."))
+                ax.errorbar(ms, [s[0] for s in stats], yerr=[s[1] for s in stats], color=color,
+                            linestyle=ls, marker=marker, capsize=3, label="%s, %s" % v)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("random features m")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.25)
+            ax.legend()
+            ax.set_title("FAVOR+ L = %s, d = %s, q/k entries N(0, %s^2)" % (n, d, scale))
         save(fig, directory, name)
 
 

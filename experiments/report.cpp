@@ -1,9 +1,9 @@
 #include "report.hpp"
 
-#include "atomic_file.hpp"
-
 #include <cmath>
 #include <cstdio>
+
+#include "atomic_file.hpp"
 
 namespace linrope::experiments {
 

@@ -10,7 +10,7 @@
 namespace linrope::experiments {
 
 struct Figure {
-  std::string file;     // PNG in the experiment's directory
+  std::string file;  // PNG in the experiment's directory
   std::string caption;
 };
 

@@ -1,12 +1,11 @@
 // Experiment 4, rope-decay: the long-term decay bound of RoPE (RoFormer sec. 3.4.3, kexue.fm/8265)
 // against relative distance, for d = 128 and several bases, and under the context-extension
 // scalings (linear, NTK-aware, YaRN) with factor 4.
-#include "experiment.hpp"
-#include "sweep.hpp"
-
+#include <cmath>
 #include <linrope/rope.hpp>
 
-#include <cmath>
+#include "experiment.hpp"
+#include "sweep.hpp"
 
 namespace linrope::experiments {
 
@@ -30,7 +29,8 @@ Rope make_rope(Index dim, const DecayCurve& c) {
 
 std::string name_of(const DecayCurve& c) {
   std::string name = "base " + std::string(format_number(c.base));
-  if (c.kind != RopeScalingKind::None) name += ", " + std::string(c.scaling) + " x" + format_number(c.factor);
+  if (c.kind != RopeScalingKind::None)
+    name += ", " + std::string(c.scaling) + " x" + format_number(c.factor);
   return name;
 }
 
@@ -40,9 +40,9 @@ Outcome run_rope_decay(Context& context) {
   const Options& o = context.options;
   const Index dim = o.decay_dim, D = o.decay_distance;
   const std::vector<DecayCurve> curves = {
-      {500, RopeScalingKind::None, 1, "none"},      {10000, RopeScalingKind::None, 1, "none"},
-      {500000, RopeScalingKind::None, 1, "none"},   {10000, RopeScalingKind::Linear, 4, "linear"},
-      {10000, RopeScalingKind::Ntk, 4, "ntk"},      {10000, RopeScalingKind::Yarn, 4, "yarn"}};
+      {500, RopeScalingKind::None, 1, "none"},    {10000, RopeScalingKind::None, 1, "none"},
+      {500000, RopeScalingKind::None, 1, "none"}, {10000, RopeScalingKind::Linear, 4, "linear"},
+      {10000, RopeScalingKind::Ntk, 4, "ntk"},    {10000, RopeScalingKind::Yarn, 4, "yarn"}};
   Sweep sweep(context, "rope_decay",
               {"dim", "base", "scaling", "factor", "distance", "decay", "decay_relative"}, 5,
               curves.size() * std::size_t(D + 1), double(curves.size()) * double(D + 1));
@@ -53,12 +53,15 @@ Outcome run_rope_decay(Context& context) {
   };
   nlohmann::json summary_curves = nlohmann::json::array();
   std::vector<std::string> facts;
+  std::vector<std::vector<double>> values;
   for (const auto& c : curves) {
     const std::vector<double> curve = rope_decay_curve(make_rope(dim, c), D);
+    values.push_back(curve);
     for (Index m = 0; m <= D; ++m) {
       if (!sweep.begin(key(c, m), name_of(c), 1)) continue;
       Row row = key(c, m);
-      row.set("decay", curve[std::size_t(m)]).set("decay_relative", curve[std::size_t(m)] / curve[0]);
+      row.set("decay", curve[std::size_t(m)])
+          .set("decay_relative", curve[std::size_t(m)] / curve[0]);
       sweep.record(row, 1);
     }
     // First distance where the bound is at most half of its value at 0.
@@ -66,9 +69,13 @@ Outcome run_rope_decay(Context& context) {
     for (Index m = 0; m <= D && half < 0; ++m)
       if (curve[std::size_t(m)] <= 0.5 * curve[0]) half = m;
     const double last = curve.back() / curve[0];
-    summary_curves.push_back({{"name", name_of(c)}, {"base", c.base}, {"scaling", c.scaling},
-                              {"factor", c.factor}, {"decay_at_0", curve[0]},
-                              {"decay_at_max", curve.back()}, {"relative_at_max", last},
+    summary_curves.push_back({{"name", name_of(c)},
+                              {"base", c.base},
+                              {"scaling", c.scaling},
+                              {"factor", c.factor},
+                              {"decay_at_0", curve[0]},
+                              {"decay_at_max", curve.back()},
+                              {"relative_at_max", last},
                               {"first_distance_at_half", half}});
     facts.push_back(name_of(c) + ": " + fmt(curve[0], 4) + " -> " + fmt(curve.back(), 3) + " (" +
                     percent(last) + ")" +
@@ -82,30 +89,44 @@ Outcome run_rope_decay(Context& context) {
   outcome.summary["yarn_original_max_position"] = kYarnOriginal;
   Section& s = outcome.section;
   s.title = "4. RoPE long-term decay";
-  s.figures = {{"rope_decay.png", "Upper bound of |sum_i h_i e^{i m theta_i}| / (d/2) against "
-                                  "relative distance m, d = " + std::to_string(dim) +
-                                  ": bases (left) and scalings with factor 4 (right)"}};
-  std::string p = "The bound (1/(d/2)) sum_j |sum_{i<j} e^{i m theta_i}| for d = " +
-                  std::to_string(dim) + ", from distance 0 to " + std::to_string(D) +
-                  " (start -> end, end as a share of the start): ";
+  s.figures = {{"rope_decay.png",
+                "Upper bound of |sum_i h_i e^{i m theta_i}| / (d/2) against "
+                "relative distance m, d = " +
+                    std::to_string(dim) + ": bases (left) and scalings with factor 4 (right)"}};
+  std::string p =
+      "The bound (1/(d/2)) sum_j |sum_{i<j} e^{i m theta_i}| for d = " + std::to_string(dim) +
+      ", from distance 0 to " + std::to_string(D) +
+      " (start -> end, end as a share of the start): ";
   for (std::size_t i = 0; i < facts.size(); ++i) p += (i ? "; " : "") + facts[i];
   s.paragraphs.push_back(p + ".");
   // Which base decays fastest, from the numbers.
   std::size_t fastest = 0, slowest = 0;
   for (std::size_t i = 0; i < 3; ++i) {
-    if (summary_curves[i]["relative_at_max"] < summary_curves[fastest]["relative_at_max"]) fastest = i;
-    if (summary_curves[i]["relative_at_max"] > summary_curves[slowest]["relative_at_max"]) slowest = i;
+    if (summary_curves[i]["relative_at_max"] < summary_curves[fastest]["relative_at_max"])
+      fastest = i;
+    if (summary_curves[i]["relative_at_max"] > summary_curves[slowest]["relative_at_max"])
+      slowest = i;
   }
   s.paragraphs.push_back(
       "Among the unscaled bases, " + summary_curves[fastest]["name"].get<std::string>() +
       " ends lowest at distance " + std::to_string(D) + " and " +
       summary_curves[slowest]["name"].get<std::string>() +
       " highest: a larger base slows the rotation of every pair, so the decay stretches over "
-      "longer distances. Linear interpolation by 4 divides every frequency by 4, so its curve at m "
-      "is the unscaled curve at m/4; NTK-aware scaling raises the base (to " +
+      "longer distances. NTK-aware scaling raises the base (to " +
       fmt(10000 * std::pow(4.0, double(dim) / double(dim - 2)), 4) +
       "), and YaRN (original context " + std::to_string(kYarnOriginal) +
       ") interpolates only the slow pairs, keeping the fast ones.");
+  // Linear interpolation divides every frequency by 4: its curve at 4m is the unscaled one at m.
+  if (D >= 4) {
+    const Index m = D / 4;
+    s.paragraphs.push_back(
+        "Check of linear interpolation (frequencies divided by 4): its bound at "
+        "distance " +
+        std::to_string(4 * m) + " is " + fmt(values[3][std::size_t(4 * m)], 6) +
+        ", and the unscaled base-10000 "
+        "bound at distance " +
+        std::to_string(m) + " is " + fmt(values[1][std::size_t(m)], 6) + ".");
+  }
   return outcome;
 }
 

@@ -1,15 +1,14 @@
 // Experiment 5, rope-relative: how exactly the implementation keeps the relative-position identity
 //   <R_m q, R_n k> = <q, R_(n-m) k>
 // on random vectors, per precision, for positions up to 10^6.
+#include <cmath>
+#include <linrope/rope.hpp>
+#include <vector>
+
 #include "experiment.hpp"
 #include "inputs.hpp"
 #include "random.hpp"
 #include "sweep.hpp"
-
-#include <linrope/rope.hpp>
-
-#include <cmath>
-#include <vector>
 
 namespace linrope::experiments {
 
@@ -41,7 +40,8 @@ Deviation measure(const Rope& rope, Index dim, Index max_position, Index samples
   for (Index i = 0; i < samples; ++i) {
     const double lhs = qm.row(i).template cast<double>().dot(kn.row(i).template cast<double>());
     const double rhs = q.row(i).template cast<double>().dot(kdiff.row(i).template cast<double>());
-    const double norm = q.row(i).template cast<double>().norm() * k.row(i).template cast<double>().norm();
+    const double norm =
+        q.row(i).template cast<double>().norm() * k.row(i).template cast<double>().norm();
     const double dev = std::abs(lhs - rhs);
     d.max_abs = std::max(d.max_abs, dev);
     d.max_rel = std::max(d.max_rel, dev / norm);
@@ -69,7 +69,8 @@ Outcome run_rope_relative(Context& context) {
       Row key;
       key.set("precision", precision).set("dim", dim).set("max_position", max_position);
       key.set("samples", S);
-      if (!sweep.begin(key, std::string(precision) + " positions <= " + std::to_string(max_position), 1))
+      if (!sweep.begin(key,
+                       std::string(precision) + " positions <= " + std::to_string(max_position), 1))
         continue;
       const Deviation d = std::string(precision) == "float"
                               ? measure<float>(rope, dim, max_position, S, seed)
@@ -84,10 +85,12 @@ Outcome run_rope_relative(Context& context) {
   const CsvTable& t = sweep.table();
   Section& s = outcome.section;
   s.title = "5. RoPE relative-position identity";
-  s.figures = {{"rope_relative.png", "Largest deviation |<R_m q, R_n k> - <q, R_(n-m) k>| / "
-                                     "(|q||k|) over random pairs, against the largest position"}};
-  std::string p = "Over " + std::to_string(S) + " random pairs per range (d = " +
-                  std::to_string(dim) + ", positions uniform up to the largest), the identity held "
+  s.figures = {{"rope_relative.png",
+                "Largest deviation |<R_m q, R_n k> - <q, R_(n-m) k>| / "
+                "(|q||k|) over random pairs, against the largest position"}};
+  std::string p = "Over " + std::to_string(S) +
+                  " random pairs per range (d = " + std::to_string(dim) +
+                  ", positions uniform up to the largest), the identity held "
                   "to (largest deviation relative to |q||k|): ";
   std::vector<std::string> parts;
   for (const char* precision : {"float", "double"}) {
@@ -104,23 +107,26 @@ Outcome run_rope_relative(Context& context) {
       if (range > last) last = range, last_rel = rel;
     }
     if (worst < 0) continue;
-    outcome.summary[precision] = {{"max_rel_dev", worst}, {"max_abs_dev", worst_abs},
+    outcome.summary[precision] = {{"max_rel_dev", worst},
+                                  {"max_abs_dev", worst_abs},
                                   {"at_max_position", worst_at},
                                   {"rel_dev_smallest_range", first_rel},
                                   {"rel_dev_largest_range", last_rel}};
     const double growth = last_rel / first_rel;
     std::string trend = !(std::isfinite(growth) && first_rel > 0) ? ""
-                        : growth > 10 ? ", growing " + fmt(growth, 2) + "x from the smallest range"
-                                      : ", within a factor " + fmt(std::max(growth, 1 / growth), 2) +
-                                            " of the smallest range";
+                        : growth > 10
+                            ? ", growing " + fmt(growth, 2) + "x from the smallest range"
+                            : ", within a factor " + fmt(std::max(growth, 1 / growth), 2) +
+                                  " of the smallest range";
     parts.push_back(std::string(precision) + ": " + fmt(first_rel, 3) + " for positions up to " +
                     std::to_string(first) + " and " + fmt(last_rel, 3) + " up to " +
                     std::to_string(last) + trend + " (worst " + fmt(worst, 3) + ", absolute " +
                     fmt(worst_abs, 3) + ")");
   }
   for (std::size_t i = 0; i < parts.size(); ++i) p += (i ? "; " : "") + parts[i];
-  s.paragraphs.push_back(p + ". For scale, one rounding is 2^-24 = 6.0e-8 in float and 2^-53 = "
-                             "1.1e-16 in double.");
+  s.paragraphs.push_back(p +
+                         ". For scale, one rounding is 2^-24 = 6.0e-8 in float and 2^-53 = "
+                         "1.1e-16 in double.");
   return outcome;
 }
 

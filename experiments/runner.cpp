@@ -1,5 +1,8 @@
 // Runs one experiment end to end: CSV (written by the experiment as it goes), JSON metadata,
 // plots, its report section, and REPORT.md.
+#include <chrono>
+#include <iostream>
+
 #include "atomic_file.hpp"
 #include "experiment.hpp"
 #include "memory.hpp"
@@ -7,20 +10,19 @@
 #include "plot.hpp"
 #include "progress.hpp"
 
-#include <chrono>
-#include <iostream>
-
 namespace linrope::experiments {
 
 namespace fs = std::filesystem;
 
 const std::vector<Experiment>& all_experiments() {
   static const std::vector<Experiment> list = {
-      {"scaling", "time and peak memory against sequence length: softmax (naive, streaming) vs linear",
+      {"scaling",
+       "time and peak memory against sequence length: softmax (naive, streaming) vs linear",
        &run_scaling},
       {"normalization", "RoPE numerator-only (eq. 19) vs full normalisation, before-map and none",
        &run_normalization},
-      {"favor-error", "FAVOR+ approximation error against the number of features", &run_favor_error},
+      {"favor-error", "FAVOR+ approximation error against the number of features",
+       &run_favor_error},
       {"rope-decay", "RoPE long-term decay bound against relative distance (bases, scalings)",
        &run_rope_decay},
       {"rope-relative", "measured <R_m q, R_n k> = <q, R_(n-m) k> deviation, float and double",
@@ -84,8 +86,8 @@ Context run_experiment(const Experiment& experiment, const Options& options,
       "Run " + meta["date"].get<std::string>() + ", " + (options.full ? "--full" : "--quick") +
       " mode, commit " + commit.substr(0, 12) + ", " + cpu_model() + " (" +
       std::to_string(meta["machine"]["cores"].get<unsigned>()) + " cores, " +
-      std::to_string(max_threads()) + " threads, load average " + fmt(load_before, 3) + " before the run), " +
-      Progress::format_duration(seconds) + "; " +
+      std::to_string(max_threads()) + " threads, load average " + fmt(load_before, 3) +
+      " before the run), " + Progress::format_duration(seconds) + "; " +
       std::to_string(context.measured) + " points measured, " + std::to_string(context.resumed) +
       " resumed.";
   write_file_atomic(dir / "report_section.md",

@@ -1,6 +1,18 @@
 // Experiment 1, scaling: time and peak memory against sequence length for exact softmax (naive
 // n x n, and the library's streaming kernel) and linear attention (elu+1, FAVOR+; every RoPE
 // placement; causal and not), multi-head through the batched [1, H, n, d] entry points.
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <linrope/linrope.hpp>
+#include <map>
+#include <set>
+#include <thread>
+
 #include "experiment.hpp"
 #include "fit.hpp"
 #include "inputs.hpp"
@@ -9,19 +21,6 @@
 #include "naive_softmax.hpp"
 #include "stats.hpp"
 #include "sweep.hpp"
-
-#include <linrope/linrope.hpp>
-
-#include <malloc.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <iostream>
-#include <map>
-#include <set>
-#include <thread>
 
 namespace linrope::experiments {
 
@@ -35,7 +34,7 @@ struct Point {
   std::string map;        // "none" for softmax, else the feature map
   std::string placement;  // "rope" for softmax (RoPE of width d on q, k), else the placement
   bool causal;
-  Index heads, n, d, m;   // m: feature dimension (d for softmax)
+  Index heads, n, d, m;  // m: feature dimension (d for softmax)
 };
 
 Row key_row(const Point& p) {
@@ -168,8 +167,11 @@ Outcome run_scaling(Context& context) {
 
   // One feature map and rope per width, shared by all lengths (seeded: the same W every run).
   const auto elu = make_feature_map({.kind = FeatureMapKind::EluPlusOne, .input_dim = d});
-  const auto favor = make_feature_map({.kind = FeatureMapKind::FavorPositive, .input_dim = d,
-                                       .num_features = mf, .orthogonal = true, .seed = o.seed});
+  const auto favor = make_feature_map({.kind = FeatureMapKind::FavorPositive,
+                                       .input_dim = d,
+                                       .num_features = mf,
+                                       .orthogonal = true,
+                                       .seed = o.seed});
   const Rope rope_d(RopeConfig{.dim = d});
   const Rope rope_m(RopeConfig{.dim = mf});
 
@@ -181,7 +183,8 @@ Outcome run_scaling(Context& context) {
     const double work = work_of(p, o.reps);
     if (!sweep.begin(key_row(p), label(p), work)) continue;
     const double io = mib(4.0 * double(p.heads * p.n * p.d) * sizeof(float));
-    const double scores = p.method == "softmax_naive" ? mib(4.0 * double(p.n) * double(p.n)) : 0;
+    const double scores =
+        p.method == "softmax_naive" ? mib(4.0 * double(p.n) * double(p.n)) * max_threads() : 0;
     const double features = p.method == "linear" ? mib(8.0 * double(p.n * p.m) * sizeof(float)) : 0;
     if (std::isfinite(available) && io + scores + features > 0.8 * available) {
       skipped.push_back(label(p));
@@ -270,9 +273,16 @@ Outcome run_scaling(Context& context) {
     const LogLogFit fit = fit_loglog(c.n, c.time_ms, o.fit_min_n);
     fit_of[key] = fit;
     const auto& [method, map, placement, causal, heads] = key;
-    fits.push_back({{"method", method}, {"map", map}, {"placement", placement}, {"causal", causal},
-                    {"heads", heads}, {"slope", fit.slope}, {"intercept", fit.intercept},
-                    {"r2", fit.r2}, {"points", fit.points}, {"largest_n", c.n.back()},
+    fits.push_back({{"method", method},
+                    {"map", map},
+                    {"placement", placement},
+                    {"causal", causal},
+                    {"heads", heads},
+                    {"slope", fit.slope},
+                    {"intercept", fit.intercept},
+                    {"r2", fit.r2},
+                    {"points", fit.points},
+                    {"largest_n", c.n.back()},
                     {"time_ms_at_largest_n", c.time_ms.back()},
                     {"extra_mib_at_largest_n", c.extra_mib.back()}});
   }
@@ -304,20 +314,26 @@ Outcome run_scaling(Context& context) {
       if (n.empty()) continue;
       const Crossover x = crossover(n, tl, ts, o.fit_min_n);
       cross_list.push_back({key, baseline, x});
-      crossings.push_back({{"map", std::get<1>(key)}, {"placement", std::get<2>(key)},
-                           {"causal", std::get<3>(key)}, {"against", baseline},
-                           {"kind", x.kind == Crossover::Kind::Interpolated       ? "interpolated"
-                                    : x.kind == Crossover::Kind::FasterThroughout ? "faster_throughout"
-                                                                                  : "not_reached"},
-                           {"n", x.n}, {"text", describe(x)}});
+      crossings.push_back(
+          {{"map", std::get<1>(key)},
+           {"placement", std::get<2>(key)},
+           {"causal", std::get<3>(key)},
+           {"against", baseline},
+           {"kind", x.kind == Crossover::Kind::Interpolated       ? "interpolated"
+                    : x.kind == Crossover::Kind::FasterThroughout ? "faster_throughout"
+                                                                  : "not_reached"},
+           {"n", x.n},
+           {"text", describe(x)}});
     }
   }
   summary["crossovers"] = crossings;
 
   nlohmann::json one_head = nlohmann::json::array();
   for (const auto r : one_head_rows)
-    one_head.push_back({{"map", table.text(r, "map")}, {"placement", table.text(r, "placement")},
-                        {"causal", table.text(r, "causal") == "1"}, {"n", table.number(r, "n")},
+    one_head.push_back({{"map", table.text(r, "map")},
+                        {"placement", table.text(r, "placement")},
+                        {"causal", table.text(r, "causal") == "1"},
+                        {"n", table.number(r, "n")},
                         {"time_ms", table.number(r, "time_ms")},
                         {"peak_rss_mib", table.number(r, "peak_rss_mib")},
                         {"extra_mib", table.number(r, "extra_mib")},
@@ -327,9 +343,9 @@ Outcome run_scaling(Context& context) {
   // ---- Report -------------------------------------------------------------------------------
   Section& s = outcome.section;
   s.title = "1. Scaling: time and peak memory against sequence length";
-  s.figures = {{"scaling_time.png", "Median time per call against n (log-log), H = " +
-                                        std::to_string(H) + ", d = " + std::to_string(d) +
-                                        "; the legend gives each curve's fitted slope"},
+  s.figures = {{"scaling_time.png",
+                "Median time per call against n (log-log), H = " + std::to_string(H) +
+                    ", d = " + std::to_string(d) + "; the legend gives each curve's fitted slope"},
                {"scaling_memory.png", "Peak resident memory beyond the inputs and outputs"}};
   auto slope_text = [&](const CurveKey& key) {
     const auto found = fit_of.find(key);
@@ -337,9 +353,11 @@ Outcome run_scaling(Context& context) {
   };
   std::string p1 = "Setup: " + std::to_string(H) + " heads, d = " + std::to_string(d) +
                    ", batch 1, float, median of " + std::to_string(o.reps) + " repetitions on " +
-                   std::to_string(max_threads()) + " threads; FAVOR+ with m = " +
-                   std::to_string(mf) + " orthogonal features; softmax with RoPE of width d. "
-                   "Log-log slopes fitted over n >= " + fmt(o.fit_min_n, 6) + ": ";
+                   std::to_string(max_threads()) +
+                   " threads; FAVOR+ with m = " + std::to_string(mf) +
+                   " orthogonal features; softmax with RoPE of width d. "
+                   "Log-log slopes fitted over n >= " +
+                   fmt(o.fit_min_n, 6) + ": ";
   std::vector<std::string> parts;
   for (const bool causal : {false, true}) {
     for (const char* method : {"softmax_naive", "softmax_streaming"}) {
@@ -371,8 +389,9 @@ Outcome run_scaling(Context& context) {
         " cores. Absolute times include waiting for other processes; compare curves within "
         "this run rather than across machines.");
 
-  std::string p2 = "Crossover (where linear attention becomes faster than streaming softmax, "
-                   "log-log interpolation between measured lengths): ";
+  std::string p2 =
+      "Crossover (where linear attention becomes faster than streaming softmax, "
+      "log-log interpolation between measured lengths): ";
   parts.clear();
   for (const auto& x : cross_list)
     if (x.against == "softmax_streaming" && std::get<2>(x.linear) == "numerator_only")
@@ -407,11 +426,12 @@ Outcome run_scaling(Context& context) {
       }
     }
     for (std::size_t i = 0; i < parts.size(); ++i) p3 += (i ? "; " : "") + parts[i];
-    p3 += ". (The naive kernel holds one n x n float matrix: " +
-          fmt(mib(4.0 * double(std::min(o.naive_max, lengths.back())) *
-                  double(std::min(o.naive_max, lengths.back()))),
-              4) +
-          " MiB at n = " + std::to_string(std::min(o.naive_max, lengths.back())) + ".)";
+    const Index naive_n = std::min(o.naive_max, lengths.back());
+    const int threads = std::min<int>(max_threads(), int(H));
+    p3 += ". (The naive kernel holds one n x n float matrix per thread: " +
+          fmt(mib(4.0 * double(naive_n) * double(naive_n)), 4) +
+          " MiB each at n = " + std::to_string(naive_n) + ", " + std::to_string(threads) +
+          " threads.)";
     s.paragraphs.push_back(p3);
     if (!one_head_rows.empty()) {
       std::string p4 = "One head, n = " + fmt(table.number(one_head_rows.front(), "n"), 8) +
@@ -429,8 +449,9 @@ Outcome run_scaling(Context& context) {
       s.paragraphs.push_back(p4 + ".");
     }
   } else {
-    s.paragraphs.push_back("Peak memory was not measured: this kernel does not support resetting "
-                           "the high-water mark through /proc/self/clear_refs.");
+    s.paragraphs.push_back(
+        "Peak memory was not measured: this kernel does not support resetting "
+        "the high-water mark through /proc/self/clear_refs.");
   }
   if (!skipped.empty())
     s.paragraphs.push_back(std::to_string(skipped.size()) +

@@ -11,13 +11,13 @@
 //   sweep.finish();
 #pragma once
 
-#include "csv.hpp"
-#include "experiment.hpp"
-#include "progress.hpp"
-
 #include <chrono>
 #include <string>
 #include <vector>
+
+#include "csv.hpp"
+#include "experiment.hpp"
+#include "progress.hpp"
 
 namespace linrope::experiments {
 

@@ -11,7 +11,7 @@ struct FeatureMapAccess {
   template <class T>
   static void stabilized(const FeatureMap& map, const Eigen::Ref<const Matrix<T>>& x,
                          Eigen::Ref<Matrix<T>> out, double* log_scale) {
-    map.map_rows(x, out, log_scale);
+    map.map_rows(x, out, log_scale, /*parallel=*/false);
   }
 };
 

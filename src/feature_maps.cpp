@@ -1,15 +1,8 @@
 // Feature maps: the seeded projection W (iid or Haar-orthogonal blocks) and the fused kernels
 // behind FeatureMap::apply / apply_stabilized (one GEMM per block of rows, then one element-wise
 // pass).
-
-// GCC 12 reports a false -Wuninitialized inside its own avx512fintrin.h (_mm512_undefined_epi32,
-// used by Eigen's vectorised float sin/cos). The diagnostic is located in that header, so it has to
-// be silenced before the first include of Eigen; it is not pushed back on purpose (the header is
-// not ours).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+// (GCC 12's false -Wuninitialized in avx512fintrin.h, hit by Eigen's vectorised float sin/cos, is
+// silenced for every target in CMakeLists.txt.)
 
 #include <linrope/feature_maps.hpp>
 
@@ -211,14 +204,14 @@ class ElementwiseMap final : public FeatureMap {
 
   // Nothing to stabilise: every feature is at most max(x + 1, 1) (elu+1, relu) or 1 (1+cos), and
   // the attention kernels want these unscaled, so log_scale is exactly 0 and out == apply().
-  void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
-                double* log_scale) const override {
-    run<float>(x, out);
+  void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out, double* log_scale,
+                bool parallel) const override {
+    run<float>(x, out, parallel);
     if (log_scale) std::fill(log_scale, log_scale + x.rows(), 0.0);
   }
-  void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
-                double* log_scale) const override {
-    run<double>(x, out);
+  void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out, double* log_scale,
+                bool parallel) const override {
+    run<double>(x, out, parallel);
     if (log_scale) std::fill(log_scale, log_scale + x.rows(), 0.0);
   }
 
@@ -226,10 +219,10 @@ class ElementwiseMap final : public FeatureMap {
 
  private:
   template <class T>
-  void run(const Eigen::Ref<const Matrix<T>>& x, Eigen::Ref<Matrix<T>> out) const {
+  void run(const Eigen::Ref<const Matrix<T>>& x, Eigen::Ref<Matrix<T>> out, bool parallel) const {
     const Index n = x.rows();
     const Index blocks = (n + kBlockRows - 1) / kBlockRows;
-#pragma omp parallel for schedule(static) if (blocks > 1)
+#pragma omp parallel for schedule(static) if (parallel && blocks > 1)
     for (Index b = 0; b < blocks; ++b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       const auto xb = x.middleRows(first, rows).array();
@@ -310,13 +303,13 @@ class FavorMap final : public FeatureMap {
   bool nonnegative() const override { return kind() != FeatureMapKind::FavorTrig; }
   const MatrixD& projection() const override { return w_; }
 
-  void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
-                double* log_scale) const override {
-    run<float>(x, out, log_scale);
+  void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out, double* log_scale,
+                bool parallel) const override {
+    run<float>(x, out, log_scale, parallel);
   }
-  void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
-                double* log_scale) const override {
-    run<double>(x, out, log_scale);
+  void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out, double* log_scale,
+                bool parallel) const override {
+    run<double>(x, out, log_scale, parallel);
   }
 
   void redraw(std::uint64_t seed) override {
@@ -345,15 +338,15 @@ class FavorMap final : public FeatureMap {
 
   // x [n x d] -> out [n x m]; log_scale == nullptr means unstabilised (apply).
   template <class T>
-  void run(const Eigen::Ref<const Matrix<T>>& x, Eigen::Ref<Matrix<T>> out,
-           double* log_scale) const {
+  void run(const Eigen::Ref<const Matrix<T>>& x, Eigen::Ref<Matrix<T>> out, double* log_scale,
+           bool parallel) const {
     const Index n = x.rows(), d = input_dim(), f = num_features();
     const Matrix<T>& wt = scaled_transpose<T>();
     const double inv_two_sqrt_d = 0.5 / std::sqrt(double(d));
     // |u_l| <= |x'| |w_l| bounds every partial sum of the GEMM too (Cauchy-Schwarz on |x'_j w_lj|).
     const double projection_bound = std::pow(double(d), -0.25) * max_row_norm_;
     const Index blocks = (n + kBlockRows - 1) / kBlockRows;
-#pragma omp parallel for schedule(static) if (blocks > 1)
+#pragma omp parallel for schedule(static) if (parallel && blocks > 1)
     for (Index b = 0; b < blocks; ++b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       out.middleRows(first, rows).leftCols(f).noalias() = x.middleRows(first, rows) * wt;
@@ -431,21 +424,21 @@ class FavorMap final : public FeatureMap {
 
 void FeatureMap::apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const {
   check_arguments<float>(*this, "FeatureMap::apply", x, out, nullptr);
-  map_rows(x, out, nullptr);
+  map_rows(x, out, nullptr, /*parallel=*/true);
 }
 void FeatureMap::apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const {
   check_arguments<double>(*this, "FeatureMap::apply", x, out, nullptr);
-  map_rows(x, out, nullptr);
+  map_rows(x, out, nullptr, /*parallel=*/true);
 }
 void FeatureMap::apply_stabilized(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
                                   std::span<double> log_scale) const {
   check_arguments<float>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
-  map_rows(x, out, log_scale.data());
+  map_rows(x, out, log_scale.data(), /*parallel=*/true);
 }
 void FeatureMap::apply_stabilized(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
                                   std::span<double> log_scale) const {
   check_arguments<double>(*this, "FeatureMap::apply_stabilized", x, out, &log_scale);
-  map_rows(x, out, log_scale.data());
+  map_rows(x, out, log_scale.data(), /*parallel=*/true);
 }
 
 std::unique_ptr<FeatureMap> make_feature_map(const FeatureMapConfig& config) {

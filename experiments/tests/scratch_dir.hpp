@@ -13,9 +13,9 @@ class ScratchDir {
  public:
   explicit ScratchDir(const std::string& tag) {
     static std::atomic<int> counter{0};
-    path_ = std::filesystem::temp_directory_path() /
-            ("linrope-exp-" + tag + "-" + std::to_string(::getpid()) + "-" +
-             std::to_string(counter++));
+    path_ =
+        std::filesystem::temp_directory_path() /
+        ("linrope-exp-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }

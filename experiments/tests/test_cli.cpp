@@ -1,12 +1,12 @@
 // The command line in process: exit status 2 and exactly one line on stderr for every bad option.
-#include "cli.hpp"
-
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "cli.hpp"
 
 using linrope::experiments::run_cli;
 
@@ -34,7 +34,7 @@ TEST_CASE("bad command lines: status 2, one line on stderr naming the problem") 
       {{"rope-decay", "--decay-dim", "7"}, "--decay-dim: 7 is odd"},
       {{"rope-decay", "--threads", "-2"}, "--threads: '-2' is not an integer >= 0"},
       {{"rope-decay", "--heads", "0"}, "--heads: '0' is not an integer >= 1"},
-      {{"favor-error", "--favor-scale", "-1"}, "--favor-scale"},
+      {{"favor-error", "--favor-scales", "0.5,-1"}, "--favor-scales: '-1' is not a number > 0"},
       {{"rope-decay", "--out"}, "--out"},
       {{"rope-decay", "scaling"}, "scaling"},
   };

@@ -1,12 +1,12 @@
 // The tidy CSV table and the atomic writes behind every output file.
-#include "atomic_file.hpp"
-#include "csv.hpp"
-#include "scratch_dir.hpp"
-
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <fstream>
+
+#include "atomic_file.hpp"
+#include "csv.hpp"
+#include "scratch_dir.hpp"
 
 using namespace linrope::experiments;
 using linrope::experiments::testing::count_temporaries;

@@ -1,11 +1,11 @@
 // The log-log slope and the crossover, on synthetic timings whose answers are known exactly.
-#include "fit.hpp"
-
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <stdexcept>
 #include <vector>
+
+#include "fit.hpp"
 
 using namespace linrope::experiments;
 

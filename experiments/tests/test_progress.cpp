@@ -1,10 +1,10 @@
-#include "progress.hpp"
-#include "stats.hpp"
-
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <vector>
+
+#include "progress.hpp"
+#include "stats.hpp"
 
 using namespace linrope::experiments;
 

@@ -1,16 +1,16 @@
 // Small sweeps of every experiment through the same runner the program uses: the CSV schema, the
 // metadata, the report, resuming after an interruption, and no temporary file left behind.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
 #include "atomic_file.hpp"
 #include "csv.hpp"
 #include "experiment.hpp"
 #include "scratch_dir.hpp"
-
-#include <doctest/doctest.h>
-#include <nlohmann/json.hpp>
-
-#include <cmath>
-#include <fstream>
-#include <sstream>
 
 using namespace linrope::experiments;
 using linrope::Index;
@@ -87,9 +87,9 @@ const std::vector<Schema>& schemas() {
         "exact_row_norm_mean", "rel_error", "rel_error_norope"},
        2 * 2 * 5 * 2 * 3 * 4},  // lengths x seeds x inputs x causal x maps x placements
       {"favor-error",
-       {"features", "sampling", "m", "seed", "n", "d", "scale", "pairs", "output_dim",
-        "kernel_mse", "kernel_rel_mse", "attn_rel_error"},
-       2 * 4 * 2},  // seeds x variants x m
+       {"features", "sampling", "m", "seed", "n", "d", "scale", "pairs", "output_dim", "kernel_mse",
+        "kernel_rel_mse", "attn_rel_error"},
+       2 * 4 * 2 * 2},  // seeds x variants x m x scales (0.5, 1)
       {"rope-decay",
        {"dim", "base", "scaling", "factor", "distance", "decay", "decay_relative"},
        6 * 9},  // curves x distances 0..8
@@ -191,9 +191,8 @@ TEST_CASE("the numbers obey what the maths guarantees") {
       CHECK(t.number(r, "time_ms") > 0);
       CHECK(t.number(r, "time_min_ms") <= t.number(r, "time_ms"));
       CHECK(t.number(r, "peak_rss_mib") >= t.number(r, "rss_before_mib"));
-      CHECK(t.number(r, "io_mib") ==
-            doctest::Approx(4.0 * t.number(r, "heads") * t.number(r, "n") * t.number(r, "d") * 4 /
-                            (1024.0 * 1024.0)));
+      CHECK(t.number(r, "io_mib") == doctest::Approx(4.0 * t.number(r, "heads") * t.number(r, "n") *
+                                                     t.number(r, "d") * 4 / (1024.0 * 1024.0)));
     }
     const auto meta = nlohmann::json::parse(read_file(dir.path() / "scaling" / "scaling.json"));
     CHECK(meta["summary"]["fits"].size() == 2 * (2 + 8));
@@ -217,7 +216,7 @@ TEST_CASE("--resume keeps the rows of an interrupted run and measures only the r
 
     std::vector<std::string> columns = header_of(csv);
     const std::string measured_column = columns.back();  // a measured value in every schema
-    CsvTable full(columns, columns.size());  // every column in the key: keep every row
+    CsvTable full(columns, columns.size());              // every column in the key: keep every row
     full.load(csv);
     std::string partial = read_file(csv).substr(0, read_file(csv).find('\n') + 1);
     const std::size_t kept = 3;

@@ -84,11 +84,13 @@ class FeatureMap {
   explicit FeatureMap(const FeatureMapConfig& config) : config_(config) {}
 
   // The map itself, on arguments already checked: phi(x) when log_scale is null, the stabilised
-  // form (writing log_scale[0 .. rows)) otherwise.
+  // form (writing log_scale[0 .. rows)) otherwise. `parallel`: may open an OpenMP region over
+  // blocks of rows (the public calls); the attention kernels, which parallelise further out, pass
+  // false.
   virtual void map_rows(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out,
-                        double* log_scale) const = 0;
+                        double* log_scale, bool parallel) const = 0;
   virtual void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
-                        double* log_scale) const = 0;
+                        double* log_scale, bool parallel) const = 0;
 
   FeatureMapConfig config_;
 
