@@ -74,6 +74,11 @@ def parse_args():
     parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
     parser.add_argument("--check-only", action="store_true", help="only the agreement check")
     parser.add_argument("--skip-torch-timing", action="store_true")
+    parser.add_argument("--wait-load", type=float, default=0.0,
+                        help="before each timing phase, wait (up to --wait-max s) until the 1-minute "
+                             "load average is below this (0: do not wait); other work on the "
+                             "machine disturbs the timings")
+    parser.add_argument("--wait-max", type=float, default=600.0)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="comma-separated n for the PyTorch table")
     return parser.parse_args()
@@ -248,6 +253,18 @@ def check_agreement():
 # ---------------------------------------------------------------------------------------------
 # Our timings, from bench_linear.
 
+def load_average():
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def quiet_machine(phase):
+    """Waits for a low load if asked to, then says what the load was when the phase began."""
+    if args.wait_load > 0:
+        deadline = time.time() + args.wait_max
+        while os.getloadavg()[0] >= args.wait_load and time.time() < deadline:
+            time.sleep(10)
+    say(f"[{time.strftime('%H:%M:%S')}] {phase}: load average {load_average()}")
+
 def our_env():
     env = dict(os.environ)
     env.pop("GLIBC_TUNABLES", None)
@@ -263,6 +280,7 @@ def run_bench():
     command = [binary, "--benchmark_min_time=0.05", "--benchmark_format=json",
                f"--benchmark_repetitions={args.repetitions}",
                "--benchmark_report_aggregates_only=true"]
+    quiet_machine("bench_linear")
     say("Running: OMP_NUM_THREADS=%d %s" % (args.threads, " ".join(command)))
     start = time.time()
     result = subprocess.run(command, check=True, env=our_env(), stdout=subprocess.PIPE, text=True)
@@ -409,6 +427,7 @@ def torch_timings(sizes):
     results, previous = {}, {}
     for n in sizes:
         reps = 3 if n >= 16384 else 5
+        quiet_machine(f"PyTorch n = {n}")
         for key, fn, temporaries in torch_cases(n, w):
             if temporaries > args.max_gb * 1e9:
                 results[(key, n)] = "skipped: needs %.1f GB" % (temporaries / 1e9)
@@ -526,7 +545,7 @@ def main():
     torch_results = {} if args.skip_torch_timing else torch_timings(sizes)
     ratios = comparison_table(ours, torch_results, sizes)
     targets(ours, ratios, sizes)
-    say("Load average at the end: %s" % " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    say("Load average at the end: %s" % load_average())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@
 #include "fit.hpp"
 #include "inputs.hpp"
 #include "metadata.hpp"
-#include "random.hpp"
+#include <linrope/random.hpp>
 #include "stats.hpp"
 #include "sweep.hpp"
 

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "random.hpp"
+#include <linrope/random.hpp>
 
 namespace linrope::experiments {
 

@@ -7,7 +7,7 @@
 
 #include "experiment.hpp"
 #include "inputs.hpp"
-#include "random.hpp"
+#include <linrope/random.hpp>
 #include "sweep.hpp"
 
 namespace linrope::experiments {

@@ -8,23 +8,14 @@
 #include <vector>
 
 #include "check.hpp"
+#include "parallel.hpp"
 #include "linear_kernel.hpp"
 #include "softmax_kernel.hpp"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace linrope {
 namespace {
 
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
+using detail::max_threads;
 
 // "[B, H, n, d]". (A stream, not std::string concatenation: GCC 12 raises a false -Wrestrict on
 // the latter, GCC bug 105329.)

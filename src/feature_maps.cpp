@@ -18,6 +18,8 @@
 #include <string>
 #include <type_traits>
 
+#include <linrope/random.hpp>
+
 #include "check.hpp"
 
 namespace linrope {
@@ -55,58 +57,7 @@ bool is_favor(FeatureMapKind kind) {
          kind == FeatureMapKind::FavorHyperbolic;
 }
 
-// ---- The random stream --------------------------------------------------------------------------
-// splitmix64 expands the 64-bit seed into the 256-bit state of xoshiro256** (the seeding its
-// authors recommend); a Box-Muller transform turns two uniforms into two Gaussians, the cos one
-// first. Integer arithmetic is exact everywhere; the Gaussians then depend only on
-// std::log/sqrt/cos/sin, and none of these expressions has an a * b + c that a compiler could
-// contract into an FMA.
-class GaussianStream {
- public:
-  explicit GaussianStream(std::uint64_t seed) {
-    std::uint64_t sm = seed;
-    for (auto& word : state_) word = splitmix64(sm);
-  }
-
-  double operator()() {
-    if (has_spare_) {
-      has_spare_ = false;
-      return spare_;
-    }
-    // u1 in (0, 1] so that log(u1) is finite; u2 in [0, 1). 53 random bits each.
-    const double u1 = double((next() >> 11) + 1) * 0x1.0p-53;
-    const double u2 = double(next() >> 11) * 0x1.0p-53;
-    const double radius = std::sqrt(-2.0 * std::log(u1));
-    const double angle = (2.0 * std::numbers::pi) * u2;
-    spare_ = radius * std::sin(angle);
-    has_spare_ = true;
-    return radius * std::cos(angle);
-  }
-
- private:
-  static std::uint64_t splitmix64(std::uint64_t& s) {
-    std::uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-  static std::uint64_t rotl(std::uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-  std::uint64_t next() {  // xoshiro256**
-    const std::uint64_t result = rotl(state_[1] * 5, 7) * 9;
-    const std::uint64_t t = state_[1] << 17;
-    state_[2] ^= state_[0];
-    state_[3] ^= state_[1];
-    state_[1] ^= state_[2];
-    state_[0] ^= state_[3];
-    state_[2] ^= t;
-    state_[3] = rotl(state_[3], 45);
-    return result;
-  }
-
-  std::array<std::uint64_t, 4> state_{};
-  double spare_ = 0;
-  bool has_spare_ = false;
-};
+// W is drawn from linrope::Random (linrope/random.hpp): platform-independent Gaussians.
 
 // W [f x d], in the order the stream is consumed:
 //   iid:        W(i, j) for i = 0..f-1, j = 0..d-1 (row by row).
@@ -117,7 +68,8 @@ class GaussianStream {
 //               row r of Q times the norm of d fresh Gaussians, or times sqrt(d) when regularized
 //               (which consumes nothing).
 MatrixD draw_projection(Index d, Index f, bool orthogonal, bool regularized, std::uint64_t seed) {
-  GaussianStream gaussian(seed);
+  Random random(seed);
+  const auto gaussian = [&random] { return random.gaussian(); };
   MatrixD w(f, d);
   if (!orthogonal) {
     for (Index i = 0; i < f; ++i)

@@ -3,14 +3,11 @@
 #include "linear_kernel.hpp"
 
 #include "feature_map_access.hpp"
+#include "parallel.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <span>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace linrope::detail {
 namespace {
@@ -153,14 +150,7 @@ namespace {
 // the block's features to stay in L2.
 constexpr Index kBlockRows = 256;
 
-int usable_threads(bool parallel) {
-#ifdef _OPENMP
-  return parallel && !omp_in_parallel() ? omp_get_max_threads() : 1;
-#else
-  (void)parallel;
-  return 1;
-#endif
-}
+int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_threads() : 1; }
 
 // Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time.
 template <class T>

@@ -10,11 +10,8 @@
 #include <new>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "check.hpp"
+#include "parallel.hpp"
 #include "softmax_kernel.hpp"
 
 namespace linrope {
@@ -29,21 +26,8 @@ constexpr Index kMaxQueryBlock = 128;
 // Blocks of queries are multiples of this (the register tile of Eigen's float GEMM is 16-48 rows).
 constexpr Index kQueryBlockQuantum = 16;
 
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
+using detail::max_threads;
+using detail::thread_id;
 
 // Queries per block: at most kMaxQueryBlock, but small enough that every thread gets several
 // blocks (dynamic scheduling then balances the causal triangle). Depends on n only, never on the

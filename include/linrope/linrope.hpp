@@ -5,4 +5,5 @@
 #include <linrope/batched.hpp>
 #include <linrope/feature_maps.hpp>
 #include <linrope/rope.hpp>
+#include <linrope/random.hpp>
 #include <linrope/types.hpp>
