@@ -7,21 +7,20 @@
 //
 // Names ("favor" and "elu" rather than "favor+" and "elu+1", so that --benchmark_filter needs no
 // regex escapes):
-//   linear/<map>/<placement>/<noncausal|chunked|scan>/n:<n>   batched linear_attention
-//   linear_stream/<map>/<placement>                            LinearAttentionStream<float>, 1 head,
-//                                                              one token per step (decoding)
-//   softmax/<noncausal|causal>/n:<n>                           batched softmax_attention
-//   machine/peak_fma, machine/sgemm_1024, machine/copy         what this machine can do
+//   linear/<map>/<placement>/<noncausal|chunked|scan>/n:<n>  batched linear_attention
+//   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
+//   softmax/<noncausal|causal>/n:<n>    batched softmax_attention
+//   machine/peak_fma, machine/sgemm_1024, machine/copy   what this machine can do
 //
 // FLOP model (per (batch, head) slice, times B * H; n = n_k here). exp, elu, the RoPE rotations,
 // the row norms of FAVOR+ and the key sums z += psi_j (n_k m additions) are not counted:
-//   feature GEMMs    2 n d f for q and 2 n_k d f for k    (f = 256 for favor+, 0 for elu+1: no GEMM)
-//   state            2 n_k m d_v                          S = sum_j psi_j v_j^T
-//   read-out         2 n m d_v                            phi_i S
-//   denominators     2 n m                                phi_i . z
-//   causal chunked   + 2 n C m (scores) + 2 n C d_v       the masked C x C blocks inside each chunk,
-//                                                         counted whole (C = chunk_size = 64); the
-//                                                         scan has no intra-chunk term
+//   feature GEMMs   2 n d f (q) + 2 n_k d f (k)    f = 256 for favor+; 0 for elu+1 (no GEMM)
+//   state           2 n_k m d_v                    S = sum_j psi_j v_j^T
+//   read-out        2 n m d_v                      phi_i S
+//   denominators    2 n m                          phi_i . z
+//   causal chunked  + 2 n C m + 2 n C d_v          scores and their product with V inside each
+//                                                  chunk, the masked C x C blocks counted whole
+//                                                  (C = chunk_size = 64); the scan has no such term
 //   softmax          2 n n_k (d + d_v), halved when causal (the useful work)
 //   stream           the linear model per token with n = n_k = 1, one head
 // fraction_of_peak (GFLOP/s / machine/peak_fma) is computed offline by bench/compare_pytorch.py.
@@ -110,7 +109,9 @@ struct Problem {
   linrope::Heads<const float> in(const std::vector<float>& x) const {
     return {.data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
   }
-  linrope::Heads<float> output() { return {.data = out.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim}; }
+  linrope::Heads<float> output() {
+    return {.data = out.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
+  }
   Index n;
   std::vector<float> q, k, v, out;
 };

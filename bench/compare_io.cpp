@@ -1,8 +1,9 @@
 // compare_io: one attention call of linrope on raw float32 files, for bench/compare_pytorch.py to
 // check that PyTorch and linrope compute the same thing (and, with --repeat, to time the call).
 //
-//   compare_io --kind softmax|elu|favor --causal 0|1 --placement none|numerator_only|full|before_map
-//              --method chunked|scan --chunk C --seed S --m M --batch B --heads H --n N --d D
+//   compare_io --kind softmax|elu|favor --causal 0|1
+//              --placement none|numerator_only|full|before_map --method chunked|scan
+//              --chunk C --seed S --m M --batch B --heads H --n N --d D
 //              --q q.bin --k k.bin --v v.bin --out out.bin [--w w.bin] [--repeat R]
 //
 // q, k, v: float32, [B, H, N, D] contiguous (PyTorch's x.contiguous().numpy().tofile()); d_v = D.
@@ -16,7 +17,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <exception>
 #include <fstream>
 #include <iostream>
@@ -44,7 +44,8 @@ struct Args {
     const std::string text = get(key, fallback);
     std::size_t used = 0;
     const long long value = std::stoll(text, &used);
-    if (used != text.size()) throw std::invalid_argument("--" + key + " is not an integer: " + text);
+    if (used != text.size())
+      throw std::invalid_argument("--" + key + " is not an integer: " + text);
     return Index(value);
   }
 };
@@ -100,8 +101,9 @@ int run(const Args& args) {
   linrope::LinearOptions linear;
   if (kind == "elu" || kind == "favor") {
     const bool favor = kind == "favor";
+    using linrope::FeatureMapKind;
     map = linrope::make_feature_map(
-        {.kind = favor ? linrope::FeatureMapKind::FavorPositive : linrope::FeatureMapKind::EluPlusOne,
+        {.kind = favor ? FeatureMapKind::FavorPositive : FeatureMapKind::EluPlusOne,
          .input_dim = d,
          .num_features = favor ? args.number("m") : 0,
          .orthogonal = true,

@@ -3,13 +3,14 @@
 
 What it does, in order:
   1. Agreement: on a small case (batch 1, 2 heads, n = 200, d = 64, m = 256) every computation is
-     run by linrope (bench/compare_io, raw float32 files) and by PyTorch on the same q, k, v and, for
-     FAVOR+, the same projection W (written by compare_io); prints max|ours - torch| / max|torch| per
-     computation and exits 1 if any exceeds 1e-3.
-  2. Our timings: runs build/bench/bench_linear once (every case, 3 repetitions, Google Benchmark
-     median of real time) unless --bench-json gives a saved run; prints every linear/softmax case
-     with GFLOP/s, fraction of machine/peak_fma and of machine/sgemm_1024 (measured in that run),
-     the log-log slope of time against n, the softmax/linear crossover and the targets.
+     run by linrope (bench/compare_io, raw float32 files) and by PyTorch on the same q, k, v
+     and, for FAVOR+, the same projection W (written by compare_io); prints
+     max|ours - torch| / max|torch| per computation and exits 1 if any exceeds 1e-3.
+  2. Our timings: runs build/bench/bench_linear once (every case, 5 randomly interleaved
+     repetitions, Google Benchmark median of real time) unless --bench-json gives a saved run;
+     prints every case with GFLOP/s, its fraction of machine/peak_fma and of machine/sgemm_1024
+     (both measured in that run), the log-log slope of time against n, the softmax/linear
+     crossover and the targets.
   3. PyTorch timings (batch 1, 8 heads, d = 64, m = 256, float32, n in 1024, 4096, 16384; median
      of 5 calls, 3 at n = 16384, after one warm-up call) and one table: ours, PyTorch, ratio.
 
@@ -35,7 +36,8 @@ Environment, so that PyTorch runs at its best:
     OMP_NUM_THREADS, else the number of CPUs).
 Cases skipped: a PyTorch computation needing more than --max-gb GB (default 8) of temporaries, or
 predicted (from the previous size) to take more than 60 s per call, e.g. softmax at n = 16384
-(2 x 8.6 GB of scores) and the FAVOR+ cumsum form at n = 16384 (2 x 8.6 GB of prefix sums); they print as "skipped".
+(2 x 8.6 GB of scores) and the FAVOR+ cumsum form at n = 16384 (2 x 8.6 GB of prefix sums);
+they print as "skipped".
 """
 
 import argparse
@@ -66,18 +68,19 @@ def parse_args():
                         help="build tree holding bench/bench_linear and bench/compare_io")
     parser.add_argument("--threads", type=int,
                         default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count()))
-    parser.add_argument("--bench-json", help="use this saved bench_linear JSON instead of running it")
+    parser.add_argument("--bench-json",
+                        help="use this saved bench_linear JSON instead of running it")
     parser.add_argument("--save-json", help="write the bench_linear JSON of this run here")
-    parser.add_argument("--repetitions", type=int, default=3, help="bench_linear repetitions")
+    parser.add_argument("--repetitions", type=int, default=5, help="bench_linear repetitions")
     parser.add_argument("--max-gb", type=float, default=8.0,
                         help="skip PyTorch cases needing more temporaries than this")
     parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
     parser.add_argument("--check-only", action="store_true", help="only the agreement check")
     parser.add_argument("--skip-torch-timing", action="store_true")
     parser.add_argument("--wait-load", type=float, default=0.0,
-                        help="before each timing phase, wait (up to --wait-max s) until the 1-minute "
-                             "load average is below this (0: do not wait); other work on the "
-                             "machine disturbs the timings")
+                        help="before each timing phase, wait (up to --wait-max s) until the "
+                             "1-minute load average is below this (0: do not wait); other work "
+                             "on the machine disturbs the timings")
     parser.add_argument("--wait-max", type=float, default=600.0)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="comma-separated n for the PyTorch table")
@@ -176,7 +179,9 @@ def linear_causal_chunked(fq, fk, v, chunk=CHUNK):
 
 
 def rope_interleaved(x, base=10000.0):
-    """RoPE on the last dim (interleaved pairs (2i, 2i+1)), row p at position p; angles in double."""
+    """RoPE on the last dim, interleaved pairs (2i, 2i+1), row p at position p, angles in double.
+
+    The same as linrope's default Rope (base 10000, RopeLayout::Interleaved)."""
     n, r = x.shape[-2], x.shape[-1]
     theta = base ** (-torch.arange(0, r // 2, dtype=torch.float64) * 2 / r)
     angle = torch.arange(n, dtype=torch.float64).unsqueeze(-1) * theta
@@ -279,6 +284,9 @@ def run_bench():
     binary = os.path.join(args.build_dir, "bench", "bench_linear")
     command = [binary, "--benchmark_min_time=0.05", "--benchmark_format=json",
                f"--benchmark_repetitions={args.repetitions}",
+               # Repetitions of all cases shuffled together: a burst of other work on the machine
+               # then spoils one repetition of several cases, not every repetition of one case.
+               "--benchmark_enable_random_interleaving=true",
                "--benchmark_report_aggregates_only=true"]
     quiet_machine("bench_linear")
     say("Running: OMP_NUM_THREADS=%d %s" % (args.threads, " ".join(command)))
@@ -341,7 +349,12 @@ def report_bench(ours):
         + ", ".join(f"{k} {v['GB/s']:.1f} GB/s" for k, v in ours.items() if "GB/s" in v) + "\n")
     say("| case | ms | GFLOP/s | of peak_fma | of sgemm_1024 | tokens/s |")
     say("|---|---|---|---|---|---|")
-    for name, e in ours.items():
+    def order(name):  # registration order survives random interleaving only through this
+        n = re.search(r"/n:(\d+)$", name)
+        return (re.sub(r"/n:\d+$", "", name), int(n.group(1)) if n else 0)
+
+    for name in sorted(ours, key=order):
+        e = ours[name]
         if name.startswith("machine/"):
             continue
         g = e.get("GFLOP/s", 0.0)
@@ -419,8 +432,8 @@ def torch_timings(sizes):
     say("PyTorch %s, %d threads, BLAS loaded: %s" % (torch.__version__, torch.get_num_threads(),
                                                      ", ".join(blas) or "none found"))
     if not any("openblas" in b for b in blas):
-        say("WARNING: PyTorch is not using OpenBLAS (install libopenblas0-openmp): its GEMMs run on "
-            "the reference BLAS and every PyTorch figure below is ~20x too slow.")
+        say("WARNING: PyTorch is not using OpenBLAS (install libopenblas0-openmp): its GEMMs "
+            "run on the reference BLAS and every PyTorch figure below is ~20x too slow.")
     say("GLIBC_TUNABLES=%s\n" % os.environ.get("GLIBC_TUNABLES"))
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(FEATURES, DIM, generator=gen)  # timing only: any W of the right shape will do
@@ -505,7 +518,8 @@ def targets(ours, ratios, sizes):
         cr = {n: t(f"linear/favor/{placement}/chunked/n:{n}")
               / t(f"linear/favor/{placement}/noncausal/n:{n}") for n in SIZES}
         row(f"FAVOR+ causal chunked <= 1.5x non-causal ({placement})",
-            ", ".join(f"n={n}: {r:.2f}x" for n, r in cr.items()), all(r <= 1.5 for r in cr.values()))
+            ", ".join(f"n={n}: {r:.2f}x" for n, r in cr.items()),
+            all(r <= 1.5 for r in cr.values()))
     for key, goal, what in (("elu/noncausal", 3.0, "PyTorch non-causal (einsum)"),
                             ("elu/chunked", 5.0, "PyTorch chunked causal")):
         rs = {n: ratios.get((key, n)) for n in sizes}
