@@ -6,9 +6,9 @@
 #pragma once
 
 #include <benchmark/benchmark.h>
-#include <linrope/types.hpp>
 
 #include <cstring>
+#include <linrope/types.hpp>
 #include <vector>
 
 #ifdef _OPENMP
@@ -27,12 +27,12 @@ inline int threads() {
 
 // FLOP counter reported as GFLOP/s (per second of real time).
 inline void set_flops(benchmark::State& state, double flops_per_iteration) {
-  state.counters["GFLOP/s"] = benchmark::Counter(flops_per_iteration * 1e-9,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 inline void set_bytes(benchmark::State& state, double bytes_per_iteration) {
-  state.counters["GB/s"] = benchmark::Counter(bytes_per_iteration * 1e-9,
-                                              benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // 16 independent accumulators of 16 floats hide the FMA latency (4 cycles x up to 2 pipes);
@@ -41,7 +41,7 @@ inline float peak_fma_kernel(long iterations, float seed) {
   typedef float v16 __attribute__((vector_size(64)));
   constexpr int kAcc = 16;
   v16 acc[kAcc];
-  const v16 a = {} , b = {};
+  const v16 a = {}, b = {};
   v16 mul = a + 0.999999f, add = b + 1e-7f;
   for (int i = 0; i < kAcc; ++i) acc[i] = a + seed + float(i);
   for (long it = 0; it < iterations; ++it) {
@@ -92,7 +92,11 @@ inline void BM_Copy(benchmark::State& state) {
 }  // namespace linrope::bench
 
 // Registers the machine references in a benchmark binary (once per binary).
-#define LINROPE_REGISTER_MACHINE_REFERENCES()                                                   \
-  BENCHMARK(linrope::bench::BM_PeakFma)->Name("machine/peak_fma")->UseRealTime();               \
-  BENCHMARK(linrope::bench::BM_EigenSgemm1024)->Name("machine/sgemm_1024")->UseRealTime();     \
-  BENCHMARK(linrope::bench::BM_Copy)->Name("machine/copy")->Arg(1 << 20)->Arg(1 << 24)->UseRealTime()
+#define LINROPE_REGISTER_MACHINE_REFERENCES()                                              \
+  BENCHMARK(linrope::bench::BM_PeakFma)->Name("machine/peak_fma")->UseRealTime();          \
+  BENCHMARK(linrope::bench::BM_EigenSgemm1024)->Name("machine/sgemm_1024")->UseRealTime(); \
+  BENCHMARK(linrope::bench::BM_Copy)                                                       \
+      ->Name("machine/copy")                                                               \
+      ->Arg(1 << 20)                                                                       \
+      ->Arg(1 << 24)                                                                       \
+      ->UseRealTime()

@@ -4,7 +4,6 @@
 //   map time / GEMM time = (GEMM GFLOP/s) / (map GFLOP/s).
 // elu+1, relu and 1+cos have no GEMM: they report items (rows) and bytes moved (read x, write out).
 #include <linrope/feature_maps.hpp>
-
 #include <vector>
 
 #include "bench_common.hpp"

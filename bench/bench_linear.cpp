@@ -29,7 +29,6 @@
 #include <linrope/batched.hpp>
 #include <linrope/feature_maps.hpp>
 #include <linrope/rope.hpp>
-
 #include <memory>
 #include <optional>
 #include <random>
@@ -51,9 +50,12 @@ enum class Mode { NonCausal, Chunked, Scan };
 
 const char* mode_name(Mode mode) {
   switch (mode) {
-    case Mode::NonCausal: return "noncausal";
-    case Mode::Chunked: return "chunked";
-    case Mode::Scan: return "scan";
+    case Mode::NonCausal:
+      return "noncausal";
+    case Mode::Chunked:
+      return "chunked";
+    case Mode::Scan:
+      return "scan";
   }
   return "?";
 }
@@ -90,9 +92,9 @@ std::optional<linrope::Rope> make_rope(RopePlacement placement, Index m) {
 // FLOPs of one (batch, head) slice, by the model in the header comment.
 double linear_flops(Index n, Index n_k, Index d, Index d_v, Index f, Index m, Mode mode) {
   double flops = 2.0 * double(n + n_k) * double(d) * double(f)  // feature GEMMs
-                 + 2.0 * double(n_k) * double(m) * double(d_v)   // state
-                 + 2.0 * double(n) * double(m) * double(d_v)     // read-out
-                 + 2.0 * double(n) * double(m);                  // denominators
+                 + 2.0 * double(n_k) * double(m) * double(d_v)  // state
+                 + 2.0 * double(n) * double(m) * double(d_v)    // read-out
+                 + 2.0 * double(n) * double(m);                 // denominators
   if (mode == Mode::Chunked)
     flops += 2.0 * double(n) * double(kChunk) * double(m + d_v);  // intra-chunk blocks
   return flops;
@@ -219,8 +221,8 @@ bool register_all() {
         ->UseRealTime();
   for (const FeatureMapKind kind : maps)
     for (const RopePlacement placement : {RopePlacement::None, RopePlacement::NumeratorOnly}) {
-      const std::string name = std::string("linear_stream/") + map_name(kind) + "/" +
-                               linrope::to_string(placement);
+      const std::string name =
+          std::string("linear_stream/") + map_name(kind) + "/" + linrope::to_string(placement);
       benchmark::RegisterBenchmark(name.c_str(), BM_Stream, kind, placement)
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();

@@ -3,11 +3,10 @@
 // Eigen SGEMM 1024^3) measured in the same run.
 // FLOPs: 4 n n_k d (Q K^T and P V, 2 n n_k d each) non-causal, half of that causal (the useful
 // work; the naive form computes the whole square either way). items = query tokens.
-#include <linrope/attention.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <linrope/attention.hpp>
 
 #include "bench_common.hpp"
 

@@ -13,13 +13,12 @@
 // none): interleaved, base 10000, width D for before_map, m otherwise. Softmax: scale 1/sqrt(D),
 // no rope. --repeat R > 0 runs the call R more times and prints "median_ms <t>" (wall clock).
 // Exit status 1 with a message on stderr for bad arguments or an error thrown by linrope.
-#include <linrope/linrope.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <exception>
 #include <fstream>
 #include <iostream>
+#include <linrope/linrope.hpp>
 #include <map>
 #include <memory>
 #include <optional>
@@ -82,19 +81,19 @@ void write_floats(const std::string& path, const float* x, Index count) {
 int run(const Args& args) {
   const std::string kind = args.get("kind");
   const bool causal = args.number("causal", "0") != 0;
-  const Index batch = args.number("batch", "1"), heads = args.number("heads"),
-              n = args.number("n"), d = args.number("d");
+  const Index batch = args.number("batch", "1"), heads = args.number("heads"), n = args.number("n"),
+              d = args.number("d");
   const Index count = batch * heads * n * d;
   const std::vector<float> q = read_floats(args.get("q"), count),
                            k = read_floats(args.get("k"), count),
                            v = read_floats(args.get("v"), count);
   std::vector<float> out(static_cast<std::size_t>(count));
   const auto view = [&](const std::vector<float>& x) {
-    return linrope::Heads<const float>{.data = x.data(), .batch = batch, .heads = heads, .n = n,
-                                       .d = d};
+    return linrope::Heads<const float>{
+        .data = x.data(), .batch = batch, .heads = heads, .n = n, .d = d};
   };
-  const linrope::Heads<float> out_view{.data = out.data(), .batch = batch, .heads = heads, .n = n,
-                                       .d = d};
+  const linrope::Heads<float> out_view{
+      .data = out.data(), .batch = batch, .heads = heads, .n = n, .d = d};
 
   std::unique_ptr<linrope::FeatureMap> map;
   std::optional<linrope::Rope> rope;
@@ -143,9 +142,9 @@ int run(const Args& args) {
     for (Index r = 0; r < repeat; ++r) {
       const auto start = std::chrono::steady_clock::now();
       call();
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                             start)
-                       .count());
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count());
     }
     std::sort(ms.begin(), ms.end());
     std::cout << "median_ms " << ms[ms.size() / 2] << '\n';

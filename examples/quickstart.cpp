@@ -1,7 +1,6 @@
 // RoPE in linear attention, numerator only (RoFormer eq. 19), checked against exact softmax.
-#include <linrope/linrope.hpp>
-
 #include <cstdio>
+#include <linrope/linrope.hpp>
 
 int main() {
   using namespace linrope;
@@ -9,14 +8,13 @@ int main() {
   const MatrixF q = MatrixF::Random(n, d), k = MatrixF::Random(n, d), v = MatrixF::Random(n, d);
 
   // FAVOR+ with m orthogonal random features; RoPE acts on the features, so its width is m.
-  auto favor = make_feature_map({.kind = FeatureMapKind::FavorPositive, .input_dim = d,
-                                 .num_features = m, .seed = 42});
+  auto favor = make_feature_map(
+      {.kind = FeatureMapKind::FavorPositive, .input_dim = d, .num_features = m, .seed = 42});
   Rope feature_rope({.dim = m});
   DenominatorStats stats;
-  MatrixF approx = linear_attention(q, k, v, *favor,
-                                    {.causal = true, .placement = RopePlacement::NumeratorOnly,
-                                     .rope = &feature_rope},
-                                    &stats);
+  MatrixF approx = linear_attention(
+      q, k, v, *favor,
+      {.causal = true, .placement = RopePlacement::NumeratorOnly, .rope = &feature_rope}, &stats);
 
   // The exact baseline: softmax attention with RoPE on q and k (width d).
   Rope rope({.dim = d});

@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <cmath>
 #include <linrope/linrope.hpp>
+#include <linrope/random.hpp>
 #include <map>
 
 #include "experiment.hpp"
 #include "fit.hpp"
 #include "inputs.hpp"
 #include "metadata.hpp"
-#include <linrope/random.hpp>
 #include "stats.hpp"
 #include "sweep.hpp"
 

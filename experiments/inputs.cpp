@@ -1,9 +1,8 @@
 #include "inputs.hpp"
 
 #include <cmath>
-#include <stdexcept>
-
 #include <linrope/random.hpp>
+#include <stdexcept>
 
 namespace linrope::experiments {
 

@@ -2,12 +2,12 @@
 //   <R_m q, R_n k> = <q, R_(n-m) k>
 // on random vectors, per precision, for positions up to 10^6.
 #include <cmath>
+#include <linrope/random.hpp>
 #include <linrope/rope.hpp>
 #include <vector>
 
 #include "experiment.hpp"
 #include "inputs.hpp"
-#include <linrope/random.hpp>
 #include "sweep.hpp"
 
 namespace linrope::experiments {

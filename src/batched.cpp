@@ -1,15 +1,14 @@
 // Multi-head attention over [batch, heads, n, d] buffers: checks, then one single-head kernel per
 // (batch, head) slice, the slices spread over OpenMP threads.
-#include <linrope/batched.hpp>
-
 #include <exception>
+#include <linrope/batched.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "check.hpp"
-#include "parallel.hpp"
 #include "linear_kernel.hpp"
+#include "parallel.hpp"
 #include "softmax_kernel.hpp"
 
 namespace linrope {
@@ -150,13 +149,12 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     if (options.causal) {
       detail::LinearState<T> state;
       state.reset(setup.m, setup.dv);
-      detail::linear_causal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
-                            n, nk, options.q_offset, options.k_offset, setup, state, false, tally,
+      detail::linear_causal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h), n,
+                            nk, options.q_offset, options.k_offset, setup, state, false, tally,
                             parallel);
     } else {
-      detail::linear_noncausal(slice(q, b, h), slice(k, b, h), slice(v, b, h),
-                               slice_out(out, b, h), n, nk, options.q_offset, options.k_offset,
-                               setup, tally, parallel);
+      detail::linear_noncausal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
+                               n, nk, options.q_offset, options.k_offset, setup, tally, parallel);
     }
   };
   // As for softmax: one slice per thread when there are enough, else each slice on all threads.

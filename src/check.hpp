@@ -3,9 +3,8 @@
 // Every public function checks all of its arguments before any parallel region.
 #pragma once
 
-#include <linrope/types.hpp>
-
 #include <cmath>
+#include <linrope/types.hpp>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>

@@ -4,21 +4,18 @@
 // (GCC 12's false -Wuninitialized in avx512fintrin.h, hit by Eigen's vectorised float sin/cos, is
 // silenced for every target in CMakeLists.txt.)
 
-#include <linrope/feature_maps.hpp>
-
 #include <Eigen/QR>
-
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linrope/feature_maps.hpp>
+#include <linrope/random.hpp>
 #include <numbers>
 #include <span>
 #include <string>
 #include <type_traits>
-
-#include <linrope/random.hpp>
 
 #include "check.hpp"
 

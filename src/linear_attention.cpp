@@ -1,8 +1,7 @@
 // Linear attention: argument checks and dispatch for the single-head calls; placement names.
-#include <linrope/attention.hpp>
-
 #include <array>
 #include <cmath>
+#include <linrope/attention.hpp>
 
 #include "check.hpp"
 #include "linear_kernel.hpp"

@@ -2,12 +2,12 @@
 // the plain recurrent scan. See linear_kernel.hpp for the stabilisation algebra.
 #include "linear_kernel.hpp"
 
-#include "feature_map_access.hpp"
-#include "parallel.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <span>
+
+#include "feature_map_access.hpp"
+#include "parallel.hpp"
 
 namespace linrope::detail {
 namespace {
@@ -122,7 +122,8 @@ void write_output(T* out, const Row& numerator, double den, double log_scale, do
 
 DenominatorTally::DenominatorTally(double threshold)
     : threshold_(threshold),
-      log_threshold_(threshold > 0 ? std::log(threshold) : -std::numeric_limits<double>::infinity()) {}
+      log_threshold_(threshold > 0 ? std::log(threshold)
+                                   : -std::numeric_limits<double>::infinity()) {}
 
 void DenominatorTally::add(double den, double log_scale) {
   ++count_;
@@ -236,7 +237,8 @@ void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index
   }
   const Index query_parts = std::min<Index>(threads, n / kBlockRows);
   if (query_parts > 1) {
-    std::vector<DenominatorTally> tallies(query_parts, tally ? tally->empty() : DenominatorTally(0));
+    std::vector<DenominatorTally> tallies(query_parts,
+                                          tally ? tally->empty() : DenominatorTally(0));
 #pragma omp parallel for num_threads(query_parts)
     for (Index t = 0; t < query_parts; ++t) {
       const Index begin = split_point(n, query_parts, t, kBlockRows);
@@ -403,7 +405,8 @@ void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk
   }
   std::vector<LinearState<T>> prefix(segments);
 #pragma omp parallel for num_threads(segments)
-  for (Index t = 0; t < segments; ++t) {  // pass 1: prefix[t + 1] will hold keys [0, key_start[t + 1])
+  for (Index t = 0; t < segments;
+       ++t) {  // pass 1: prefix[t + 1] will hold keys [0, key_start[t + 1])
     if (t + 1 == segments) continue;
     prefix[t + 1].reset(setup.m, dv);
     absorb_keys(prefix[t + 1], k + key_start[t] * d, v + key_start[t] * dv,

@@ -14,9 +14,8 @@
 // a larger one arrives, as the online softmax does with its running maximum.
 #pragma once
 
-#include <linrope/attention.hpp>
-
 #include <limits>
+#include <linrope/attention.hpp>
 #include <vector>
 
 namespace linrope::detail {

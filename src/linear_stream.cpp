@@ -49,8 +49,8 @@ Index LinearAttentionStream<T>::position() const {
 }
 
 template <class T>
-Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k,
-                                         const Matrix<T>& v, DenominatorStats* stats) {
+Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                                         DenominatorStats* stats) {
   constexpr std::string_view fn = "LinearAttentionStream::step";
   const detail::LinearSetup& setup = state_->setup;
   if (q.cols() != setup.d)

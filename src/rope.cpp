@@ -1,10 +1,9 @@
 // RoPE: configuration checks, scaled frequencies, and the element-wise rotation kernel.
-#include <linrope/rope.hpp>
-
 #include <algorithm>
 #include <cassert>
 #include <cmath>
 #include <complex>
+#include <linrope/rope.hpp>
 #include <numbers>
 
 #include "check.hpp"
@@ -82,13 +81,15 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
   if (s.kind == RopeScalingKind::Ntk)
     base *= std::pow(s.factor, double(rotary_dim_) / double(rotary_dim_ - 2));
   theta_.resize(half);
-  for (Index i = 0; i < half; ++i) theta_[i] = std::pow(base, -2.0 * double(i) / double(rotary_dim_));
+  for (Index i = 0; i < half; ++i)
+    theta_[i] = std::pow(base, -2.0 * double(i) / double(rotary_dim_));
   if (s.kind == RopeScalingKind::Linear) {
     for (double& t : theta_) t /= s.factor;
   } else if (s.kind == RopeScalingKind::Yarn) {
     for (double& t : theta_) {
       const double turns = double(s.original_max_position) * t / (2 * std::numbers::pi);
-      const double gamma = std::clamp((turns - s.beta_slow) / (s.beta_fast - s.beta_slow), 0.0, 1.0);
+      const double gamma =
+          std::clamp((turns - s.beta_slow) / (s.beta_fast - s.beta_slow), 0.0, 1.0);
       t = (1 - gamma) * t / s.factor + gamma * t;
     }
     if (s.factor > 1) magnitude_ = 0.1 * std::log(s.factor) + 1.0;
@@ -174,10 +175,14 @@ using BlockKernel = void (*)(T*, Index, Index, Index, Index, Index, Index, const
 template <class T, bool Negative, bool Interleaved>
 BlockKernel<T> pick_kernel(Index half) {
   switch (half) {
-    case 16: return rotate_block<T, Negative, Interleaved, 16>;
-    case 32: return rotate_block<T, Negative, Interleaved, 32>;
-    case 64: return rotate_block<T, Negative, Interleaved, 64>;
-    default: return rotate_block<T, Negative, Interleaved, 0>;
+    case 16:
+      return rotate_block<T, Negative, Interleaved, 16>;
+    case 32:
+      return rotate_block<T, Negative, Interleaved, 32>;
+    case 64:
+      return rotate_block<T, Negative, Interleaved, 64>;
+    default:
+      return rotate_block<T, Negative, Interleaved, 0>;
   }
 }
 
@@ -193,19 +198,30 @@ class Rotator {
           const std::vector<double>& lo_sin, const std::vector<double>& mid_cos,
           const std::vector<double>& mid_sin, double magnitude, RopeLayout layout, bool inverse,
           Index dim, Index block)
-      : theta_(theta), lo_cos_(lo_cos.data()), lo_sin_(lo_sin.data()), mid_cos_(mid_cos.data()),
-        mid_sin_(mid_sin.data()), half_(Index(theta.size())),
-        scale_(inverse ? 1.0 / magnitude : magnitude), dim_bytes_(Index(sizeof(T)) * dim),
-        block_rows_(block), reach_(block / 2), mid2_(block * block),
+      : theta_(theta),
+        lo_cos_(lo_cos.data()),
+        lo_sin_(lo_sin.data()),
+        mid_cos_(mid_cos.data()),
+        mid_sin_(mid_sin.data()),
+        half_(Index(theta.size())),
+        scale_(inverse ? 1.0 / magnitude : magnitude),
+        dim_bytes_(Index(sizeof(T)) * dim),
+        block_rows_(block),
+        reach_(block / 2),
+        mid2_(block * block),
         top_span_(block * block * block),
-        top_cos_(half_), top_sin_(half_), span_cos_(half_), span_sin_(half_), block_cos_(half_),
+        top_cos_(half_),
+        top_sin_(half_),
+        span_cos_(half_),
+        span_sin_(half_),
+        block_cos_(half_),
         block_sin_(half_) {
     // The inverse turns the other way: negative angles for p >= 0, positive ones for p < 0.
     const bool interleaved = layout == RopeLayout::Interleaved;
-    BlockKernel<T> neg = interleaved ? pick_kernel<T, true, true>(half_)
-                                     : pick_kernel<T, true, false>(half_);
-    BlockKernel<T> pos = interleaved ? pick_kernel<T, false, true>(half_)
-                                     : pick_kernel<T, false, false>(half_);
+    BlockKernel<T> neg =
+        interleaved ? pick_kernel<T, true, true>(half_) : pick_kernel<T, true, false>(half_);
+    BlockKernel<T> pos =
+        interleaved ? pick_kernel<T, false, true>(half_) : pick_kernel<T, false, false>(half_);
     forward_ = inverse ? neg : pos;
     backward_ = inverse ? pos : neg;
   }
@@ -315,8 +331,8 @@ template <class T>
 void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, bool inverse) const {
   const std::string_view fn = inverse ? "Rope::apply_inverse" : "Rope::apply";
   if (x.cols() != config_.dim)
-    detail::throw_invalid(fn, "x is ", detail::shape_of(x), " but the rope has dim = ",
-                          config_.dim);
+    detail::throw_invalid(fn, "x is ", detail::shape_of(x),
+                          " but the rope has dim = ", config_.dim);
   if (first_position < -kMaxPosition || first_position > kMaxPosition ||
       x.rows() - 1 > kMaxPosition - first_position)
     detail::throw_invalid(fn, "first_position is ", first_position, " with ", x.rows(),
@@ -329,8 +345,8 @@ void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positio
                          bool inverse) const {
   const std::string_view fn = inverse ? "Rope::apply_inverse" : "Rope::apply";
   if (x.cols() != config_.dim)
-    detail::throw_invalid(fn, "x is ", detail::shape_of(x), " but the rope has dim = ",
-                          config_.dim);
+    detail::throw_invalid(fn, "x is ", detail::shape_of(x),
+                          " but the rope has dim = ", config_.dim);
   if (Index(positions.size()) != x.rows())
     detail::throw_invalid(fn, "positions has ", positions.size(), " entries but x has ", x.rows(),
                           " rows");

@@ -1,11 +1,10 @@
 // Exact softmax attention: argument checks, and the streaming (online-softmax) kernel.
-#include <linrope/attention.hpp>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <linrope/attention.hpp>
 #include <memory>
 #include <new>
 #include <vector>

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <linrope/attention.hpp>
-
 #include <string_view>
 
 namespace linrope::detail {

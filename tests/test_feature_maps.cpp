@@ -1,11 +1,11 @@
 // Feature maps against the plain-loop references in tests/reference/feature_map_reference.hpp, plus
 // the statistical properties the Favor maps promise (unbiased, orthogonal better than iid, Haar).
 #include <doctest/doctest.h>
-#include <linrope/feature_maps.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <linrope/feature_maps.hpp>
 #include <numbers>
 #include <span>
 #include <string>

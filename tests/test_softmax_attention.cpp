@@ -2,12 +2,12 @@
 // rotation matrices) over swept shapes, block sizes, offsets and cross attention; properties
 // (relative position invariance, causality, large norms, determinism); and every bad input.
 #include <doctest/doctest.h>
-#include <linrope/attention.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linrope/attention.hpp>
 #include <memory>
 #include <vector>
 

@@ -9,7 +9,6 @@
 #include <linrope/feature_maps.hpp>
 #include <linrope/rope.hpp>
 #include <linrope/types.hpp>
-
 #include <memory>
 #include <string_view>
 
@@ -17,10 +16,10 @@ namespace linrope {
 
 struct SoftmaxOptions {
   bool causal = false;
-  double scale = 0;             // 0 means 1 / sqrt(d)
-  const Rope* rope = nullptr;   // applied to q and k (width d) at their positions
+  double scale = 0;            // 0 means 1 / sqrt(d)
+  const Rope* rope = nullptr;  // applied to q and k (width d) at their positions
   Index q_offset = 0, k_offset = 0;
-  Index block_size = 0;         // keys per streamed block; 0 chooses
+  Index block_size = 0;  // keys per streamed block; 0 chooses
 };
 
 // Exact softmax attention:
@@ -81,10 +80,12 @@ struct DenominatorStats {
 // Throws std::invalid_argument on shape mismatch, non-finite inputs, eps < 0 or not finite,
 // a placement other than None without a rope, or a rope whose width does not fit the placement
 // (d for BeforeMap, map.output_dim() for NumeratorOnly and Full), chunk_size < 1.
-MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v, const FeatureMap& map,
-                         const LinearOptions& options = {}, DenominatorStats* stats = nullptr);
-MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v, const FeatureMap& map,
-                         const LinearOptions& options = {}, DenominatorStats* stats = nullptr);
+MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
+                         const FeatureMap& map, const LinearOptions& options = {},
+                         DenominatorStats* stats = nullptr);
+MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                         const FeatureMap& map, const LinearOptions& options = {},
+                         DenominatorStats* stats = nullptr);
 
 // Causal linear attention as a stream, for autoregressive decoding: each call appends t tokens
 // (q, k, v rows at the next t positions, starting at options.q_offset == options.k_offset) and

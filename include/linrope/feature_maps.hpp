@@ -8,21 +8,20 @@
 //   FavorTrig       phi(x) = exp(|x'|^2 / 2) / sqrt(f) [sin(W x'), cos(W x')]    m = 2f (signed)
 //   OnePlusCosine   phi(x) = [x / |x|, 1], so phi(q).phi(k) = 1 + cos(q, k)      m = d + 1
 //   FavorHyperbolic phi(x) = exp(-|x'|^2/2) / sqrt(2f) [exp(W x'), exp(-W x')]   m = 2f
-// The three Favor maps are unbiased: E[phi(q) . phi(k)] = exp(<q, k> / sqrt(d)) (Performer, FAVOR+).
-// OnePlusCosine maps x = 0 to [0, ..., 0, 1].
+// The three Favor maps are unbiased: E[phi(q) . phi(k)] = exp(<q, k> / sqrt(d)) (Performer,
+// FAVOR+). OnePlusCosine maps x = 0 to [0, ..., 0, 1].
 //
-// W: rows iid N(0, I_d), or (orthogonal = true) blocks of d mutually orthogonal rows, each block the
-// Q of a QR of a Gaussian d x d matrix with the signs of R's diagonal folded into Q (so that Q is
-// Haar-distributed), each row rescaled to the norm of an independent N(0, I_d) vector, or to sqrt(d)
-// when `regularized`. f need not be a multiple of d: the last block is cut.
-// Gaussians come from a splitmix64/xoshiro256** stream and a Box-Muller transform written here (the
-// standard library's normal_distribution differs between implementations), so a seed gives
-// bit-identical W on every platform.
+// W: rows iid N(0, I_d), or (orthogonal = true) blocks of d mutually orthogonal rows, each block
+// the Q of a QR of a Gaussian d x d matrix with the signs of R's diagonal folded into Q (so that Q
+// is Haar-distributed), each row rescaled to the norm of an independent N(0, I_d) vector, or to
+// sqrt(d) when `regularized`. f need not be a multiple of d: the last block is cut. Gaussians come
+// from a splitmix64/xoshiro256** stream and a Box-Muller transform written here (the standard
+// library's normal_distribution differs between implementations), so a seed gives bit-identical W
+// on every platform.
 #pragma once
 
-#include <linrope/types.hpp>
-
 #include <cstdint>
+#include <linrope/types.hpp>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -33,12 +32,20 @@ namespace detail {
 struct FeatureMapAccess;  // lets the attention kernels map rows they have already checked
 }
 
-enum class FeatureMapKind { EluPlusOne, Relu, FavorPositive, FavorTrig, OnePlusCosine, FavorHyperbolic };
+enum class FeatureMapKind {
+  EluPlusOne,
+  Relu,
+  FavorPositive,
+  FavorTrig,
+  OnePlusCosine,
+  FavorHyperbolic
+};
 
 struct FeatureMapConfig {
   FeatureMapKind kind = FeatureMapKind::EluPlusOne;
-  Index input_dim = 0;     // d
-  Index num_features = 0;  // f: rows of W (Favor maps only; must be >= 1 for them, ignored otherwise)
+  Index input_dim = 0;  // d
+  Index num_features =
+      0;  // f: rows of W (Favor maps only; must be >= 1 for them, ignored otherwise)
   bool orthogonal = true;  // orthogonal blocks of W instead of iid rows
   std::uint64_t seed = 0;
   bool regularized = false;  // orthogonal rows of norm exactly sqrt(d) instead of random norms

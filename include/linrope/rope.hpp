@@ -13,7 +13,6 @@
 #pragma once
 
 #include <linrope/types.hpp>
-
 #include <span>
 #include <vector>
 
@@ -26,13 +25,14 @@ enum class RopeScalingKind { None, Linear, Ntk, Yarn };
 // Context-extension scalings, with factor s = `factor` (s > 0; s = 1 is plain RoPE):
 // - Linear (position interpolation, Chen et al. 2023): theta_i' = theta_i / s.
 // - Ntk ("NTK-aware", bloc97): base' = base * s^(r / (r - 2)); needs r > 2.
-// - Yarn (Peng et al. 2023, "NTK-by-parts" + attention temperature), following the paper's eq. 17-23
+// - Yarn (Peng et al. 2023, "NTK-by-parts" + attention temperature), following the paper's eq.
+// 17-23
 //   and the reference implementation: with L = original_max_position and the wavelength ratio
 //   rho_i = L * theta_i / (2 pi) (how many turns pair i makes over the original context),
 //     gamma_i = clamp((rho_i - beta_slow) / (beta_fast - beta_slow), 0, 1),
 //     theta_i' = (1 - gamma_i) * theta_i / s + gamma_i * theta_i,
-//   i.e. slow pairs (< beta_slow turns) are interpolated, fast ones (> beta_fast turns) kept; and the
-//   rotated dimensions are multiplied by the magnitude 0.1 ln(s) + 1 (so logits scale by its
+//   i.e. slow pairs (< beta_slow turns) are interpolated, fast ones (> beta_fast turns) kept; and
+//   the rotated dimensions are multiplied by the magnitude 0.1 ln(s) + 1 (so logits scale by its
 //   square; 1 for s <= 1, as in the reference implementation).
 //   Needs original_max_position > 0 and beta_fast > beta_slow.
 struct RopeScaling {
@@ -86,8 +86,9 @@ class Rope {
   void apply_inverse(Eigen::Ref<MatrixF> x, std::span<const Index> positions) const;
   void apply_inverse(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
 
-  // Raw-pointer form for kernels: rotates `rows` rows of width dim() spaced `stride` elements apart,
-  // row i at position first_position + i (|position| <= 2^53). No checks beyond debug asserts.
+  // Raw-pointer form for kernels: rotates `rows` rows of width dim() spaced `stride` elements
+  // apart, row i at position first_position + i (|position| <= 2^53). No checks beyond debug
+  // asserts.
   template <class T>
   void rotate_rows(T* x, Index rows, Index stride, Index first_position, bool inverse) const;
 
@@ -110,7 +111,8 @@ class Rope {
 };
 
 // The long-term decay of RoPE (RoFormer sec. 3.4.3, and the kexue.fm derivation):
-//   decay(m) = (1 / (r/2)) * sum_{j=1}^{r/2} | sum_{i<j} exp(1j * m * theta_i) |,  theta_i = base^(-2i/r)
+//   decay(m) = (1 / (r/2)) * sum_{j=1}^{r/2} | sum_{i<j} exp(1j * m * theta_i) |,  theta_i =
+//   base^(-2i/r)
 // for relative distance m = 0 .. max_distance (returns max_distance + 1 values). The RoFormer blog
 // plots it for dim 128, m = 0 .. 256. Uses frequencies() of the given rope, so scalings apply too.
 std::vector<double> rope_decay_curve(const Rope& rope, Index max_distance);

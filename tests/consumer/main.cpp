@@ -1,8 +1,7 @@
 // Built against an installed linrope: exits 0 only if RoPE keeps the norm of a row.
-#include <linrope/linrope.hpp>
-
 #include <cmath>
 #include <cstdio>
+#include <linrope/linrope.hpp>
 
 int main() {
   linrope::Rope rope({.dim = 8});

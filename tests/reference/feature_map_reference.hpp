@@ -6,11 +6,10 @@
 //   - every map evaluated from its formula, row by row.
 #pragma once
 
-#include <linrope/types.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <linrope/types.hpp>
 #include <numbers>
 #include <vector>
 

@@ -1,11 +1,11 @@
-// Deterministic test inputs: a fixed generator (mt19937_64 is specified bit-exactly by the standard)
-// and our own Box-Muller, because std::normal_distribution differs between standard libraries.
+// Deterministic test inputs: a fixed generator (mt19937_64 is specified bit-exactly by the
+// standard) and our own Box-Muller, because std::normal_distribution differs between standard
+// libraries.
 #pragma once
-
-#include <linrope/types.hpp>
 
 #include <cmath>
 #include <cstdint>
+#include <linrope/types.hpp>
 #include <numbers>
 #include <random>
 

@@ -3,12 +3,11 @@
 // call linrope::Rope): the fast kernel is proven against this.
 #pragma once
 
-#include <linrope/rope.hpp>  // RopeLayout only (an enum, no code)
-#include <linrope/types.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <linrope/rope.hpp>  // RopeLayout only (an enum, no code)
+#include <linrope/types.hpp>
 
 namespace linrope::reference {
 
