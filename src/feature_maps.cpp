@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "check.hpp"
+#include "gemm.hpp"
 
 namespace linrope {
 
@@ -298,7 +299,8 @@ class FavorMap final : public FeatureMap {
 #pragma omp parallel for schedule(static) if (parallel && blocks > 1)
     for (Index b = 0; b < blocks; ++b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
-      out.middleRows(first, rows).leftCols(f).noalias() = x.middleRows(first, rows) * wt;
+      detail::gemm(detail::const_view(x.middleRows(first, rows)), detail::const_view(wt),
+                   detail::view(out.middleRows(first, rows).leftCols(f)), false);
       for (Index i = first; i < first + rows; ++i) {
         const double squared = sum_of_squares(x.data() + i * x.outerStride(), d);
         const double h = squared * inv_two_sqrt_d;

@@ -7,6 +7,7 @@
 #include <span>
 
 #include "feature_map_access.hpp"
+#include "gemm.hpp"
 #include "parallel.hpp"
 
 namespace linrope::detail {
@@ -85,17 +86,19 @@ void raise_scale(LinearState<T>& state, double new_max) {
   state.M = new_max;
 }
 
-// Adds the keys of `keys` (features) with values v [rows x d_v] to the state.
+// Adds the keys of `keys` (features) with values v [rows x d_v] to the state:
+// S += num^T diag(w) V, z += den^T w, with w_j = exp(c_j - M). The weights scale the rows of V
+// (d_v wide) rather than those of the features (m wide).
 template <class T>
 void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Index dv,
-            Matrix<T>& weighted, Vector<T>& weights) {
+            Matrix<T>& weighted_v, Vector<T>& weights) {
   const Index rows = keys.rows();
   if (rows == 0) return;
   raise_scale(state, keys.max_log_scale());
   weights.resize(rows);
   for (Index j = 0; j < rows; ++j) weights[j] = T(std::exp(keys.log_scale(j) - state.M));
-  weighted = weights.asDiagonal() * keys.num();
-  state.S.noalias() += weighted.transpose() * ConstRowMap<T>(v, rows, dv);
+  weighted_v.noalias() = weights.asDiagonal() * ConstRowMap<T>(v, rows, dv);
+  gemm(const_view(keys.num()).transposed(), const_view(weighted_v), view(state.S), true);
   state.z.noalias() += keys.den().transpose() * weights;
 }
 
@@ -189,7 +192,8 @@ void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_
   for (Index qs = 0; qs < n; qs += block) {
     const Index rows = std::min(block, n - qs);
     queries.compute(q + qs * setup.d, rows, q_pos0 + qs);
-    numerator.noalias() = queries.num() * state.S;
+    numerator.resize(rows, setup.dv);
+    gemm(const_view(queries.num()), const_view(state.S), view(numerator), false);
     den.noalias() = queries.den() * state.z;
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * setup.dv, numerator.row(r), double(den[r]),
@@ -307,15 +311,17 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
     }
 
     // Numerators: the state's part, then the chunk's own keys.
+    numerator.resize(rows, dv);
     if (state.M != kEmpty) {
-      numerator.noalias() = queries.num() * state.S;
+      gemm(const_view(queries.num()), const_view(state.S), view(numerator), false);
       for (Index r = 0; r < rows; ++r)
         if (query_max[r] > state.M) numerator.row(r) *= T(std::exp(state.M - query_max[r]));
     } else {
-      numerator.setZero(rows, dv);
+      numerator.setZero();
     }
     if (kb > 0) {
-      scores.noalias() = queries.num() * keys.num().transpose();
+      scores.resize(rows, kb);
+      gemm(const_view(queries.num()), const_view(keys.num()).transposed(), view(scores), false);
       double weight_max = kEmpty;
       Index weight_count = 0;
       for (Index r = 0; r < rows; ++r) {
@@ -327,7 +333,8 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
         for (Index j = 0; j < visible; ++j) row[j] *= key_weight[j];
         std::fill(row + visible, row + kb, T(0));
       }
-      numerator.noalias() += scores * ConstRowMap<T>(v + js * dv, kb, dv);
+      gemm(const_view(scores), const_view(ConstRowMap<T>(v + js * dv, kb, dv)), view(numerator),
+           true);
     }
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * dv, numerator.row(r), den[r],

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "gemm.hpp"
 #include "parallel.hpp"
 #include "softmax_kernel.hpp"
 
@@ -134,7 +135,8 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
   for (Index j0 = j_begin; j0 < j_end; j0 += bk) {
     const Index cols = std::min(bk, j_end - j0);
     StridedRowMap<T> s(ws.s.get(), rows, cols, Eigen::OuterStride<>(ws.s_stride));
-    s.noalias() = qb * ConstRowMap<T>(k + j0 * d, cols, d).transpose();
+    gemm(const_view(qb), const_view(ConstRowMap<T>(k + j0 * d, cols, d)).transposed(), view(s),
+         false);
     // Masking is needed only when the block's last key lies past the block's first query.
     const bool masked = options.causal && options.k_offset + j0 + cols - 1 > first_pos;
     for (Index i = 0; i < rows; ++i) {
@@ -159,7 +161,7 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
       row_max[i] = new_max;
       if (alpha != T(1)) acc.row(i) *= alpha;
     }
-    acc.noalias() += s * ConstRowMap<T>(v + j0 * d_v, cols, d_v);
+    gemm(const_view(s), const_view(ConstRowMap<T>(v + j0 * d_v, cols, d_v)), view(acc), true);
   }
 }
 

@@ -1,0 +1,182 @@
+// The products of gemm.hpp: a packed AVX-512 micro-kernel for float, Eigen for everything else.
+#include "gemm.hpp"
+
+#include <algorithm>
+#include <cassert>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace linrope::detail {
+namespace {
+
+// Eigen's product on the same views (double, and float without AVX-512).
+template <class T, class F>
+void with_eigen_map(ConstView<T> v, F&& use) {
+  using Eigen::OuterStride;
+  if (v.col_stride == 1) {
+    use(Eigen::Map<const Matrix<T>, 0, OuterStride<>>(v.data, v.rows, v.cols,
+                                                      OuterStride<>(v.row_stride)));
+  } else {
+    assert(v.row_stride == 1);
+    using ColMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+    use(Eigen::Map<const ColMajor, 0, OuterStride<>>(v.data, v.rows, v.cols,
+                                                     OuterStride<>(v.col_stride)));
+  }
+}
+
+template <class T>
+void gemm_eigen(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
+  Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> out(c.data, c.rows, c.cols,
+                                                     Eigen::OuterStride<>(c.row_stride));
+  with_eigen_map(a, [&](const auto& am) {
+    with_eigen_map(b, [&](const auto& bm) {
+      if (accumulate)
+        out.noalias() += am * bm;
+      else
+        out.noalias() = am * bm;
+    });
+  });
+}
+
+#ifdef __AVX512F__
+
+// Register tile kMR x kNR: 12 x 2 = 24 zmm accumulators, 2 loads of B and 12 broadcasts of A per
+// 24 FMAs, so the FMA pipes rather than the load ports set the pace. Cache blocks: a kKC x kNR
+// panel of B (24 KiB) stays in L1 while the kMC x kKC block of A (72 KiB) streams from L2.
+constexpr Index kMR = 12, kNR = 32, kKC = 192, kMC = 96, kNC = 512;
+
+// Packs x[r0 .. r0+rows, c0 .. c0+depth] as panels of Width rows, each stored depth-major (Width
+// values per column), rows beyond `rows` zero-filled so that the micro-kernel needs no edge case
+// there. A's blocks are packed as they are (Width = kMR), B's as their transpose (Width = kNR).
+template <Index Width>
+void pack_panels(ConstView<float> x, Index r0, Index c0, Index rows, Index depth, float* to) {
+  for (Index r = 0; r < rows; r += Width, to += Width * depth) {
+    const Index live = std::min(Width, rows - r);
+    const float* from = x.data + (r0 + r) * x.row_stride + c0 * x.col_stride;
+    if (x.row_stride == 1) {  // the panel's rows are adjacent: Width consecutive values per column
+      for (Index p = 0; p < depth; ++p) {
+        const float* column = from + p * x.col_stride;
+        std::copy(column, column + live, to + p * Width);
+        std::fill(to + p * Width + live, to + (p + 1) * Width, 0.0f);
+      }
+    } else {
+      for (Index i = 0; i < live; ++i)
+        for (Index p = 0; p < depth; ++p)
+          to[p * Width + i] = from[i * x.row_stride + p * x.col_stride];
+      for (Index i = live; i < Width; ++i)
+        for (Index p = 0; p < depth; ++p) to[p * Width + i] = 0;
+    }
+  }
+}
+
+__mmask16 first_lanes(Index count) {
+  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+
+// c[0 .. rows, 0 .. cols] (+)= A panel x packed B panel over kc. The A panel is either packed
+// (element (i, p) at a[p * kMR + i]) or rows of a row-major A read in place (at a[i * lda + p],
+// rows beyond `rows` clamped to the last one: computed, never stored).
+template <bool PackedA>
+void micro_kernel(Index kc, const float* a, Index lda, const float* b, float* c, Index ldc,
+                  Index rows, Index cols, bool accumulate) {
+  const float* row_of[kMR];
+#pragma GCC unroll 12
+  for (Index i = 0; i < kMR; ++i) row_of[i] = PackedA ? a + i : a + std::min(i, rows - 1) * lda;
+  constexpr Index kStep = PackedA ? kMR : 1;
+  __m512 acc[kMR][2];
+#pragma GCC unroll 12
+  for (Index i = 0; i < kMR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (Index p = 0; p < kc; ++p, b += kNR) {
+    const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+#pragma GCC unroll 12
+    for (Index i = 0; i < kMR; ++i) {
+      const __m512 ai = _mm512_set1_ps(row_of[i][p * kStep]);
+      acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
+    }
+  }
+  const __mmask16 m0 = first_lanes(cols), m1 = first_lanes(cols - 16);
+#pragma GCC unroll 12
+  for (Index i = 0; i < kMR; ++i) {
+    if (i >= rows) break;
+    float* row = c + i * ldc;
+    if (accumulate) {
+      acc[i][0] = _mm512_add_ps(acc[i][0], _mm512_maskz_loadu_ps(m0, row));
+      acc[i][1] = _mm512_add_ps(acc[i][1], _mm512_maskz_loadu_ps(m1, row + 16));
+    }
+    _mm512_mask_storeu_ps(row, m0, acc[i][0]);
+    _mm512_mask_storeu_ps(row + 16, m1, acc[i][1]);
+  }
+}
+
+// Packing buffers, 64-byte aligned for the aligned loads of B, grown once per thread.
+std::vector<float, Eigen::aligned_allocator<float>>& buffer(int which, Index size) {
+  thread_local std::vector<float, Eigen::aligned_allocator<float>> buffers[2];
+  auto& b = buffers[which];
+  if (Index(b.size()) < size) b.resize(size);
+  return b;
+}
+
+void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool accumulate) {
+  const Index m = a.rows, n = b.cols, k = a.cols;
+  float* packed_a = buffer(0, kMC * kKC).data();
+  float* packed_b = buffer(1, kNC * kKC).data();
+  for (Index jc = 0; jc < n; jc += kNC) {
+    const Index nc = std::min(kNC, n - jc);
+    for (Index pc = 0; pc < k; pc += kKC) {
+      const Index kc = std::min(kKC, k - pc);
+      const bool add = accumulate || pc > 0;
+      pack_panels<kNR>(b.transposed(), jc, pc, nc, kc, packed_b);
+      for (Index ic = 0; ic < m; ic += kMC) {
+        const Index mc = std::min(kMC, m - ic);
+        // With one or two panels of B (the read-out's d_v = 64 columns), packing A would cost
+        // as much as the product: a row-major A is read in place instead. With more panels the
+        // packed copy pays for itself (and avoids cache-set conflicts of widely strided rows).
+        const bool in_place = a.col_stride == 1 && nc <= 2 * kNR;
+        if (!in_place) pack_panels<kMR>(a, ic, pc, mc, kc, packed_a);
+        for (Index jr = 0; jr < nc; jr += kNR)
+          for (Index ir = 0; ir < mc; ir += kMR) {
+            float* tile = c.data + (ic + ir) * c.row_stride + jc + jr;
+            const Index rows = std::min(kMR, mc - ir), cols = std::min(kNR, nc - jr);
+            if (in_place)
+              micro_kernel<false>(kc, a.data + (ic + ir) * a.row_stride + pc, a.row_stride,
+                                  packed_b + jr * kc, tile, c.row_stride, rows, cols, add);
+            else
+              micro_kernel<true>(kc, packed_a + ir * kc, 0, packed_b + jr * kc, tile, c.row_stride,
+                                 rows, cols, add);
+          }
+      }
+    }
+  }
+}
+
+#endif  // __AVX512F__
+
+}  // namespace
+
+template <class T>
+void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
+  assert(a.cols == b.rows && c.rows == a.rows && c.cols == b.cols);
+  if (c.rows == 0 || c.cols == 0) return;
+  if (a.cols == 0) {  // the empty sum
+    if (!accumulate)
+      for (Index i = 0; i < c.rows; ++i)
+        std::fill(c.data + i * c.row_stride, c.data + i * c.row_stride + c.cols, T(0));
+    return;
+  }
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float>) {
+    gemm_packed(a, b, c, accumulate);
+    return;
+  }
+#endif
+  gemm_eigen(a, b, c, accumulate);
+}
+
+template void gemm<float>(ConstView<float>, ConstView<float>, View<float>, bool);
+template void gemm<double>(ConstView<double>, ConstView<double>, View<double>, bool);
+
+}  // namespace linrope::detail

@@ -1,0 +1,115 @@
+// detail::gemm, the product under every kernel (the AVX-512 micro-kernel for float when the build
+// has AVX-512, Eigen otherwise and for double), against the naive double product: swept shapes on
+// both sides of every register and cache block edge, all four storage orders of A and B,
+// accumulate or not, strided blocks in and out, and determinism.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../src/gemm.hpp"
+#include "reference/matmul_reference.hpp"
+#include "reference/random.hpp"
+
+namespace {
+
+using linrope::Index;
+using linrope::Matrix;
+using linrope::MatrixD;
+using linrope::detail::ConstView;
+using linrope::detail::View;
+
+// One operand stored row-major or column-major (as its transpose, row-major) inside a larger
+// buffer with a padded outer stride, so that neither the order nor the stride is the trivial one.
+template <class T>
+struct Operand {
+  Matrix<T> storage;
+  ConstView<T> view;
+  Operand(const MatrixD& value, bool column_major) {
+    const MatrixD stored = column_major ? MatrixD(value.transpose()) : value;
+    storage = Matrix<T>::Constant(stored.rows(), stored.cols() + 3, T(-7));
+    storage.leftCols(stored.cols()) = stored.cast<T>();
+    view = {storage.data(), stored.rows(), stored.cols(), storage.cols(), 1};
+    if (column_major) view = view.transposed();
+  }
+};
+
+// Float inputs and products are exact in double, so only the float sums round: each c_ij is a sum
+// of k products plus (accumulating) the old c_ij, k + 1 roundings of relative size u, each bounded
+// by the running sum of magnitudes: |c - ref| <= (k + 1) u (sum_p |a_ip b_pj| + |c0_ij|)
+// (Higham, Accuracy and Stability, 3.1). The factor 1.01 covers gamma_{k+1} vs (k + 1) u.
+template <class T>
+void check_product(Index m, Index n, Index k, bool a_columns, bool b_columns, bool accumulate,
+                   std::uint64_t seed) {
+  CAPTURE(m);
+  CAPTURE(n);
+  CAPTURE(k);
+  CAPTURE(a_columns);
+  CAPTURE(b_columns);
+  CAPTURE(accumulate);
+  // Round the inputs to T first so that the reference sees exactly what gemm sees.
+  const MatrixD a = linrope::testing::gaussian(m, k, seed).cast<T>().template cast<double>();
+  const MatrixD b = linrope::testing::gaussian(k, n, seed + 1).cast<T>().template cast<double>();
+  const MatrixD c0 = linrope::testing::gaussian(m, n, seed + 2).cast<T>().template cast<double>();
+  const Operand<T> a_op(a, a_columns), b_op(b, b_columns);
+
+  // c lives in the middle of a larger buffer: nothing outside its block may change.
+  const T sentinel = T(12345);
+  Matrix<T> buffer = Matrix<T>::Constant(m + 2, n + 5, sentinel);
+  buffer.block(1, 2, m, n) = c0.cast<T>();
+  const View<T> c{buffer.data() + buffer.cols() + 2, m, n, buffer.cols()};
+  linrope::detail::gemm(a_op.view, b_op.view, c, accumulate);
+
+  MatrixD expected = linrope::reference::matmul(a, b);
+  MatrixD scale = linrope::reference::abs_matmul(a, b);
+  if (accumulate) {
+    expected += c0;
+    scale += c0.cwiseAbs();
+  }
+  const double u = std::numeric_limits<T>::epsilon() / 2;
+  const MatrixD got = buffer.block(1, 2, m, n).template cast<double>();
+  const MatrixD error = (got - expected).cwiseAbs();
+  const MatrixD bound = 1.01 * double(k + 1) * u * scale;
+  CHECK((error.array() <= bound.array()).all());
+  Matrix<T> outside = buffer;
+  outside.block(1, 2, m, n).setConstant(sentinel);
+  CHECK((outside.array() == sentinel).all());
+}
+
+template <class T>
+void sweep_shapes() {
+  // Around the register tile (12 x 32 for float AVX-512) and the K block (192); K = 0 is the
+  // empty sum (c = 0, or c unchanged when accumulating).
+  std::uint64_t seed = 100;
+  for (Index m : {1, 11, 12, 13, 100})
+    for (Index n : {1, 16, 31, 33, 64, 65})
+      for (Index k : {0, 1, 64, 193})
+        for (int order = 0; order < 4; ++order)
+          check_product<T>(m, n, k, order & 1, order & 2, order == 1 || order == 2, seed++);
+}
+
+TEST_CASE("gemm float matches the naive double product over swept shapes") {
+  sweep_shapes<float>();
+}
+TEST_CASE("gemm double matches the naive double product over swept shapes") {
+  sweep_shapes<double>();
+}
+
+TEST_CASE("gemm crosses every cache block (M > 96, N > 512, K > 192) in all storage orders") {
+  for (int order = 0; order < 4; ++order)
+    for (bool accumulate : {false, true})
+      check_product<float>(200, 600, 400, order & 1, order & 2, accumulate, 7 + order);
+}
+
+TEST_CASE("gemm is deterministic: repeated calls give bitwise the same result") {
+  const MatrixD a = linrope::testing::gaussian(77, 300, 1),
+                b = linrope::testing::gaussian(300, 45, 2);
+  const Operand<float> a_op(a, false), b_op(b, true);
+  linrope::MatrixF first(77, 45), second(77, 45);
+  linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(first), false);
+  linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(second), false);
+  CHECK((first.array() == second.array()).all());
+}
+
+}  // namespace
