@@ -76,20 +76,32 @@ void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const
   if (out.n != q.n || out.d != v.d)
     detail::throw_invalid(fn, "out is ", describe(out), " but expected [", q.batch, ", ", q.heads,
                           ", ", q.n, ", ", v.d, "]");
-  for (Index b = 0; b < q.batch; ++b)
-    for (Index h = 0; h < q.heads; ++h) {
-      const auto name = [&](char tensor) {
-        std::ostringstream s;
-        s << tensor << '[' << b << ", " << h << ']';
-        return s.str();
-      };
-      detail::require_finite(fn, name('q'),
-                             detail::ConstRowMap<T>(slice(q, b, h), valid_rows(q, b), q.d));
-      detail::require_finite(fn, name('k'),
-                             detail::ConstRowMap<T>(slice(k, b, h), valid_rows(k, b), k.d));
-      detail::require_finite(fn, name('v'),
-                             detail::ConstRowMap<T>(slice(v, b, h), valid_rows(k, b), v.d));
-    }
+  // The finiteness scan reads every input once, so the slices are scanned on all threads; the
+  // first offending slice in order is then reported (the same message whatever the thread count).
+  const Index slices = q.batch * q.heads;
+  const auto rows_of = [](const Heads<const T>& h, Index b, Index head, Index valid) {
+    return detail::ConstRowMap<T>(slice(h, b, head), valid, h.d);
+  };
+  std::vector<char> finite(slices);
+#pragma omp parallel for schedule(dynamic)
+  for (Index s = 0; s < slices; ++s) {
+    const Index b = s / q.heads, h = s % q.heads;
+    finite[s] = detail::all_finite(rows_of(q, b, h, valid_rows(q, b))) &&
+                detail::all_finite(rows_of(k, b, h, valid_rows(k, b))) &&
+                detail::all_finite(rows_of(v, b, h, valid_rows(k, b)));
+  }
+  for (Index s = 0; s < slices; ++s) {
+    if (finite[s]) continue;
+    const Index b = s / q.heads, h = s % q.heads;
+    const auto name = [&](char tensor) {
+      std::ostringstream out;
+      out << tensor << '[' << b << ", " << h << ']';
+      return out.str();
+    };
+    detail::require_finite(fn, name('q'), rows_of(q, b, h, valid_rows(q, b)));
+    detail::require_finite(fn, name('k'), rows_of(k, b, h, valid_rows(k, b)));
+    detail::require_finite(fn, name('v'), rows_of(v, b, h, valid_rows(k, b)));
+  }
 }
 
 // Runs body(b, h) for every slice on the OpenMP threads; the first exception (only bad_alloc can

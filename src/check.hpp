@@ -32,12 +32,18 @@ template <class... Parts>
   throw std::invalid_argument(message.str());
 }
 
+// True when every element of `m` is finite. x * 0 is 0 for finite x and NaN for inf or NaN: one
+// vectorised sum, ~4x faster than Eigen's allFinite.
+template <class M>
+bool all_finite(const M& m) {
+  using Scalar = typename M::Scalar;
+  return m.size() == 0 || (m.array() * Scalar(0)).sum() == Scalar(0);
+}
+
 // Throws naming the first non-finite element of `m` (the matrix called `name`).
 template <class M>
 void require_finite(std::string_view function, std::string_view name, const M& m) {
-  // x * 0 is 0 for finite x and NaN for inf or NaN: one vectorised sum, ~4x faster than allFinite.
-  using Scalar = typename M::Scalar;
-  if (m.size() == 0 || (m.array() * Scalar(0)).sum() == Scalar(0)) return;
+  if (all_finite(m)) return;
   for (Index i = 0; i < m.rows(); ++i)
     for (Index j = 0; j < m.cols(); ++j)
       if (!std::isfinite(m(i, j)))

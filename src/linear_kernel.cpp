@@ -103,10 +103,11 @@ void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Inde
 }
 
 // o_i = num~_i / (den~_i + eps exp(-(a_i + M_i))); a zero row when nothing is attended to.
-template <class T, class Row>
-void write_output(T* out, const Row& numerator, double den, double log_scale, double eps,
+// numerator: d_v contiguous values. Multiplying by the reciprocal in double (one rounding more
+// than dividing, far below float's) lets the loop vectorise.
+template <class T>
+void write_output(T* out, const T* numerator, Index dv, double den, double log_scale, double eps,
                   DenominatorTally* tally) {
-  const Index dv = numerator.size();
   if (log_scale == kEmpty) {  // no admissible key
     std::fill(out, out + dv, T(0));
     if (tally) tally->add(0.0, 0.0);
@@ -118,7 +119,8 @@ void write_output(T* out, const Row& numerator, double den, double log_scale, do
     std::fill(out, out + dv, T(0));
     return;
   }
-  for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) / total);
+  const double inverse = 1.0 / total;
+  for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) * inverse);
 }
 
 }  // namespace
@@ -196,8 +198,8 @@ void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_
     gemm(const_view(queries.num()), const_view(state.S), view(numerator), false);
     den.noalias() = queries.den() * state.z;
     for (Index r = 0; r < rows; ++r)
-      write_output(out + (qs + r) * setup.dv, numerator.row(r), double(den[r]),
-                   queries.log_scale(r) + state.M, setup.options.eps, tally);
+      write_output(out + (qs + r) * setup.dv, numerator.data() + r * setup.dv, setup.dv,
+                   double(den[r]), queries.log_scale(r) + state.M, setup.options.eps, tally);
   }
 }
 
@@ -337,7 +339,7 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
            true);
     }
     for (Index r = 0; r < rows; ++r)
-      write_output(out + (qs + r) * dv, numerator.row(r), den[r],
+      write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, den[r],
                    queries.log_scale(r) + query_max[r], setup.options.eps, tally);
     if (kb > 0) {
       absorb(state, keys, v + js * dv, dv, weighted, weights);
@@ -375,7 +377,7 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
       for (; next < nk && next <= qs + r + shift; ++next) admit(next);
       const double den = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
       const Matrix<T> numerator = queries.num().row(r) * state.S;
-      write_output(out + (qs + r) * dv, numerator.row(0), den, queries.log_scale(r) + state.M,
+      write_output(out + (qs + r) * dv, numerator.data(), dv, den, queries.log_scale(r) + state.M,
                    setup.options.eps, tally);
     }
   }
