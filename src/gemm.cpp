@@ -48,6 +48,36 @@ void gemm_eigen(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
 // panel of B (24 KiB) stays in L1 while the kMC x kKC block of A (72 KiB) streams from L2.
 constexpr Index kMR = 12, kNR = 32, kKC = 192, kMC = 96, kNC = 512;
 
+__mmask16 first_lanes(Index count) {
+  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+
+// r[i] = row i of a 16 x 16 block -> r[j] = column j: pairs, then quads, then 128-bit lanes.
+void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]),
+                  c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // Packs x[r0 .. r0+rows, c0 .. c0+depth] as panels of Width rows, each stored depth-major (Width
 // values per column), rows beyond `rows` zero-filled so that the micro-kernel needs no edge case
 // there. A's blocks are packed as they are (Width = kMR), B's as their transpose (Width = kNR).
@@ -62,18 +92,27 @@ void pack_panels(ConstView<float> x, Index r0, Index c0, Index rows, Index depth
         std::copy(column, column + live, to + p * Width);
         std::fill(to + p * Width + live, to + (p + 1) * Width, 0.0f);
       }
-    } else {
-      for (Index i = 0; i < live; ++i)
-        for (Index p = 0; p < depth; ++p)
-          to[p * Width + i] = from[i * x.row_stride + p * x.col_stride];
-      for (Index i = live; i < Width; ++i)
-        for (Index p = 0; p < depth; ++p) to[p * Width + i] = 0;
+      continue;
+    }
+    // Rows are contiguous: transpose 16 x 16 blocks in registers (a scalar gather here cost as
+    // much as a quarter of the product when B = K^T).
+    assert(x.col_stride == 1);
+    for (Index g = 0; g < Width; g += 16) {
+      const Index group = std::min<Index>(16, Width - g);
+      for (Index p = 0; p < depth; p += 16) {
+        const __mmask16 columns = first_lanes(depth - p);
+        __m512 block[16];
+        for (Index i = 0; i < 16; ++i)
+          block[i] = g + i < live
+                         ? _mm512_maskz_loadu_ps(columns, from + (g + i) * x.row_stride + p)
+                         : _mm512_setzero_ps();
+        transpose16(block);
+        const __mmask16 lanes = first_lanes(group);
+        for (Index j = 0; j < std::min<Index>(16, depth - p); ++j)
+          _mm512_mask_storeu_ps(to + (p + j) * Width + g, lanes, block[j]);
+      }
     }
   }
-}
-
-__mmask16 first_lanes(Index count) {
-  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
 }
 
 // c[0 .. rows, 0 .. cols] (+)= A panel x packed B panel over kc. The A panel is either packed
