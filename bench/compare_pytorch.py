@@ -34,10 +34,11 @@ Environment, so that PyTorch runs at its best:
     binaries run without it (the environment a user has; it does not help linrope's kernels).
   * torch.set_num_threads(T) and OMP_NUM_THREADS=T for our binaries, T = --threads (default:
     OMP_NUM_THREADS, else the number of CPUs).
-Cases skipped: a PyTorch computation needing more than --max-gb GB (default 8) of temporaries, or
-predicted (from the previous size) to take more than 60 s per call, e.g. softmax at n = 16384
-(2 x 8.6 GB of scores) and the FAVOR+ cumsum form at n = 16384 (2 x 8.6 GB of prefix sums);
-they print as "skipped".
+Cases skipped: a PyTorch computation needing more than --max-gb GB (default 20, for a 24 GiB
+machine) of temporaries, or predicted (from the previous size) to take more than 60 s per call;
+they print as "skipped". With the defaults every case up to n = 16384 runs: softmax there needs
+2 x 8.6 GB of scores and the FAVOR+ cumsum form 2 x 8.6 GB of prefix sums (both are skipped with
+--max-gb below 17.5).
 """
 
 import argparse
@@ -72,7 +73,7 @@ def parse_args():
                         help="use this saved bench_linear JSON instead of running it")
     parser.add_argument("--save-json", help="write the bench_linear JSON of this run here")
     parser.add_argument("--repetitions", type=int, default=5, help="bench_linear repetitions")
-    parser.add_argument("--max-gb", type=float, default=8.0,
+    parser.add_argument("--max-gb", type=float, default=20.0,
                         help="skip PyTorch cases needing more temporaries than this")
     parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
     parser.add_argument("--check-only", action="store_true", help="only the agreement check")
