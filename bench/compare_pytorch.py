@@ -372,7 +372,11 @@ def report_bench(ours):
     s = slope(fit) if len(fit) >= 2 else float("nan")
     say(f"Log-log slope of time vs n, favor+ numerator_only non-causal, n = 2048..32768: {s:.3f}\n")
 
-    say("Crossover (linear faster than exact softmax), measured at n = 1024, 4096, 16384:\n")
+    def sizes_of(prefix):
+        return {int(m.group(1)) for m in (re.fullmatch(re.escape(prefix) + r"/n:(\d+)", name)
+                                          for name in ours) if m}
+
+    say("Crossover (linear faster than exact softmax), from every n at which both were timed:\n")
     crossings = {}
     for label, lin, soft in (
             ("favor+ numerator_only non-causal vs softmax non-causal",
@@ -385,9 +389,10 @@ def report_bench(ours):
              "linear/favor/numerator_only/chunked", "softmax/causal"),
             ("elu+1 numerator_only causal chunked vs softmax causal",
              "linear/elu/numerator_only/chunked", "softmax/causal")):
-        lp = [(n, t(f"{lin}/n:{n}")) for n in SIZES]
-        sp = [(n, t(f"{soft}/n:{n}")) for n in SIZES]
-        if all(x for _, x in lp + sp):
+        common = sorted(sizes_of(lin) & sizes_of(soft))
+        lp = [(n, t(f"{lin}/n:{n}")) for n in common]
+        sp = [(n, t(f"{soft}/n:{n}")) for n in common]
+        if len(common) >= 2 and all(x for _, x in lp + sp):
             crossings[label] = crossover(lp, sp)
             say(f"- {label}: {crossings[label]}")
     say("")
