@@ -45,8 +45,9 @@ void gemm_eigen(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
 
 // Register tile kMR x kNR: 12 x 2 = 24 zmm accumulators, 2 loads of B and 12 broadcasts of A per
 // 24 FMAs, so the FMA pipes rather than the load ports set the pace. Cache blocks: a kKC x kNR
-// panel of B (24 KiB) stays in L1 while the kMC x kKC block of A (72 KiB) streams from L2.
-constexpr Index kMR = 12, kNR = 32, kKC = 192, kMC = 96, kNC = 512;
+// panel of B (32 KiB) stays in L1 while the kMC x kKC block of A (96 KiB) streams from L2; kKC =
+// 256 keeps the common inner sizes (m = 256 features, 256-key blocks) in one pass.
+constexpr Index kMR = 12, kNR = 32, kKC = 256, kMC = 96, kNC = 512;
 
 __mmask16 first_lanes(Index count) {
   return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
@@ -87,11 +88,12 @@ void pack_panels(ConstView<float> x, Index r0, Index c0, Index rows, Index depth
     const Index live = std::min(Width, rows - r);
     const float* from = x.data + (r0 + r) * x.row_stride + c0 * x.col_stride;
     if (x.row_stride == 1) {  // the panel's rows are adjacent: Width consecutive values per column
-      for (Index p = 0; p < depth; ++p) {
-        const float* column = from + p * x.col_stride;
-        std::copy(column, column + live, to + p * Width);
-        std::fill(to + p * Width + live, to + (p + 1) * Width, 0.0f);
-      }
+      for (Index p = 0; p < depth; ++p)
+        for (Index g = 0; g < Width; g += 16) {  // masked: zeros past `live`, nothing past Width
+          const __m512 values =
+              _mm512_maskz_loadu_ps(first_lanes(live - g), from + p * x.col_stride + g);
+          _mm512_mask_storeu_ps(to + p * Width + g, first_lanes(Width - g), values);
+        }
       continue;
     }
     // Rows are contiguous: transpose 16 x 16 blocks in registers (a scalar gather here cost as
