@@ -352,6 +352,49 @@ TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both direction
       }
 }
 
+TEST_CASE_TEMPLATE("every r/2 from 1 to 41: vector groups of 8 pairs and their scalar tail", T,
+                   float, double) {
+  // With AVX-512, src/rope.cpp rotates float rows 8 pairs at a time and the last r/2 mod 8 pairs
+  // in a scalar tail: r/2 = 1..41 gives tail only (< 8), vectors only (8, 16, 24, 32, 40) and both
+  // with every tail length; odd dims leave a pass-through column after the rotated ones. 37 rows
+  // from -18 cross 0 in both directions, so each width meets paired rows (h +- l), unpaired block
+  // edges and both signs of the angle; forward and inverse, with Yarn so the magnitude is folded
+  // in. Double (portable kernel only) runs the same sweep.
+  std::uint64_t seed = 3000;
+  for (RopeLayout layout : kLayouts)
+    for (Index half = 1; half <= 41; ++half)
+      for (bool inverse : {false, true}) {
+        const Index r = 2 * half, dim = r + (half % 2);
+        CAPTURE(layout_name(layout));
+        CAPTURE(half);
+        CAPTURE(dim);
+        CAPTURE(inverse);
+        const RopeConfig c{
+            .dim = dim,
+            .rotary_dim = r,
+            .layout = layout,
+            .scaling = {.kind = RopeScalingKind::Yarn, .factor = 4, .original_max_position = 256}};
+        check_against_matrices<T>(c, input<T>(37, dim, ++seed), reference::consecutive(37, -18),
+                                  false, inverse);
+      }
+}
+
+TEST_CASE_TEMPLATE("r/2 = 64, 128 (unrolled) and 129, 130 (angle buffers on the heap)", T, float,
+                   double) {
+  // src/rope.cpp keeps its six per-call angle buffers inside the Rotator up to r/2 = 128 (the
+  // m = 256 features of linear attention) and on the heap above; r/2 = 64 and 128 take its
+  // unrolled AVX-512 kernels. A few rows at a large offset, both layouts.
+  std::uint64_t seed = 3500;
+  for (RopeLayout layout : kLayouts)
+    for (Index half : {64, 128, 129, 130}) {
+      CAPTURE(layout_name(layout));
+      CAPTURE(half);
+      const RopeConfig c{.dim = 2 * half + 1, .rotary_dim = 2 * half, .layout = layout};
+      check_against_matrices<T>(c, input<T>(11, 2 * half + 1, ++seed),
+                                reference::consecutive(11, 100000 - 5), false, false);
+    }
+}
+
 TEST_CASE("worked numbers for the scalings") {
   SUBCASE("none: theta_i = base^(-2i/r)") {
     // r = 8, base 10000: theta = 10000^(-i/4) = 1, 0.1, 0.01, 0.001.
