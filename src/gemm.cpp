@@ -173,10 +173,11 @@ void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool acc
       pack_panels<kNR>(b.transposed(), jc, pc, nc, kc, packed_b);
       for (Index ic = 0; ic < m; ic += kMC) {
         const Index mc = std::min(kMC, m - ic);
-        // With one or two panels of B (the read-out's d_v = 64 columns), packing A would cost
-        // as much as the product: a row-major A is read in place instead. With more panels the
-        // packed copy pays for itself (and avoids cache-set conflicts of widely strided rows).
-        const bool in_place = a.col_stride == 1 && nc <= 2 * kNR;
+        // A row-major A is read in place when packing would cost about as much as the product
+        // (one or two panels of B: the read-out's d_v = 64 columns) or buys nothing (rows of at
+        // most kKC floats, e.g. the feature projection's d = 64, already lie close together).
+        // Widely strided rows are packed: 12 rows 4 KiB apart would fight over one L1 set.
+        const bool in_place = a.col_stride == 1 && (nc <= 2 * kNR || a.row_stride <= kKC);
         if (!in_place) pack_panels<kMR>(a, ic, pc, mc, kc, packed_a);
         for (Index jr = 0; jr < nc; jr += kNR)
           for (Index ir = 0; ir < mc; ir += kMR) {
