@@ -182,7 +182,16 @@ class ElementwiseMap final : public FeatureMap {
           // elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise, written as max(x, 0) + exp(min(x, 0)):
           // the same roundings (x + 1, or exp(x) + 0), no overflow, and vectorised, where a select
           // on a comparison makes Eigen fall back to scalar code (measured 8 ns per element).
-          ob.array() = xb.max(T(0)) + xb.min(T(0)).exp();
+          if (x.outerStride() == x.cols() && out.outerStride() == out.cols()) {
+            // Contiguous blocks as one flat array: one vectorised loop instead of one per row of
+            // d (measured 2.7 us instead of 5.4 for 256 x 64 floats).
+            using Flat = Eigen::Array<T, Eigen::Dynamic, 1>;
+            const Eigen::Map<const Flat> from(x.data() + first * x.cols(), rows * x.cols());
+            Eigen::Map<Flat>(out.data() + first * out.cols(), rows * out.cols()) =
+                from.max(T(0)) + from.min(T(0)).exp();
+          } else {
+            ob.array() = xb.max(T(0)) + xb.min(T(0)).exp();
+          }
           break;
         case FeatureMapKind::Relu:
           ob.array() = xb.max(T(0));

@@ -119,24 +119,23 @@ void pack_panels(ConstView<float> x, Index r0, Index c0, Index rows, Index depth
   }
 }
 
-// c[0 .. rows, 0 .. cols] (+)= A panel x packed B panel over kc. The A panel is either packed
-// (element (i, p) at a[p * kMR + i]) or rows of a row-major A read in place (at a[i * lda + p],
-// rows beyond `rows` clamped to the last one: computed, never stored).
-template <bool PackedA>
-void micro_kernel(Index kc, const float* a, Index lda, const float* b, float* c, Index ldc,
-                  Index rows, Index cols, bool accumulate) {
+// c[0 .. rows, 0 .. cols] (+)= A panel x packed B panel over kc, with A's element (i, p) at
+// a[i * row_step + p * col_step]: packed (1, kMR), a row-major A in place (lda, 1) or a
+// column-major one in place (1, lda). Rows beyond `rows` are clamped to the last one (computed,
+// never stored), so an in-place A is never read past its end.
+void micro_kernel(Index kc, const float* a, Index row_step, Index col_step, const float* b,
+                  float* c, Index ldc, Index rows, Index cols, bool accumulate) {
   const float* row_of[kMR];
 #pragma GCC unroll 8
-  for (Index i = 0; i < kMR; ++i) row_of[i] = PackedA ? a + i : a + std::min(i, rows - 1) * lda;
-  constexpr Index kStep = PackedA ? kMR : 1;
+  for (Index i = 0; i < kMR; ++i) row_of[i] = a + std::min(i, rows - 1) * row_step;
   __m512 acc[kMR][2];
 #pragma GCC unroll 8
   for (Index i = 0; i < kMR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (Index p = 0; p < kc; ++p, b += kNR) {
+  for (Index p = 0, offset = 0; p < kc; ++p, offset += col_step, b += kNR) {
     const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
 #pragma GCC unroll 8
     for (Index i = 0; i < kMR; ++i) {
-      const __m512 ai = _mm512_set1_ps(row_of[i][p * kStep]);
+      const __m512 ai = _mm512_set1_ps(row_of[i][offset]);
       acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
     }
@@ -175,23 +174,27 @@ void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool acc
       pack_panels<kNR>(b.transposed(), jc, pc, nc, kc, packed_b);
       for (Index ic = 0; ic < m; ic += kMC) {
         const Index mc = std::min(kMC, m - ic);
-        // A row-major A is read in place when packing would cost about as much as the product
-        // (one or two panels of B: the read-out's d_v = 64 columns) or buys nothing (rows of at
-        // most kKC floats, e.g. the feature projection's d = 64, already lie close together).
+        // A is read in place when packing would cost about as much as the product (one or two
+        // panels of B: the read-out's d_v = 64 columns) or buys nothing: rows of at most kKC
+        // floats (the feature projection's d = 64) lie close together, and a column-major A
+        // (the state update's features^T) already has its kMR values per k side by side.
         // Widely strided rows are packed: rows 4 KiB apart would all fight over one L1 set.
-        const bool in_place = a.col_stride == 1 && (nc <= 2 * kNR || a.row_stride <= kKC);
-        if (!in_place) pack_panels<kMR>(a, ic, pc, mc, kc, packed_a);
+        Index row_step = 1, col_step = kMR, panel_step = kc;  // packed
+        const float* panel = packed_a;
+        if (a.col_stride == 1 && (nc <= 2 * kNR || a.row_stride <= kKC)) {
+          row_step = panel_step = a.row_stride, col_step = 1;
+          panel = a.data + ic * a.row_stride + pc;
+        } else if (a.row_stride == 1) {
+          row_step = panel_step = 1, col_step = a.col_stride;
+          panel = a.data + ic + pc * a.col_stride;
+        } else {
+          pack_panels<kMR>(a, ic, pc, mc, kc, packed_a);
+        }
         for (Index jr = 0; jr < nc; jr += kNR)
-          for (Index ir = 0; ir < mc; ir += kMR) {
-            float* tile = c.data + (ic + ir) * c.row_stride + jc + jr;
-            const Index rows = std::min(kMR, mc - ir), cols = std::min(kNR, nc - jr);
-            if (in_place)
-              micro_kernel<false>(kc, a.data + (ic + ir) * a.row_stride + pc, a.row_stride,
-                                  packed_b + jr * kc, tile, c.row_stride, rows, cols, add);
-            else
-              micro_kernel<true>(kc, packed_a + ir * kc, 0, packed_b + jr * kc, tile, c.row_stride,
-                                 rows, cols, add);
-          }
+          for (Index ir = 0; ir < mc; ir += kMR)
+            micro_kernel(kc, panel + ir * panel_step, row_step, col_step, packed_b + jr * kc,
+                         c.data + (ic + ir) * c.row_stride + jc + jr, c.row_stride,
+                         std::min(kMR, mc - ir), std::min(kNR, nc - jr), add);
       }
     }
   }

@@ -88,16 +88,25 @@ void raise_scale(LinearState<T>& state, double new_max) {
 
 // Adds the keys of `keys` (features) with values v [rows x d_v] to the state:
 // S += num^T diag(w) V, z += den^T w, with w_j = exp(c_j - M). The weights scale the rows of V
-// (d_v wide) rather than those of the features (m wide).
+// (d_v wide) rather than those of the features (m wide), and are skipped when every w_j is 1
+// (maps that need no stabilisation, elu+1, relu and 1+cos, have c_j = 0 = M throughout).
 template <class T>
 void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Index dv,
             Matrix<T>& weighted_v, Vector<T>& weights) {
   const Index rows = keys.rows();
   if (rows == 0) return;
   raise_scale(state, keys.max_log_scale());
+  const ConstRowMap<T> values(v, rows, dv);
+  bool unit = true;
+  for (Index j = 0; j < rows && unit; ++j) unit = keys.log_scale(j) == state.M;
+  if (unit) {
+    gemm(const_view(keys.num()).transposed(), const_view(values), view(state.S), true);
+    state.z.noalias() += keys.den().colwise().sum().transpose();
+    return;
+  }
   weights.resize(rows);
   for (Index j = 0; j < rows; ++j) weights[j] = T(std::exp(keys.log_scale(j) - state.M));
-  weighted_v.noalias() = weights.asDiagonal() * ConstRowMap<T>(v, rows, dv);
+  weighted_v.noalias() = weights.asDiagonal() * values;
   gemm(const_view(keys.num()).transposed(), const_view(weighted_v), view(state.S), true);
   state.z.noalias() += keys.den().transpose() * weights;
 }
