@@ -38,6 +38,30 @@ constexpr std::array<const char*, 6> kNames = {"elu+1",      "relu",  "favor+",
 // team.
 constexpr Index kBlockRows = 128;
 
+// elu(x) + 1 over n contiguous values. elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise, written as
+// max(x, 0) + exp(min(x, 0)): the same roundings (x + 1, or exp(x) + 0), no overflow, and no
+// select on a comparison (which made Eigen fall back to scalar code, 8 ns per element). Every
+// element goes through Eigen's packet exp, the tail too (padded), so that a value's features do not
+// depend on where it sits: a strided block gives bitwise what a contiguous one gives.
+template <class T>
+void elu_plus_one(const T* x, T* out, Index n) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<T>::type;
+  constexpr Index kLanes = ei::packet_traits<T>::size;
+  const auto map = [](const Packet& v) {
+    const Packet zero = ei::pzero(v);
+    return ei::padd(ei::pmax(v, zero), ei::pexp(ei::pmin(v, zero)));
+  };
+  Index i = 0;
+  for (; i + kLanes <= n; i += kLanes) ei::pstoreu(out + i, map(ei::ploadu<Packet>(x + i)));
+  if (i < n) {
+    T tail[kLanes] = {};
+    std::copy(x + i, x + n, tail);
+    ei::pstoreu(tail, map(ei::ploadu<Packet>(tail)));
+    std::copy(tail, tail + (n - i), out + i);
+  }
+}
+
 // sum_j p[j]^2 in double. Eight independent accumulators let the compiler vectorise the loop (a
 // single running sum is a serial chain it may not reorder); the result is deterministic per build.
 template <class T>
@@ -179,18 +203,14 @@ class ElementwiseMap final : public FeatureMap {
       auto ob = out.middleRows(first, rows);
       switch (kind()) {
         case FeatureMapKind::EluPlusOne:
-          // elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise, written as max(x, 0) + exp(min(x, 0)):
-          // the same roundings (x + 1, or exp(x) + 0), no overflow, and vectorised, where a select
-          // on a comparison makes Eigen fall back to scalar code (measured 8 ns per element).
           if (x.outerStride() == x.cols() && out.outerStride() == out.cols()) {
-            // Contiguous blocks as one flat array: one vectorised loop instead of one per row of
-            // d (measured 2.7 us instead of 5.4 for 256 x 64 floats).
-            using Flat = Eigen::Array<T, Eigen::Dynamic, 1>;
-            const Eigen::Map<const Flat> from(x.data() + first * x.cols(), rows * x.cols());
-            Eigen::Map<Flat>(out.data() + first * out.cols(), rows * out.cols()) =
-                from.max(T(0)) + from.min(T(0)).exp();
+            // Contiguous blocks as one flat run: one vectorised loop instead of one per row of d
+            // (measured 2.7 us instead of 5.4 for 256 x 64 floats).
+            elu_plus_one(x.data() + first * x.cols(), out.data() + first * out.cols(),
+                         rows * x.cols());
           } else {
-            ob.array() = xb.max(T(0)) + xb.min(T(0)).exp();
+            for (Index i = first; i < first + rows; ++i)
+              elu_plus_one(x.data() + i * x.outerStride(), &out(i, 0), x.cols());
           }
           break;
         case FeatureMapKind::Relu:
