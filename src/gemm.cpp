@@ -50,6 +50,11 @@ void gemm_eigen(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
 // kKC x kNR panel of B (32 KiB) stays in L1 while the kMC x kKC block of A (96 KiB) streams from
 // L2; kKC = 256 keeps the common inner sizes (m = 256 features, 256-key blocks) in one pass.
 constexpr Index kMR = 8, kNR = 32, kKC = 256, kMC = 96, kNC = 512;
+// A column-major A is read in place only up to this column stride (floats): elu+1's 64-wide
+// features. Wider columns map onto few L1 sets (a 1 KiB stride: 4 of 64), so FAVOR+'s 256-wide
+// ones are packed. (End-to-end A/B runs of both choices differed by less than this machine's
+// run-to-run noise, +-15%; the limit follows the cache argument, not a measurement.)
+constexpr Index kColumnInPlace = 64;
 
 __mmask16 first_lanes(Index count) {
   return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
@@ -184,7 +189,7 @@ void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool acc
         if (a.col_stride == 1 && (nc <= 2 * kNR || a.row_stride <= kKC)) {
           row_step = panel_step = a.row_stride, col_step = 1;
           panel = a.data + ic * a.row_stride + pc;
-        } else if (a.row_stride == 1) {
+        } else if (a.row_stride == 1 && a.col_stride <= kColumnInPlace) {
           row_step = panel_step = 1, col_step = a.col_stride;
           panel = a.data + ic + pc * a.col_stride;
         } else {
