@@ -63,6 +63,23 @@ void finish(benchmark::State& state, const Shape& s) {
   linrope::bench::set_flops(state, 2.0 * double(s.m) * double(s.n) * double(s.k));
 }
 
+// Eigen::setNbThreads and openblas_set_num_threads (in its OpenMP build) change the OpenMP
+// default for the whole process; this puts it back, so that the machine references that run
+// afterwards still use every thread.
+class SingleThreaded {
+ public:
+  SingleThreaded() : saved_(linrope::bench::threads()) {}
+  ~SingleThreaded() {
+    Eigen::setNbThreads(saved_);
+#ifdef _OPENMP
+    omp_set_num_threads(saved_);
+#endif
+  }
+
+ private:
+  int saved_;
+};
+
 void BM_Ours(benchmark::State& state, Shape s) {
   Operands x(s);
   for (auto _ : state) {
@@ -74,6 +91,7 @@ void BM_Ours(benchmark::State& state, Shape s) {
 }
 
 void BM_Eigen(benchmark::State& state, Shape s) {
+  const SingleThreaded restore;
   Eigen::setNbThreads(1);
   Operands x(s);
   for (auto _ : state) {
@@ -91,6 +109,7 @@ void BM_Eigen(benchmark::State& state, Shape s) {
 
 #ifdef LINROPE_BENCH_OPENBLAS
 void BM_OpenBlas(benchmark::State& state, Shape s) {
+  const SingleThreaded restore;
   openblas_set_num_threads(1);
   Operands x(s);
   for (auto _ : state) {
