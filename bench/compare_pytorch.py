@@ -65,8 +65,13 @@ TOLERANCE = 1e-3
 def parse_args():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--build-dir", default=os.path.join(ROOT, "build-bench"),
-                        help="build tree holding bench/bench_linear and bench/compare_io")
+    # The README's commands build into build/release; a hand-made benchmark tree is build-bench.
+    default_build = next((os.path.join(ROOT, d) for d in ("build/release", "build-bench")
+                          if os.path.exists(os.path.join(ROOT, d, "bench", "bench_linear"))),
+                         os.path.join(ROOT, "build/release"))
+    parser.add_argument("--build-dir", default=default_build,
+                        help="build tree holding bench/bench_linear and bench/compare_io "
+                             "(default: build/release, else build-bench)")
     parser.add_argument("--threads", type=int,
                         default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count()))
     parser.add_argument("--bench-json",
