@@ -47,10 +47,9 @@ class FeatureBlock {
         rope->rotate_rows(rotated_.data(), rows, setup_.d, first_position, false);
         map_rows(rotated_.topRows(rows), num_.topRows(rows));
         break;
-      case RopePlacement::NumeratorOnly:
+      case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
         map_rows(input, den_.topRows(rows));
-        num_.topRows(rows) = den_.topRows(rows);
-        rope->rotate_rows(num_.data(), rows, setup_.m, first_position, false);
+        rope->rotate_rows<T>(den_.data(), num_.data(), rows, setup_.m, first_position, false);
         break;
       case RopePlacement::Full:
         map_rows(input, num_.topRows(rows));

@@ -124,22 +124,30 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
 
 namespace {
 
-// The rotation of pair k by (c, s): (2k, 2k+1) interleaved, (k, k + half) half.
+// The rotation of pair k by (c, s): (2k, 2k+1) interleaved, (k, k + half) half, read from the
+// row `src` and written to the row x (the same row when in place: no __restrict here).
 template <class T, bool Interleaved>
-inline void rotate_pair(T* __restrict x, Index k, Index half, T c, T s) {
-  T& a = Interleaved ? x[2 * k] : x[k];
-  T& b = Interleaved ? x[2 * k + 1] : x[k + half];
-  const T a0 = a, b0 = b;
-  a = a0 * c - b0 * s;
-  b = a0 * s + b0 * c;
+inline void rotate_pair(T* x, const T* src, Index k, Index half, T c, T s) {
+  const Index ia = Interleaved ? 2 * k : k, ib = Interleaved ? 2 * k + 1 : k + half;
+  const T a0 = src[ia], b0 = src[ib];
+  x[ia] = a0 * c - b0 * s;
+  x[ib] = a0 * s + b0 * c;
 }
 
-// Pairs k0 .. half-1 of the rows xp at h + l and xm at h - l (xm may be null: xp alone), from the
+// The source of the destination row x: the row at the same place relative to src0 as x is to x0
+// (x itself when rotating in place); null for null.
+template <class T>
+inline const T* source_row(const T* x0, const T* src0, const T* x) {
+  return x == nullptr ? nullptr : src0 + (x - x0);
+}
+
+// Pairs k0 .. half-1 of the rows xp at h + l and xm at h - l (xm may be null: xp alone), read from
+// sp and sm (the same rows when in place), from the
 // centre's hc/hs and the table row lc/ls of offset l. Rows h + l and h - l share the four products
 // of their angle additions. The whole row in the portable kernel, the pairs past the last multiple
 // of 8 (the tail) in the AVX-512 one.
 template <class T, bool Negative, bool Interleaved>
-inline void rotate_pairs_scalar(T* __restrict xp, T* __restrict xm, Index k0, Index half,
+inline void rotate_pairs_scalar(T* xp, const T* sp, T* xm, const T* sm, Index k0, Index half,
                                 const double* __restrict lc, const double* __restrict ls,
                                 const double* __restrict hc, const double* __restrict hs) {
   auto sign = [](double v) { return Negative ? -v : v; };
@@ -147,13 +155,13 @@ inline void rotate_pairs_scalar(T* __restrict xp, T* __restrict xm, Index k0, In
     for (Index k = k0; k < half; ++k) {
       const double cc = hc[k] * lc[k], ss = hs[k] * ls[k];
       const double sc = hs[k] * lc[k], cs = hc[k] * ls[k];
-      rotate_pair<T, Interleaved>(xp, k, half, T(cc - ss), T(sign(sc + cs)));
-      rotate_pair<T, Interleaved>(xm, k, half, T(cc + ss), T(sign(sc - cs)));
+      rotate_pair<T, Interleaved>(xp, sp, k, half, T(cc - ss), T(sign(sc + cs)));
+      rotate_pair<T, Interleaved>(xm, sm, k, half, T(cc + ss), T(sign(sc - cs)));
     }
   } else {
     for (Index k = k0; k < half; ++k) {
       const double c = hc[k] * lc[k] - hs[k] * ls[k], s = hs[k] * lc[k] + hc[k] * ls[k];
-      rotate_pair<T, Interleaved>(xp, k, half, T(c), T(sign(s)));
+      rotate_pair<T, Interleaved>(xp, sp, k, half, T(c), T(sign(s)));
     }
   }
 }
@@ -185,13 +193,14 @@ inline void for_block_rows(T* x0, Index q0, Index q_stride, Index qa, Index qb, 
 // r/2 at compile time (the common widths: loops fully unrolled, hc/hs kept in registers across
 // the block); Half = 0 takes it from half_runtime. The portable kernel: any T, any target.
 template <class T, bool Negative, bool Interleaved, Index Half>
-void rotate_block(T* x0, Index q0, Index q_stride, Index qa, Index qb, Index h, Index reach,
-                  const double* __restrict lo_cos, const double* __restrict lo_sin,
+void rotate_block(T* x0, const T* src0, Index q0, Index q_stride, Index qa, Index qb, Index h,
+                  Index reach, const double* __restrict lo_cos, const double* __restrict lo_sin,
                   const double* __restrict hc, const double* __restrict hs, Index half_runtime) {
   const Index half = Half > 0 ? Half : half_runtime;
   for_block_rows(x0, q0, q_stride, qa, qb, h, reach, [&](T* xp, T* xm, Index l) {
-    rotate_pairs_scalar<T, Negative, Interleaved>(xp, xm, 0, half, lo_cos + (reach + l) * half,
-                                                  lo_sin + (reach + l) * half, hc, hs);
+    rotate_pairs_scalar<T, Negative, Interleaved>(
+        xp, source_row(x0, src0, xp), xm, source_row(x0, src0, xm), 0, half,
+        lo_cos + (reach + l) * half, lo_sin + (reach + l) * half, hc, hs);
   });
 }
 
@@ -207,7 +216,7 @@ void rotate_block(T* x0, Index q0, Index q_stride, Index qa, Index qb, Index h, 
 
 // Rotates pairs k .. k+7 of row x by (c, s) in double, each rounded once to float.
 template <bool Negative, bool Interleaved>
-inline void rotate8(float* __restrict x, Index k, Index half, __m512d c, __m512d s) {
+inline void rotate8(float* x, const float* src, Index k, Index half, __m512d c, __m512d s) {
   const __m256 cf = _mm512_cvtpd_ps(c), sf = _mm512_cvtpd_ps(s);
   if constexpr (Interleaved) {
     // x = [a0 b0 a1 b1 ..], C = [c0 c0 c1 c1 ..], S = [s0 s0 ..], x swapped = [b0 a0 ..]:
@@ -215,12 +224,12 @@ inline void rotate8(float* __restrict x, Index k, Index half, __m512d c, __m512d
     const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512 C = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf));
     const __m512 S = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf));
-    const __m512 v = _mm512_loadu_ps(x + 2 * k);
+    const __m512 v = _mm512_loadu_ps(src + 2 * k);
     const __m512 bs = _mm512_mul_ps(_mm512_permute_ps(v, 0xB1), S);
     _mm512_storeu_ps(x + 2 * k,
                      Negative ? _mm512_fmsubadd_ps(v, C, bs) : _mm512_fmaddsub_ps(v, C, bs));
   } else {
-    const __m256 a = _mm256_loadu_ps(x + k), b = _mm256_loadu_ps(x + k + half);
+    const __m256 a = _mm256_loadu_ps(src + k), b = _mm256_loadu_ps(src + k + half);
     const __m256 bs = _mm256_mul_ps(b, sf), as = _mm256_mul_ps(a, sf);
     _mm256_storeu_ps(x + k, Negative ? _mm256_fmadd_ps(a, cf, bs) : _mm256_fmsub_ps(a, cf, bs));
     _mm256_storeu_ps(x + k + half,
@@ -229,13 +238,15 @@ inline void rotate8(float* __restrict x, Index k, Index half, __m512d c, __m512d
 }
 
 template <bool Negative, bool Interleaved, Index Half>
-void rotate_block_avx512(float* x0, Index q0, Index q_stride, Index qa, Index qb, Index h,
-                         Index reach, const double* __restrict lo_cos,
+void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride, Index qa, Index qb,
+                         Index h, Index reach, const double* __restrict lo_cos,
                          const double* __restrict lo_sin, const double* __restrict hc,
                          const double* __restrict hs, Index half_runtime) {
   const Index half = Half > 0 ? Half : half_runtime;
   const Index vec = half - half % 8;  // pairs [0, vec) in vectors, [vec, half) in the tail
   for_block_rows(x0, q0, q_stride, qa, qb, h, reach, [&](float* xp, float* xm, Index l) {
+    const float* sp = source_row(x0, src0, xp);
+    const float* sm = source_row(x0, src0, xm);
     const double* __restrict lc = lo_cos + (reach + l) * half;
     const double* __restrict ls = lo_sin + (reach + l) * half;
     if (xm != nullptr) {
@@ -244,27 +255,28 @@ void rotate_block_avx512(float* x0, Index q0, Index q_stride, Index qa, Index qb
         const __m512d cl = _mm512_loadu_pd(lc + k), sl = _mm512_loadu_pd(ls + k);
         const __m512d ss = _mm512_mul_pd(sh, sl), cs = _mm512_mul_pd(ch, sl);
         // cos(h +- l) = ch cl -+ sh sl, sin(h +- l) = sh cl +- ch sl.
-        rotate8<Negative, Interleaved>(xp, k, half, _mm512_fmsub_pd(ch, cl, ss),
+        rotate8<Negative, Interleaved>(xp, sp, k, half, _mm512_fmsub_pd(ch, cl, ss),
                                        _mm512_fmadd_pd(sh, cl, cs));
-        rotate8<Negative, Interleaved>(xm, k, half, _mm512_fmadd_pd(ch, cl, ss),
+        rotate8<Negative, Interleaved>(xm, sm, k, half, _mm512_fmadd_pd(ch, cl, ss),
                                        _mm512_fmsub_pd(sh, cl, cs));
       }
     } else {
       for (Index k = 0; k < vec; k += 8) {
         const __m512d ch = _mm512_loadu_pd(hc + k), sh = _mm512_loadu_pd(hs + k);
         const __m512d cl = _mm512_loadu_pd(lc + k), sl = _mm512_loadu_pd(ls + k);
-        rotate8<Negative, Interleaved>(xp, k, half, _mm512_fmsub_pd(ch, cl, _mm512_mul_pd(sh, sl)),
+        rotate8<Negative, Interleaved>(xp, sp, k, half,
+                                       _mm512_fmsub_pd(ch, cl, _mm512_mul_pd(sh, sl)),
                                        _mm512_fmadd_pd(sh, cl, _mm512_mul_pd(ch, sl)));
       }
     }
     if (vec < half)
-      rotate_pairs_scalar<float, Negative, Interleaved>(xp, xm, vec, half, lc, ls, hc, hs);
+      rotate_pairs_scalar<float, Negative, Interleaved>(xp, sp, xm, sm, vec, half, lc, ls, hc, hs);
   });
 }
 #endif
 
 template <class T>
-using BlockKernel = void (*)(T*, Index, Index, Index, Index, Index, Index, const double*,
+using BlockKernel = void (*)(T*, const T*, Index, Index, Index, Index, Index, Index, const double*,
                              const double*, const double*, const double*, Index);
 
 template <class T, bool Negative, bool Interleaved>
@@ -317,6 +329,7 @@ class Rotator {
         mid_sin_(mid_sin.data()),
         half_(Index(theta.size())),
         scale_(inverse ? 1.0 / magnitude : magnitude),
+        dim_(dim),
         dim_bytes_(Index(sizeof(T)) * dim),
         block_rows_(block),
         reach_(block / 2),
@@ -345,45 +358,54 @@ class Rotator {
   Rotator(const Rotator&) = delete;
   Rotator& operator=(const Rotator&) = delete;
 
-  // x [rows x dim] with row stride `stride`, row i at position first + i.
-  void run(T* x, Index rows, Index stride, Index first) {
+  // x [rows x dim] with row stride `stride`, row i at position first + i. Rows are read from src
+  // (same stride; null: in place); the columns past the rotary width are then copied over too.
+  void run(T* x, Index rows, Index stride, Index first, const T* src = nullptr) {
     if (rows <= 0) return;
+    const T* source = src ? src : x;
     prefetch_ = rows * stride * Index(sizeof(T)) >= kPrefetchBytes;
     const Index last = first + rows - 1;
     if (first < 0) {  // rows 0 .. at p = first .. min(last, -1): |p| from -first down to qa
       const Index qb = -first, qa = last < 0 ? -last : 1;
-      blocks(backward_, x, qb, -stride, qa, qb);
+      blocks(backward_, x, source, qb, -stride, qa, qb);
     }
     if (last >= 0) {  // rows at p = max(first, 0) .. last
       const Index qa = std::max<Index>(first, 0);
-      blocks(forward_, x + (qa - first) * stride, qa, stride, qa, last);
+      blocks(forward_, x + (qa - first) * stride, source + (qa - first) * stride, qa, stride, qa,
+             last);
     }
+    if (source != x && 2 * half_ < dim_)  // out of place: the unrotated columns too
+      for (Index i = 0; i < rows; ++i)
+        std::copy(source + i * stride + 2 * half_, source + i * stride + dim_,
+                  x + i * stride + 2 * half_);
   }
 
-  // One row at position p.
+  // One row at position p, in place.
   void row(T* x, Index p) {
     const Index q = p < 0 ? -p : p;
-    blocks(p < 0 ? backward_ : forward_, x, q, 0, q, q);
+    blocks(p < 0 ? backward_ : forward_, x, x, q, 0, q, q);
   }
 
  private:
   static constexpr Index kInlinePairs = 128;  // r = 256: the m = 256 features of linear attention
 
   // All blocks that meet |positions| [qa, qb]; the row of q at x0 + (q - q0) * q_stride.
-  void blocks(BlockKernel<T> kernel, T* x0, Index q0, Index q_stride, Index qa, Index qb) {
+  void blocks(BlockKernel<T> kernel, T* x0, const T* src0, Index q0, Index q_stride, Index qa,
+              Index qb) {
     for (Index h = centre_of(qa, block_rows_); h - reach_ <= qb; h += block_rows_) {
       // The kernel visits a block's rows from the centre outwards, which the hardware prefetcher
       // does not follow; fetch the next block's rows (in memory order) while this one computes.
       if (prefetch_) {
         const Index na = std::max(qa, h + reach_), nb = std::min(qb, h + reach_ + block_rows_ - 1);
         for (Index q = na; q <= nb; ++q) {
-          const char* r = reinterpret_cast<const char*>(x0 + (q - q0) * q_stride);
+          const char* r = reinterpret_cast<const char*>(src0 + (q - q0) * q_stride);
           for (Index byte = 0; byte < dim_bytes_; byte += kPrefetchStride)
             __builtin_prefetch(r + byte, 1);
         }
       }
       seek_block(h);
-      kernel(x0, q0, q_stride, qa, qb, h, reach_, lo_cos_, lo_sin_, block_cos_, block_sin_, half_);
+      kernel(x0, src0, q0, q_stride, qa, qb, h, reach_, lo_cos_, lo_sin_, block_cos_, block_sin_,
+             half_);
     }
   }
 
@@ -430,7 +452,7 @@ class Rotator {
   const double *lo_cos_, *lo_sin_, *mid_cos_, *mid_sin_;
   Index half_;
   double scale_;
-  Index dim_bytes_;
+  Index dim_, dim_bytes_;
   Index block_rows_, reach_, mid2_, top_span_;  // B, B/2, B^2, B^3
   bool prefetch_ = false;
   BlockKernel<T> forward_, backward_;  // for p >= 0 and p < 0
@@ -505,8 +527,20 @@ void Rope::apply_inverse(Eigen::Ref<MatrixD> x, std::span<const Index> p) const 
   apply_checked<double>(x, p, true);
 }
 
+template <class T>
+void Rope::rotate_rows(const T* from, T* to, Index rows, Index stride, Index first_position,
+                       bool inverse) const {
+  assert(first_position >= -kMaxPosition && first_position <= kMaxPosition &&
+         rows - 1 <= kMaxPosition - first_position);
+  Rotator<T>(theta_, table_cos_, table_sin_, block_cos_, block_sin_, magnitude_, config_.layout,
+             inverse, config_.dim, table_block_)
+      .run(to, rows, stride, first_position, from);
+}
+
 template void Rope::rotate_rows<float>(float*, Index, Index, Index, bool) const;
 template void Rope::rotate_rows<double>(double*, Index, Index, Index, bool) const;
+template void Rope::rotate_rows<float>(const float*, float*, Index, Index, Index, bool) const;
+template void Rope::rotate_rows<double>(const double*, double*, Index, Index, Index, bool) const;
 
 std::vector<double> rope_decay_curve(const Rope& rope, Index max_distance) {
   if (max_distance < 0)

@@ -304,6 +304,35 @@ TEST_CASE("rotate_rows over a 16 MB span (the prefetching path) matches the matr
   CHECK(buffer[std::size_t(stride + dim)] == 0.0f);  // the gap between rows: untouched
 }
 
+TEST_CASE_TEMPLATE("out-of-place rotate_rows is bitwise the in-place rotation of a copy", T, float,
+                   double) {
+  // Every kernel (fixed widths 16 .. 128, the runtime width, vectors and tails), both layouts,
+  // partial rotation (the unrotated columns must be copied), rows on both sides of 0, inverse; the
+  // source must stay as it was. The linear kernels rotate eq. 19's features this way.
+  for (const RopeLayout layout : {RopeLayout::Interleaved, RopeLayout::Half})
+    for (const Index dim : {2, 10, 32, 64, 66, 256})
+      for (const Index rotary : {dim, dim - 2})
+        for (const bool inverse : {false, true}) {
+          if (rotary < 2) continue;
+          CAPTURE(layout_name(layout));
+          CAPTURE(dim);
+          CAPTURE(rotary);
+          CAPTURE(inverse);
+          const Rope rope({.dim = dim, .rotary_dim = rotary, .layout = layout});
+          const Index rows = 37, stride = dim + 3;  // a padded stride; the padding stays untouched
+          Matrix<T> from = Matrix<T>::Constant(rows, stride, T(-5));
+          from.leftCols(dim) = input<T>(rows, dim, 1000 + std::uint64_t(dim));
+          const Matrix<T> original = from;
+          Matrix<T> expected = from;  // the copy, rotated in place
+          rope.rotate_rows(expected.data(), rows, stride, -18, inverse);
+          Matrix<T> to = Matrix<T>::Constant(rows, stride, T(7));
+          rope.rotate_rows<T>(from.data(), to.data(), rows, stride, -18, inverse);
+          CHECK(to.leftCols(dim) == expected.leftCols(dim));
+          CHECK((to.rightCols(3).array() == T(7)).all());
+          CHECK(from == original);
+        }
+}
+
 TEST_CASE_TEMPLATE("runs across every table boundary of both block sizes", T, float, double) {
   // src/rope.cpp uses blocks of B = 32 rows for r/2 <= 32 and B = 16 above, with table levels at
   // multiples of B, B^2 and B^3: 40-row runs centred on each of +-16, 32, 256, 1024, 4096 and

@@ -91,6 +91,12 @@ class Rope {
   // asserts.
   template <class T>
   void rotate_rows(T* x, Index rows, Index stride, Index first_position, bool inverse) const;
+  // The same out of place: `to` = the rotation of `from` (both with row stride `stride`, not
+  // overlapping), columns past the rotary width copied unchanged. Bitwise what copying `from` to
+  // `to` and rotating `to` in place gives, in one pass.
+  template <class T>
+  void rotate_rows(const T* from, T* to, Index rows, Index stride, Index first_position,
+                   bool inverse) const;
 
  private:
   template <class T>
