@@ -9,6 +9,7 @@
 #include "feature_map_access.hpp"
 #include "gemm.hpp"
 #include "parallel.hpp"
+#include "scratch.hpp"
 
 namespace linrope::detail {
 namespace {
@@ -19,57 +20,70 @@ constexpr double kEmpty = -std::numeric_limits<double>::infinity();
 //   num(): features on the numerator side (rotated by R_i for NumeratorOnly and Full),
 //   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
 //   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features.
+// Its memory is per-thread scratch (scratch.hpp): no allocation after a thread's first call.
 template <class T>
 class FeatureBlock {
  public:
   FeatureBlock(const LinearSetup& setup, Index capacity)
-      : setup_(setup), num_(capacity, setup.m), log_scale_(capacity) {
-    if (setup.options.placement == RopePlacement::NumeratorOnly) den_.resize(capacity, setup.m);
-    if (setup.options.placement == RopePlacement::BeforeMap) rotated_.resize(capacity, setup.d);
-  }
+      : setup_(setup),
+        capacity_(capacity),
+        separate_den_(setup.options.placement == RopePlacement::NumeratorOnly),
+        features_(capacity * ((separate_den_ ? 2 : 1) * setup.m +
+                              (setup.options.placement == RopePlacement::BeforeMap ? setup.d : 0))),
+        log_scale_(capacity) {}
 
   // Features of rows x [rows x d] at positions first_position, first_position + 1, ...
   void compute(const T* x, Index rows, Index first_position) {
     rows_ = rows;
     const FeatureMap& map = *setup_.map;
     const Rope* rope = setup_.options.rope;
-    ConstRowMap<T> input(x, rows, setup_.d);
-    double* log_scale = log_scale_.data();
-    const auto map_rows = [&](const auto& from, auto to) {
-      FeatureMapAccess::stabilized<T>(map, from, to, log_scale);
+    const Index m = setup_.m, d = setup_.d;
+    ConstRowMap<T> input(x, rows, d);
+    const auto map_rows = [&](const auto& from, T* to) {
+      FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale_.data());
     };
     switch (setup_.options.placement) {
       case RopePlacement::None:
-        map_rows(input, num_.topRows(rows));
+        map_rows(input, num_data());
         break;
-      case RopePlacement::BeforeMap:
-        rotated_.topRows(rows) = input;
-        rope->rotate_rows(rotated_.data(), rows, setup_.d, first_position, false);
-        map_rows(rotated_.topRows(rows), num_.topRows(rows));
+      case RopePlacement::BeforeMap: {
+        RowMap<T> rotated(num_data() + capacity_ * m, rows, d);
+        rotated = input;
+        rope->rotate_rows(rotated.data(), rows, d, first_position, false);
+        map_rows(rotated, num_data());
         break;
+      }
       case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
-        map_rows(input, den_.topRows(rows));
-        rope->rotate_rows<T>(den_.data(), num_.data(), rows, setup_.m, first_position, false);
+        map_rows(input, den_data());
+        rope->rotate_rows<T>(den_data(), num_data(), rows, m, first_position, false);
         break;
       case RopePlacement::Full:
-        map_rows(input, num_.topRows(rows));
-        rope->rotate_rows(num_.data(), rows, setup_.m, first_position, false);
+        map_rows(input, num_data());
+        rope->rotate_rows(num_data(), rows, m, first_position, false);
         break;
     }
   }
 
   Index rows() const { return rows_; }
-  auto num() const { return num_.topRows(rows_); }
-  auto den() const { return (den_.rows() ? den_ : num_).topRows(rows_); }
-  double log_scale(Index i) const { return log_scale_[i]; }
+  ConstRowMap<T> num() const { return ConstRowMap<T>(num_data(), rows_, setup_.m); }
+  ConstRowMap<T> den() const { return ConstRowMap<T>(den_data(), rows_, setup_.m); }
+  double log_scale(Index i) const { return log_scale_.data()[i]; }
   double max_log_scale() const {
-    return rows_ ? *std::max_element(log_scale_.begin(), log_scale_.begin() + rows_) : kEmpty;
+    return rows_ ? *std::max_element(log_scale_.data(), log_scale_.data() + rows_) : kEmpty;
   }
 
  private:
+  // [num | den (NumeratorOnly) | rotated input (BeforeMap)], each capacity rows.
+  T* num_data() const { return features_.data(); }
+  T* den_data() const {
+    return separate_den_ ? features_.data() + capacity_ * setup_.m : features_.data();
+  }
+
   const LinearSetup& setup_;
-  Matrix<T> num_, den_, rotated_;
-  std::vector<double> log_scale_;
+  Index capacity_;
+  bool separate_den_;
+  Scratch<T> features_;
+  Scratch<double> log_scale_;
   Index rows_ = 0;
 };
 

@@ -1,0 +1,51 @@
+// Private: per-thread working memory that outlives a call, so that repeated calls allocate nothing.
+//
+// A linear-attention head needs a few feature blocks per call (up to 2 x 256 x 256 floats each).
+// Allocated afresh, they cost page faults whenever the allocator returns large blocks to the
+// system between calls (glibc above its mmap threshold): the scaling experiment, which sets that
+// threshold to 256 KiB for its memory columns, measured FAVOR+ at n = 256 in 16 ms per call where
+// bench_linear (default malloc) took about 1 ms. Scratch takes the blocks from a per-thread stack
+// of buffers that only grow: after a thread's first call, nothing is allocated.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstddef>
+#include <linrope/types.hpp>
+#include <vector>
+
+namespace linrope::detail {
+
+// `count` T's (64-byte aligned, contents unspecified) from this thread's scratch stack, valid until
+// the Scratch is destroyed. A thread's Scratch objects must die in reverse order of creation, which
+// scopes guarantee. Throws std::bad_alloc only when the stack has to grow.
+template <class T>
+class Scratch {
+ public:
+  explicit Scratch(Index count) {
+    Stack& s = stack();
+    if (s.buffers.size() <= s.depth) s.buffers.emplace_back();
+    auto& buffer = s.buffers[s.depth];
+    if (Index(buffer.size()) < count) buffer.resize(std::size_t(count));
+    data_ = buffer.data();
+    ++s.depth;  // only once nothing can throw any more
+  }
+  ~Scratch() { --stack().depth; }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  T* data() const { return data_; }
+
+ private:
+  struct Stack {
+    // Moving the outer vector keeps every inner buffer where it is.
+    std::vector<std::vector<T, Eigen::aligned_allocator<T>>> buffers;
+    std::size_t depth = 0;
+  };
+  static Stack& stack() {
+    thread_local Stack s;
+    return s;
+  }
+  T* data_ = nullptr;
+};
+
+}  // namespace linrope::detail
