@@ -124,30 +124,34 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
 
 namespace {
 
-// The rotation of pair k by (c, s): (2k, 2k+1) interleaved, (k, k + half) half, read from the
-// row `src` and written to the row x (the same row when in place: no __restrict here).
-template <class T, bool Interleaved>
-inline void rotate_pair(T* x, const T* src, Index k, Index half, T c, T s) {
+// The rotation of pair k by (c, s): (2k, 2k+1) interleaved, (k, k + half) half, written to the row
+// x and read from x itself (InPlace; src is then null) or from the separate row src. Two
+// instantiations rather than src == x, so that in place the compiler still knows every access goes
+// through one restrict pointer (an aliased src cost the in-place kernel 10-25%).
+template <class T, bool Interleaved, bool InPlace>
+inline void rotate_pair(T* __restrict x, const T* __restrict src, Index k, Index half, T c, T s) {
+  const T* from = InPlace ? x : src;
   const Index ia = Interleaved ? 2 * k : k, ib = Interleaved ? 2 * k + 1 : k + half;
-  const T a0 = src[ia], b0 = src[ib];
+  const T a0 = from[ia], b0 = from[ib];
   x[ia] = a0 * c - b0 * s;
   x[ib] = a0 * s + b0 * c;
 }
 
-// The source of the destination row x: the row at the same place relative to src0 as x is to x0
-// (x itself when rotating in place); null for null.
-template <class T>
+// The source of the destination row x: the row at the same place relative to src0 as x is to x0;
+// null in place (the kernels then read x itself) and for a null x.
+template <class T, bool InPlace>
 inline const T* source_row(const T* x0, const T* src0, const T* x) {
-  return x == nullptr ? nullptr : src0 + (x - x0);
+  return InPlace || x == nullptr ? nullptr : src0 + (x - x0);
 }
 
 // Pairs k0 .. half-1 of the rows xp at h + l and xm at h - l (xm may be null: xp alone), read from
-// sp and sm (the same rows when in place), from the
+// sp and sm (or, InPlace, from xp and xm themselves), from the
 // centre's hc/hs and the table row lc/ls of offset l. Rows h + l and h - l share the four products
 // of their angle additions. The whole row in the portable kernel, the pairs past the last multiple
 // of 8 (the tail) in the AVX-512 one.
-template <class T, bool Negative, bool Interleaved>
-inline void rotate_pairs_scalar(T* xp, const T* sp, T* xm, const T* sm, Index k0, Index half,
+template <class T, bool Negative, bool Interleaved, bool InPlace>
+inline void rotate_pairs_scalar(T* __restrict xp, const T* __restrict sp, T* __restrict xm,
+                                const T* __restrict sm, Index k0, Index half,
                                 const double* __restrict lc, const double* __restrict ls,
                                 const double* __restrict hc, const double* __restrict hs) {
   auto sign = [](double v) { return Negative ? -v : v; };
@@ -155,13 +159,13 @@ inline void rotate_pairs_scalar(T* xp, const T* sp, T* xm, const T* sm, Index k0
     for (Index k = k0; k < half; ++k) {
       const double cc = hc[k] * lc[k], ss = hs[k] * ls[k];
       const double sc = hs[k] * lc[k], cs = hc[k] * ls[k];
-      rotate_pair<T, Interleaved>(xp, sp, k, half, T(cc - ss), T(sign(sc + cs)));
-      rotate_pair<T, Interleaved>(xm, sm, k, half, T(cc + ss), T(sign(sc - cs)));
+      rotate_pair<T, Interleaved, InPlace>(xp, sp, k, half, T(cc - ss), T(sign(sc + cs)));
+      rotate_pair<T, Interleaved, InPlace>(xm, sm, k, half, T(cc + ss), T(sign(sc - cs)));
     }
   } else {
     for (Index k = k0; k < half; ++k) {
       const double c = hc[k] * lc[k] - hs[k] * ls[k], s = hs[k] * lc[k] + hc[k] * ls[k];
-      rotate_pair<T, Interleaved>(xp, sp, k, half, T(c), T(sign(s)));
+      rotate_pair<T, Interleaved, InPlace>(xp, sp, k, half, T(c), T(sign(s)));
     }
   }
 }
@@ -192,14 +196,14 @@ inline void for_block_rows(T* x0, Index q0, Index q_stride, Index qa, Index qb, 
 // addition in double, rounded to T (sine negated when Negative), then its rotation. Half > 0 fixes
 // r/2 at compile time (the common widths: loops fully unrolled, hc/hs kept in registers across
 // the block); Half = 0 takes it from half_runtime. The portable kernel: any T, any target.
-template <class T, bool Negative, bool Interleaved, Index Half>
+template <class T, bool Negative, bool Interleaved, bool InPlace, Index Half>
 void rotate_block(T* x0, const T* src0, Index q0, Index q_stride, Index qa, Index qb, Index h,
                   Index reach, const double* __restrict lo_cos, const double* __restrict lo_sin,
                   const double* __restrict hc, const double* __restrict hs, Index half_runtime) {
   const Index half = Half > 0 ? Half : half_runtime;
   for_block_rows(x0, q0, q_stride, qa, qb, h, reach, [&](T* xp, T* xm, Index l) {
-    rotate_pairs_scalar<T, Negative, Interleaved>(
-        xp, source_row(x0, src0, xp), xm, source_row(x0, src0, xm), 0, half,
+    rotate_pairs_scalar<T, Negative, Interleaved, InPlace>(
+        xp, source_row<T, InPlace>(x0, src0, xp), xm, source_row<T, InPlace>(x0, src0, xm), 0, half,
         lo_cos + (reach + l) * half, lo_sin + (reach + l) * half, hc, hs);
   });
 }
@@ -215,8 +219,10 @@ void rotate_block(T* x0, const T* src0, Index q0, Index q_stride, Index qa, Inde
 // cc - ss rounds three times, and a c - b s likewise.
 
 // Rotates pairs k .. k+7 of row x by (c, s) in double, each rounded once to float.
-template <bool Negative, bool Interleaved>
-inline void rotate8(float* x, const float* src, Index k, Index half, __m512d c, __m512d s) {
+template <bool Negative, bool Interleaved, bool InPlace>
+inline void rotate8(float* __restrict x, const float* __restrict src, Index k, Index half,
+                    __m512d c, __m512d s) {
+  const float* from = InPlace ? x : src;  // see rotate_pair
   const __m256 cf = _mm512_cvtpd_ps(c), sf = _mm512_cvtpd_ps(s);
   if constexpr (Interleaved) {
     // x = [a0 b0 a1 b1 ..], C = [c0 c0 c1 c1 ..], S = [s0 s0 ..], x swapped = [b0 a0 ..]:
@@ -224,12 +230,12 @@ inline void rotate8(float* x, const float* src, Index k, Index half, __m512d c, 
     const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512 C = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf));
     const __m512 S = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf));
-    const __m512 v = _mm512_loadu_ps(src + 2 * k);
+    const __m512 v = _mm512_loadu_ps(from + 2 * k);
     const __m512 bs = _mm512_mul_ps(_mm512_permute_ps(v, 0xB1), S);
     _mm512_storeu_ps(x + 2 * k,
                      Negative ? _mm512_fmsubadd_ps(v, C, bs) : _mm512_fmaddsub_ps(v, C, bs));
   } else {
-    const __m256 a = _mm256_loadu_ps(src + k), b = _mm256_loadu_ps(src + k + half);
+    const __m256 a = _mm256_loadu_ps(from + k), b = _mm256_loadu_ps(from + k + half);
     const __m256 bs = _mm256_mul_ps(b, sf), as = _mm256_mul_ps(a, sf);
     _mm256_storeu_ps(x + k, Negative ? _mm256_fmadd_ps(a, cf, bs) : _mm256_fmsub_ps(a, cf, bs));
     _mm256_storeu_ps(x + k + half,
@@ -237,7 +243,7 @@ inline void rotate8(float* x, const float* src, Index k, Index half, __m512d c, 
   }
 }
 
-template <bool Negative, bool Interleaved, Index Half>
+template <bool Negative, bool Interleaved, bool InPlace, Index Half>
 void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride, Index qa, Index qb,
                          Index h, Index reach, const double* __restrict lo_cos,
                          const double* __restrict lo_sin, const double* __restrict hc,
@@ -245,8 +251,8 @@ void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride,
   const Index half = Half > 0 ? Half : half_runtime;
   const Index vec = half - half % 8;  // pairs [0, vec) in vectors, [vec, half) in the tail
   for_block_rows(x0, q0, q_stride, qa, qb, h, reach, [&](float* xp, float* xm, Index l) {
-    const float* sp = source_row(x0, src0, xp);
-    const float* sm = source_row(x0, src0, xm);
+    const float* sp = source_row<float, InPlace>(x0, src0, xp);
+    const float* sm = source_row<float, InPlace>(x0, src0, xm);
     const double* __restrict lc = lo_cos + (reach + l) * half;
     const double* __restrict ls = lo_sin + (reach + l) * half;
     if (xm != nullptr) {
@@ -255,22 +261,23 @@ void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride,
         const __m512d cl = _mm512_loadu_pd(lc + k), sl = _mm512_loadu_pd(ls + k);
         const __m512d ss = _mm512_mul_pd(sh, sl), cs = _mm512_mul_pd(ch, sl);
         // cos(h +- l) = ch cl -+ sh sl, sin(h +- l) = sh cl +- ch sl.
-        rotate8<Negative, Interleaved>(xp, sp, k, half, _mm512_fmsub_pd(ch, cl, ss),
-                                       _mm512_fmadd_pd(sh, cl, cs));
-        rotate8<Negative, Interleaved>(xm, sm, k, half, _mm512_fmadd_pd(ch, cl, ss),
-                                       _mm512_fmsub_pd(sh, cl, cs));
+        rotate8<Negative, Interleaved, InPlace>(xp, sp, k, half, _mm512_fmsub_pd(ch, cl, ss),
+                                                _mm512_fmadd_pd(sh, cl, cs));
+        rotate8<Negative, Interleaved, InPlace>(xm, sm, k, half, _mm512_fmadd_pd(ch, cl, ss),
+                                                _mm512_fmsub_pd(sh, cl, cs));
       }
     } else {
       for (Index k = 0; k < vec; k += 8) {
         const __m512d ch = _mm512_loadu_pd(hc + k), sh = _mm512_loadu_pd(hs + k);
         const __m512d cl = _mm512_loadu_pd(lc + k), sl = _mm512_loadu_pd(ls + k);
-        rotate8<Negative, Interleaved>(xp, sp, k, half,
-                                       _mm512_fmsub_pd(ch, cl, _mm512_mul_pd(sh, sl)),
-                                       _mm512_fmadd_pd(sh, cl, _mm512_mul_pd(ch, sl)));
+        rotate8<Negative, Interleaved, InPlace>(xp, sp, k, half,
+                                                _mm512_fmsub_pd(ch, cl, _mm512_mul_pd(sh, sl)),
+                                                _mm512_fmadd_pd(sh, cl, _mm512_mul_pd(ch, sl)));
       }
     }
     if (vec < half)
-      rotate_pairs_scalar<float, Negative, Interleaved>(xp, sp, xm, sm, vec, half, lc, ls, hc, hs);
+      rotate_pairs_scalar<float, Negative, Interleaved, InPlace>(xp, sp, xm, sm, vec, half, lc, ls,
+                                                                 hc, hs);
   });
 }
 #endif
@@ -279,33 +286,33 @@ template <class T>
 using BlockKernel = void (*)(T*, const T*, Index, Index, Index, Index, Index, Index, const double*,
                              const double*, const double*, const double*, Index);
 
-template <class T, bool Negative, bool Interleaved>
+template <class T, bool Negative, bool Interleaved, bool InPlace>
 BlockKernel<T> pick_kernel(Index half) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     switch (half) {
       case 16:
-        return rotate_block_avx512<Negative, Interleaved, 16>;
+        return rotate_block_avx512<Negative, Interleaved, InPlace, 16>;
       case 32:
-        return rotate_block_avx512<Negative, Interleaved, 32>;
+        return rotate_block_avx512<Negative, Interleaved, InPlace, 32>;
       case 64:
-        return rotate_block_avx512<Negative, Interleaved, 64>;
+        return rotate_block_avx512<Negative, Interleaved, InPlace, 64>;
       case 128:
-        return rotate_block_avx512<Negative, Interleaved, 128>;
+        return rotate_block_avx512<Negative, Interleaved, InPlace, 128>;
       default:
-        return rotate_block_avx512<Negative, Interleaved, 0>;
+        return rotate_block_avx512<Negative, Interleaved, InPlace, 0>;
     }
   }
 #endif
   switch (half) {
     case 16:
-      return rotate_block<T, Negative, Interleaved, 16>;
+      return rotate_block<T, Negative, Interleaved, InPlace, 16>;
     case 32:
-      return rotate_block<T, Negative, Interleaved, 32>;
+      return rotate_block<T, Negative, Interleaved, InPlace, 32>;
     case 64:
-      return rotate_block<T, Negative, Interleaved, 64>;
+      return rotate_block<T, Negative, Interleaved, InPlace, 64>;
     default:
-      return rotate_block<T, Negative, Interleaved, 0>;
+      return rotate_block<T, Negative, Interleaved, InPlace, 0>;
   }
 }
 
@@ -346,14 +353,9 @@ class Rotator {
     span_sin_ = buffers + 3 * half_;
     block_cos_ = buffers + 4 * half_;
     block_sin_ = buffers + 5 * half_;
-    // The inverse turns the other way: negative angles for p >= 0, positive ones for p < 0.
     const bool interleaved = layout == RopeLayout::Interleaved;
-    BlockKernel<T> neg =
-        interleaved ? pick_kernel<T, true, true>(half_) : pick_kernel<T, true, false>(half_);
-    BlockKernel<T> pos =
-        interleaved ? pick_kernel<T, false, true>(half_) : pick_kernel<T, false, false>(half_);
-    forward_ = inverse ? neg : pos;
-    backward_ = inverse ? pos : neg;
+    pick_directions<false>(interleaved, inverse, forward_[0], backward_[0]);
+    pick_directions<true>(interleaved, inverse, forward_[1], backward_[1]);
   }
   Rotator(const Rotator&) = delete;
   Rotator& operator=(const Rotator&) = delete;
@@ -363,16 +365,17 @@ class Rotator {
   void run(T* x, Index rows, Index stride, Index first, const T* src = nullptr) {
     if (rows <= 0) return;
     const T* source = src ? src : x;
+    const int in_place = source == x ? 1 : 0;
     prefetch_ = rows * stride * Index(sizeof(T)) >= kPrefetchBytes;
     const Index last = first + rows - 1;
     if (first < 0) {  // rows 0 .. at p = first .. min(last, -1): |p| from -first down to qa
       const Index qb = -first, qa = last < 0 ? -last : 1;
-      blocks(backward_, x, source, qb, -stride, qa, qb);
+      blocks(backward_[in_place], x, source, qb, -stride, qa, qb);
     }
     if (last >= 0) {  // rows at p = max(first, 0) .. last
       const Index qa = std::max<Index>(first, 0);
-      blocks(forward_, x + (qa - first) * stride, source + (qa - first) * stride, qa, stride, qa,
-             last);
+      blocks(forward_[in_place], x + (qa - first) * stride, source + (qa - first) * stride, qa,
+             stride, qa, last);
     }
     if (source != x && 2 * half_ < dim_)  // out of place: the unrotated columns too
       for (Index i = 0; i < rows; ++i)
@@ -383,11 +386,24 @@ class Rotator {
   // One row at position p, in place.
   void row(T* x, Index p) {
     const Index q = p < 0 ? -p : p;
-    blocks(p < 0 ? backward_ : forward_, x, x, q, 0, q, q);
+    blocks(p < 0 ? backward_[1] : forward_[1], x, x, q, 0, q, q);
   }
 
  private:
   static constexpr Index kInlinePairs = 128;  // r = 256: the m = 256 features of linear attention
+
+  // The kernels for p >= 0 (forward) and p < 0 (backward); the inverse turns the other way:
+  // negative angles for p >= 0, positive ones for p < 0.
+  template <bool InPlace>
+  void pick_directions(bool interleaved, bool inverse, BlockKernel<T>& forward,
+                       BlockKernel<T>& backward) const {
+    const BlockKernel<T> neg = interleaved ? pick_kernel<T, true, true, InPlace>(half_)
+                                           : pick_kernel<T, true, false, InPlace>(half_);
+    const BlockKernel<T> pos = interleaved ? pick_kernel<T, false, true, InPlace>(half_)
+                                           : pick_kernel<T, false, false, InPlace>(half_);
+    forward = inverse ? neg : pos;
+    backward = inverse ? pos : neg;
+  }
 
   // All blocks that meet |positions| [qa, qb]; the row of q at x0 + (q - q0) * q_stride.
   void blocks(BlockKernel<T> kernel, T* x0, const T* src0, Index q0, Index q_stride, Index qa,
@@ -455,7 +471,7 @@ class Rotator {
   Index dim_, dim_bytes_;
   Index block_rows_, reach_, mid2_, top_span_;  // B, B/2, B^2, B^3
   bool prefetch_ = false;
-  BlockKernel<T> forward_, backward_;  // for p >= 0 and p < 0
+  BlockKernel<T> forward_[2], backward_[2];  // [out of place, in place], for p >= 0 and p < 0
   bool top_valid_ = false, span_valid_ = false, block_valid_ = false;
   Index top_ = 0, span_ = 0, block_ = 0;
   // Six r/2-wide buffers, in this order, in inline_ or (r/2 > kInlinePairs) heap_.
