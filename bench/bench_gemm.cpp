@@ -135,9 +135,14 @@ bool register_all() {
   }
   return true;
 }
-const bool registered = register_all();
-
 }  // namespace
 
+// The machine references first: after OpenBLAS has run, its OpenMP threads were seen sharing one
+// core (peak_fma at half its value), which would misstate "the machine" for the whole run.
 LINROPE_REGISTER_MACHINE_REFERENCES();
+
+namespace {
+const bool registered = register_all();
+}  // namespace
+
 BENCHMARK_MAIN();
