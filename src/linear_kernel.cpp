@@ -142,6 +142,10 @@ void write_output(T* out, const T* numerator, Index dv, double den, double log_s
     return;
   }
   const double inverse = 1.0 / total;
+  if (!std::isfinite(inverse)) {  // a subnormal total (double, eps = 0): 1 / total overflows
+    for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) / total);
+    return;
+  }
   for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) * inverse);
 }
 

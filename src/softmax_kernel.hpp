@@ -24,7 +24,7 @@ double softmax_scale(Index d, const SoftmaxOptions& options);
 // Arguments must already be validated (shapes, finiteness, check_softmax_options); nothing is
 // checked here. Only std::bad_alloc can be thrown: the workspace is allocated before the parallel
 // region; inside it the only allocations are Rope::rotate_rows's angle buffers (r/2 values) and
-// detail::gemm's packing buffers (about 450 KiB per thread, once; for double, Eigen's beyond its
+// detail::gemm's packing buffers (about 608 KiB per thread, once; for double, Eigen's beyond its
 // 128 KiB stack limit) -- a failure there would terminate.
 // Keys stream in blocks of options.block_size (0 chooses) with an online softmax (running max,
 // running sum, rescaled accumulator); each block is two GEMMs, Q_b K_b^T and P V_b. Memory

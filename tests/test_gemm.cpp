@@ -79,12 +79,12 @@ void check_product(Index m, Index n, Index k, bool a_columns, bool b_columns, bo
 
 template <class T>
 void sweep_shapes() {
-  // Around the register tile (8 x 32 for float AVX-512) and the K block (192); K = 0 is the
+  // Around the register tile (8 x 32 for float AVX-512) and the K block (256); K = 0 is the
   // empty sum (c = 0, or c unchanged when accumulating).
   std::uint64_t seed = 100;
   for (Index m : {1, 7, 8, 9, 13, 100})
     for (Index n : {1, 16, 31, 33, 64, 65})
-      for (Index k : {0, 1, 64, 193})
+      for (Index k : {0, 1, 64, 257})
         for (int order = 0; order < 4; ++order)
           check_product<T>(m, n, k, order & 1, order & 2, order == 1 || order == 2, seed++);
 }
@@ -96,10 +96,25 @@ TEST_CASE("gemm double matches the naive double product over swept shapes") {
   sweep_shapes<double>();
 }
 
-TEST_CASE("gemm crosses every cache block (M > 96, N > 512, K > 192) in all storage orders") {
+TEST_CASE("gemm crosses every cache block (M > 96, N > 512, K > 256) in all storage orders") {
   for (int order = 0; order < 4; ++order)
     for (bool accumulate : {false, true})
       check_product<float>(200, 600, 400, order & 1, order & 2, accumulate, 7 + order);
+}
+
+TEST_CASE("gemm reads A in place across K and M blocks") {
+  // A is read in place (not packed) when it is row-major with N <= 64 or short rows, or
+  // column-major with narrow columns; these shapes put such an A past the first K block (k > 256)
+  // and, row-major, past the first M block (m > 96), where its offsets must advance.
+  struct Case {
+    Index m, n, k;
+    bool a_columns;
+  };
+  std::uint64_t seed = 500;
+  for (const Case c : {Case{100, 64, 300, false}, Case{200, 33, 513, false},
+                       Case{50, 64, 300, true}, Case{61, 17, 600, true}})
+    for (bool accumulate : {false, true})
+      check_product<float>(c.m, c.n, c.k, c.a_columns, false, accumulate, seed++);
 }
 
 TEST_CASE("gemm is deterministic: repeated calls give bitwise the same result") {

@@ -1014,3 +1014,21 @@ TEST_CASE("placement names round-trip") {
   CHECK(std::string(to_string(RopePlacement::NumeratorOnly)) == "numerator_only");
   CHECK_THROWS_AS(rope_placement_from_string("sideways"), std::invalid_argument);
 }
+
+TEST_CASE("a subnormal denominator with eps = 0 still gives the exact weighted average") {
+  // relu features of q = k = [1e-160, 0] are [1e-160, 0]: den = 1e-320 (subnormal) and
+  // num = 1e-320 v. 1 / den overflows to inf, so the output must be num / den, not num * (1 / den):
+  // exactly v (one key), where the product would give inf and, for v_c = 0, NaN.
+  const auto map = make_feature_map({.kind = FeatureMapKind::Relu, .input_dim = 2});
+  MatrixD q(1, 2), k(1, 2), v(1, 2);
+  q << 1e-160, 0;
+  k << 1e-160, 0;
+  v << 0, 3;
+  for (const bool causal : {false, true}) {
+    CAPTURE(causal);
+    const MatrixD out = linear_attention(
+        q, k, v, *map, {.causal = causal, .placement = RopePlacement::None, .eps = 0});
+    CHECK(out(0, 0) == 0.0);
+    CHECK(out(0, 1) == doctest::Approx(3.0).epsilon(1e-12));
+  }
+}

@@ -310,7 +310,7 @@ TEST_CASE_TEMPLATE("out-of-place rotate_rows is bitwise the in-place rotation of
   // partial rotation (the unrotated columns must be copied), rows on both sides of 0, inverse; the
   // source must stay as it was. The linear kernels rotate eq. 19's features this way.
   for (const RopeLayout layout : {RopeLayout::Interleaved, RopeLayout::Half})
-    for (const Index dim : {2, 10, 32, 64, 66, 256})
+    for (const Index dim : {2, 10, 32, 64, 66, 128, 256})
       for (const Index rotary : {dim, dim - 2})
         for (const bool inverse : {false, true}) {
           if (rotary < 2) continue;
