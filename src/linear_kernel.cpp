@@ -112,16 +112,17 @@ void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Inde
   const ConstRowMap<T> values(v, rows, dv);
   bool unit = true;
   for (Index j = 0; j < rows && unit; ++j) unit = keys.log_scale(j) == state.M;
-  if (unit) {
-    gemm(const_view(keys.num()).transposed(), const_view(values), view(state.S), true);
-    state.z.noalias() += keys.den().colwise().sum().transpose();
-    return;
+  if (!unit) {
+    weights.resize(rows);
+    for (Index j = 0; j < rows; ++j) weights[j] = T(std::exp(keys.log_scale(j) - state.M));
+    weighted_v.noalias() = weights.asDiagonal() * values;
   }
-  weights.resize(rows);
-  for (Index j = 0; j < rows; ++j) weights[j] = T(std::exp(keys.log_scale(j) - state.M));
-  weighted_v.noalias() = weights.asDiagonal() * values;
-  gemm(const_view(keys.num()).transposed(), const_view(weighted_v), view(state.S), true);
-  state.z.noalias() += keys.den().transpose() * weights;
+  gemm(const_view(keys.num()).transposed(), unit ? const_view(values) : const_view(weighted_v),
+       view(state.S), true);
+  if (unit)
+    state.z.noalias() += keys.den().colwise().sum().transpose();
+  else
+    state.z.noalias() += keys.den().transpose() * weights;
 }
 
 // o_i = num~_i / (den~_i + eps exp(-(a_i + M_i))); a zero row when nothing is attended to.
