@@ -53,8 +53,7 @@ void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
                               " but expected a length in [0, ", h.n, "]");
 }
 
-// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v], out [B,H,n,d_v];
-// then every valid row finite.
+// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v], out [B,H,n,d_v].
 template <class T>
 void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
                  const Heads<const T>& v, const Heads<T>& out) {
@@ -76,32 +75,45 @@ void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const
   if (out.n != q.n || out.d != v.d)
     detail::throw_invalid(fn, "out is ", describe(out), " but expected [", q.batch, ", ", q.heads,
                           ", ", q.n, ", ", v.d, "]");
-  // The finiteness scan reads every input once, so the slices are scanned on all threads; the
-  // first offending slice in order is then reported (the same message whatever the thread count).
-  const Index slices = q.batch * q.heads;
-  const auto rows_of = [](const Heads<const T>& h, Index b, Index head, Index valid) {
-    return detail::ConstRowMap<T>(slice(h, b, head), valid, h.d);
+}
+
+// The rows of slice s of q, k or v within the lengths (v's are k's).
+template <class T>
+detail::ConstRowMap<T> valid_slice(const Heads<const T>& h, Index s,
+                                   const Heads<const T>& lengths_from) {
+  const Index b = s / h.heads;
+  return detail::ConstRowMap<T>(slice(h, b, s % h.heads), valid_rows(lengths_from, b), h.d);
+}
+
+// Throws naming the first non-finite value of slice s (q, then k, then v), if there is one.
+template <class T>
+void require_finite_slice(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                          const Heads<const T>& v, Index s) {
+  const auto name = [&](char tensor) {
+    std::ostringstream out;
+    out << tensor << '[' << s / q.heads << ", " << s % q.heads << ']';
+    return out.str();
   };
+  detail::require_finite(fn, name('q'), valid_slice(q, s, q));
+  detail::require_finite(fn, name('k'), valid_slice(k, s, k));
+  detail::require_finite(fn, name('v'), valid_slice(v, s, k));
+}
+
+// Every valid row finite, checked before softmax runs (the linear kernels check as they read).
+// The scan reads every input once, so the slices are scanned on all threads; the first offending
+// slice in order is then reported (the same message whatever the thread count).
+template <class T>
+void require_finite_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                          const Heads<const T>& v) {
+  const Index slices = q.batch * q.heads;
   std::vector<char> finite(slices);
 #pragma omp parallel for schedule(dynamic)
-  for (Index s = 0; s < slices; ++s) {
-    const Index b = s / q.heads, h = s % q.heads;
-    finite[s] = detail::all_finite(rows_of(q, b, h, valid_rows(q, b))) &&
-                detail::all_finite(rows_of(k, b, h, valid_rows(k, b))) &&
-                detail::all_finite(rows_of(v, b, h, valid_rows(k, b)));
-  }
-  for (Index s = 0; s < slices; ++s) {
-    if (finite[s]) continue;
-    const Index b = s / q.heads, h = s % q.heads;
-    const auto name = [&](char tensor) {
-      std::ostringstream out;
-      out << tensor << '[' << b << ", " << h << ']';
-      return out.str();
-    };
-    detail::require_finite(fn, name('q'), rows_of(q, b, h, valid_rows(q, b)));
-    detail::require_finite(fn, name('k'), rows_of(k, b, h, valid_rows(k, b)));
-    detail::require_finite(fn, name('v'), rows_of(v, b, h, valid_rows(k, b)));
-  }
+  for (Index s = 0; s < slices; ++s)
+    finite[s] = detail::all_finite(valid_slice(q, s, q)) &&
+                detail::all_finite(valid_slice(k, s, k)) &&
+                detail::all_finite(valid_slice(v, s, k));
+  for (Index s = 0; s < slices; ++s)
+    if (!finite[s]) require_finite_slice(fn, q, k, v, s);
 }
 
 // Runs body(b, h) for every slice on the OpenMP threads; the first exception (only bad_alloc can
@@ -127,6 +139,7 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
                      const SoftmaxOptions& options) {
   constexpr std::string_view fn = "softmax_attention";
   check_heads(fn, q, k, v, out);
+  require_finite_heads(fn, q, k, v);
   detail::check_softmax_options(fn, q.d, options);
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
@@ -153,20 +166,26 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
   const double threshold = stats ? stats->threshold : 0.0;
-  std::vector<detail::DenominatorTally> tallies(q.batch * q.heads,
-                                                detail::DenominatorTally(threshold));
+  const Index slices = q.batch * q.heads;
+  std::vector<detail::DenominatorTally> tallies(slices, detail::DenominatorTally(threshold));
+  // Non-finite inputs are found by the kernels as they read them (see NonFiniteFlag).
+  std::vector<detail::NonFiniteFlag> nonfinite(slices);
   const auto run = [&](Index b, Index h, bool parallel) {
-    detail::DenominatorTally* tally = stats ? &tallies[b * q.heads + h] : nullptr;
+    const Index s = b * q.heads + h;
+    detail::DenominatorTally* tally = stats ? &tallies[s] : nullptr;
+    detail::LinearSetup setup_of_slice = setup;
+    setup_of_slice.nonfinite = &nonfinite[s];
     const Index n = valid_rows(q, b), nk = valid_rows(k, b);
     if (options.causal) {
       detail::LinearState<T> state;
       state.reset(setup.m, setup.dv);
       detail::linear_causal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h), n,
-                            nk, options.q_offset, options.k_offset, setup, state, false, tally,
-                            parallel);
+                            nk, options.q_offset, options.k_offset, setup_of_slice, state, false,
+                            tally, parallel);
     } else {
       detail::linear_noncausal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
-                               n, nk, options.q_offset, options.k_offset, setup, tally, parallel);
+                               n, nk, options.q_offset, options.k_offset, setup_of_slice, tally,
+                               parallel);
     }
   };
   // As for softmax: one slice per thread when there are enough, else each slice on all threads.
@@ -176,6 +195,8 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     for (Index b = 0; b < q.batch; ++b)
       for (Index h = 0; h < q.heads; ++h) run(b, h, true);
   }
+  for (Index s = 0; s < slices; ++s)
+    if (nonfinite[s].raised()) require_finite_slice(fn, q, k, v, s);
   if (stats) {
     detail::DenominatorTally(threshold).store(*stats);
     for (const auto& tally : tallies) tally.merge_into(*stats);

@@ -45,11 +45,9 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
   detail::check_linear_setup(fn, map, options, q.cols());
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.rows());
-  detail::require_finite(fn, "q", q);
-  detail::require_finite(fn, "k", k);
-  detail::require_finite(fn, "v", v);
-
-  const detail::LinearSetup setup{&map, options, q.cols(), v.cols(), map.output_dim()};
+  // Non-finite inputs are found by the kernel as it reads them (see NonFiniteFlag).
+  detail::NonFiniteFlag nonfinite;
+  const detail::LinearSetup setup{&map, options, q.cols(), v.cols(), map.output_dim(), &nonfinite};
   Matrix<T> out(q.rows(), v.cols());
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
   detail::DenominatorTally* tally_ptr = stats ? &tally : nullptr;
@@ -61,6 +59,11 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
   } else {
     detail::linear_noncausal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
                              options.q_offset, options.k_offset, setup, tally_ptr, true);
+  }
+  if (nonfinite.raised()) {
+    detail::require_finite(fn, "q", q);
+    detail::require_finite(fn, "k", k);
+    detail::require_finite(fn, "v", v);
   }
   if (stats) tally.store(*stats);
   return out;

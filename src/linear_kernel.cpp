@@ -16,6 +16,12 @@ namespace {
 
 constexpr double kEmpty = -std::numeric_limits<double>::infinity();
 
+// Rows x [rows x cols] of an input, checked for non-finite values if the caller asked for it.
+template <class T>
+void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
+  if (setup.nonfinite) setup.nonfinite->check(x, rows, cols);
+}
+
 // Stabilised feature rows of one block of tokens, in the form the placement needs:
 //   num(): features on the numerator side (rotated by R_i for NumeratorOnly and Full),
 //   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
@@ -35,6 +41,7 @@ class FeatureBlock {
   // Features of rows x [rows x d] at positions first_position, first_position + 1, ...
   void compute(const T* x, Index rows, Index first_position) {
     rows_ = rows;
+    check_input(setup_, x, rows, setup_.d);
     const FeatureMap& map = *setup_.map;
     const Rope* rope = setup_.options.rope;
     const Index m = setup_.m, d = setup_.d;
@@ -64,6 +71,7 @@ class FeatureBlock {
     }
   }
 
+  const LinearSetup& setup() const { return setup_; }
   Index rows() const { return rows_; }
   ConstRowMap<T> num() const { return ConstRowMap<T>(num_data(), rows_, setup_.m); }
   ConstRowMap<T> den() const { return ConstRowMap<T>(den_data(), rows_, setup_.m); }
@@ -104,10 +112,11 @@ void raise_scale(LinearState<T>& state, double new_max) {
 // (d_v wide) rather than those of the features (m wide), and are skipped when every w_j is 1
 // (maps that need no stabilisation, elu+1, relu and 1+cos, have c_j = 0 = M throughout).
 template <class T>
-void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Index dv,
-            Matrix<T>& weighted_v, Vector<T>& weights) {
-  const Index rows = keys.rows();
+void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Matrix<T>& weighted_v,
+            Vector<T>& weights) {
+  const Index rows = keys.rows(), dv = keys.setup().dv;
   if (rows == 0) return;
+  check_input(keys.setup(), v, rows, dv);
   raise_scale(state, keys.max_log_scale());
   const ConstRowMap<T> values(v, rows, dv);
   bool unit = true;
@@ -196,7 +205,7 @@ void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index 
   for (Index js = 0; js < nk; js += block) {
     const Index rows = std::min(block, nk - js);
     keys.compute(k + js * setup.d, rows, k_pos0 + js);
-    absorb(state, keys, v + js * setup.dv, setup.dv, weighted, weights);
+    absorb(state, keys, v + js * setup.dv, weighted, weights);
   }
 }
 
@@ -309,7 +318,7 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
     while (absorbed < end) {
       const Index rows = std::min(L, end - absorbed);
       keys.compute(k + absorbed * d, rows, k_pos0 + absorbed);
-      absorb(state, keys, v + absorbed * dv, dv, weighted, weights);
+      absorb(state, keys, v + absorbed * dv, weighted, weights);
       absorbed += rows;
     }
   };
@@ -369,7 +378,7 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
       write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, den[r],
                    queries.log_scale(r) + query_max[r], setup.options.eps, tally);
     if (kb > 0) {
-      absorb(state, keys, v + js * dv, dv, weighted, weights);
+      absorb(state, keys, v + js * dv, weighted, weights);
       absorbed = je;
     }
   }
@@ -392,6 +401,7 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
       keys.compute(k + j * d, std::min(block, nk - j), k_pos0 + j);
     }
     const Index r = j - key_block_start;
+    check_input(setup, v + j * dv, 1, dv);
     raise_scale(state, keys.log_scale(r));
     const T w = T(std::exp(keys.log_scale(r) - state.M));
     state.S.noalias() += (w * keys.num().row(r)).transpose() * ConstRowMap<T>(v + j * dv, 1, dv);
@@ -423,6 +433,11 @@ template <class T>
 void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                    Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
                    DenominatorTally* tally, bool parallel) {
+  if (!absorb_all) {  // keys past the last query's horizon are never read: check them here
+    const Index horizon = n > 0 ? std::clamp(n + q_pos0 - k_pos0, Index(0), nk) : 0;
+    check_input(setup, k + horizon * setup.d, nk - horizon, setup.d);
+    check_input(setup, v + horizon * setup.dv, nk - horizon, setup.dv);
+  }
   if (setup.options.method == CausalMethod::Scan) {
     causal_scan(q, k, v, out, n, nk, q_pos0, k_pos0, setup, state, absorb_all, tally);
     return;

@@ -14,9 +14,12 @@
 // a larger one arrives, as the online softmax does with its running maximum.
 #pragma once
 
+#include <atomic>
 #include <limits>
 #include <linrope/attention.hpp>
 #include <vector>
+
+#include "check.hpp"
 
 namespace linrope::detail {
 
@@ -54,11 +57,31 @@ class DenominatorTally {
   Index nonpositive_ = 0, below_ = 0, count_ = 0;
 };
 
+// Raised by a kernel that read a non-finite value. The kernels check each block of q, k and v as
+// they read it, while it is in cache: scanning the inputs first would be one more pass over memory
+// (15% of elu+1's time at n = 16384, where the kernel is memory-bound). The caller then finds the
+// value with require_finite and throws. Atomic: the threads of one head may raise it together.
+class NonFiniteFlag {
+ public:
+  template <class T>
+  void check(const T* x, Index rows, Index cols) {
+    if (!all_finite(ConstRowMap<T>(x, rows, cols))) raised_.store(true, std::memory_order_relaxed);
+  }
+  bool raised() const { return raised_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<bool> raised_{false};
+};
+
 // Everything a head needs besides its buffers.
 struct LinearSetup {
   const FeatureMap* map;
   LinearOptions options;
   Index d, dv, m;
+  // If set, the kernels check every row of q, k and v that is within the lengths n and n_k
+  // (whether or not it is attended to) and raise the flag on a non-finite value; they still finish
+  // (with unspecified outputs). If null, the inputs must already be known to be finite.
+  NonFiniteFlag* nonfinite = nullptr;
 };
 
 // Non-causal: every query sees every key; positions (for RoPE) start at q_pos0 and k_pos0.

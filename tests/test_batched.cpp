@@ -446,6 +446,27 @@ TEST_CASE("batched: bad views throw std::invalid_argument naming the argument") 
                        doctest::Contains("non-finite"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(softmax_attention(nan_q.view(), k.view(), v.view(), out.out_view(), so),
                        doctest::Contains("non-finite"), std::invalid_argument);
+  // Two bad slices: the first in (b, h) order is named, whichever thread reaches its own first.
+  // (The linear kernels find non-finite values as they read them, each slice on its own thread.)
+  Buffer<float> bad_k(2, 3, 9, d, 2, 1.0), bad_v(2, 3, 9, 4, 3, 1.0);
+  bad_k.slice(1, 0)(8, 5) = -std::numeric_limits<float>::infinity();
+  bad_v.slice(0, 2)(0, 3) = std::numeric_limits<float>::quiet_NaN();
+  for (const bool causal : {false, true}) {
+    CAPTURE(causal);
+    LinearOptions o = lo;
+    o.causal = causal;
+    CHECK_THROWS_WITH_AS(
+        linear_attention(q.view(), bad_k.view(), bad_v.view(), out.out_view(), *map, o),
+        doctest::Contains("v[0, 2] has the non-finite value nan at row 0, column 3"),
+        std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        linear_attention(q.view(), bad_k.view(), v.view(), out.out_view(), *map, o),
+        doctest::Contains("k[1, 0] has the non-finite value -inf at row 8, column 5"),
+        std::invalid_argument);
+  }
+  CHECK_THROWS_WITH_AS(softmax_attention(q.view(), bad_k.view(), bad_v.view(), out.out_view(), so),
+                       doctest::Contains("v[0, 2] has the non-finite value nan"),
+                       std::invalid_argument);
   LinearOptions no_rope = lo;
   no_rope.rope = nullptr;
   CHECK_THROWS_WITH_AS(

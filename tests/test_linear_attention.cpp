@@ -1008,6 +1008,70 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument") {
   }
 }
 
+TEST_CASE("a non-finite value is found wherever it is: every method, parallel split, unread keys") {
+  // The kernels check q, k and v block by block as they read them, not in a scan before. Each
+  // position below is read by a different part of them: the first and last blocks, the keys of
+  // the parallel split's first pass, and (causal) keys past the last query, which no query sees
+  // and the kernels never read. The message must still name the first bad value of q, k, then v.
+  const Index d = 6, dv = 3;
+  const auto elu = make_map(FeatureMapKind::EluPlusOne, d);
+  const auto favor = make_map(FeatureMapKind::FavorPositive, d);
+  const Rope feature_rope(RopeConfig{.dim = favor->output_dim()});
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Method {
+    const char* name;
+    bool causal;
+    CausalMethod method;
+  };
+  for (const Method method :
+       {Method{"noncausal", false, CausalMethod::Chunked},
+        Method{"chunked", true, CausalMethod::Chunked}, Method{"scan", true, CausalMethod::Scan}})
+    for (const Index n : {Index(0), Index(7), Index(700)}) {  // 700: split across threads
+      const Index nk = n + 40;  // causal: keys n .. n + 39 lie past every query
+      const MatrixF q = gaussian(n, d, 11).cast<float>(), k = gaussian(nk, d, 12).cast<float>(),
+                    v = gaussian(nk, dv, 13).cast<float>();
+      for (const bool use_favor : {false, true}) {
+        LinearOptions options;
+        options.causal = method.causal;
+        options.method = method.method;
+        options.placement = use_favor ? RopePlacement::NumeratorOnly : RopePlacement::None;
+        options.rope = use_favor ? &feature_rope : nullptr;
+        const FeatureMap& map = use_favor ? *favor : *elu;
+        struct Bad {
+          char tensor;
+          Index row, col;
+        };
+        std::vector<Bad> cases = {{'k', 0, 1}, {'k', nk - 1, 4}, {'k', nk / 2, 0},
+                                  {'v', 0, 2}, {'v', nk - 1, 0}, {'v', nk / 2 + 3, 1}};
+        if (n > 0) cases.insert(cases.end(), {{'q', 0, 0}, {'q', n - 1, 3}, {'q', n / 2, 2}});
+        for (const Bad& bad : cases) {
+          CAPTURE(method.name);
+          CAPTURE(n);
+          CAPTURE(use_favor);
+          CAPTURE(bad.tensor);
+          CAPTURE(bad.row);
+          MatrixF bq = q, bk = k, bv = v;
+          MatrixF& target = bad.tensor == 'q' ? bq : bad.tensor == 'k' ? bk : bv;
+          target(bad.row, bad.col) = -inf;
+          const std::string want = std::string(1, bad.tensor) +
+                                   " has the non-finite value -inf at row " +
+                                   std::to_string(bad.row) + ", column " + std::to_string(bad.col);
+          CHECK_THROWS_WITH_AS(linear_attention(bq, bk, bv, map, options),
+                               doctest::Contains(want.c_str()), std::invalid_argument);
+        }
+        // Two bad values: q's is named, whichever the kernel reads first.
+        if (n > 0) {
+          MatrixF bq = q, bv = v;
+          bq(n - 1, 0) = inf;
+          bv(0, 0) = inf;
+          CHECK_THROWS_WITH_AS(linear_attention(bq, k, bv, map, options),
+                               doctest::Contains("q has the non-finite value"),
+                               std::invalid_argument);
+        }
+      }
+    }
+}
+
 TEST_CASE("placement names round-trip") {
   for (const auto placement : kPlacements)
     CHECK(rope_placement_from_string(to_string(placement)) == placement);
