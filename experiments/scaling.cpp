@@ -249,7 +249,9 @@ Outcome run_scaling(Context& context) {
   for (auto& [key, c] : curves) {  // ascending n
     std::vector<std::size_t> order(c.n.size());
     for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [&](auto a, auto b) { return c.n[a] < c.n[b]; });
+    // Capture c.n by name: clang 14 cannot capture a structured binding (C++20, clang >= 16).
+    const std::vector<double>& n = c.n;
+    std::sort(order.begin(), order.end(), [&n](auto a, auto b) { return n[a] < n[b]; });
     Curve sorted;
     for (const auto i : order) {
       sorted.n.push_back(c.n[i]);

@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# The whole test suite: install dependencies, then build and test twice —
-#   Release with warnings as errors (benchmarks built too, so they keep compiling), and
+# The whole test suite: install dependencies, then build and test three times —
+#   Release with warnings as errors (benchmarks built too, so they keep compiling),
+#   portable Release (no -march=native): on an AVX-512 machine the native passes take only the
+#     AVX-512 float kernels (gemm's micro-kernel, RoPE's rotate_block_avx512); this one runs the
+#     float fallbacks (Eigen's product, the generic RoPE kernel) that other x86-64 CPUs get, and
 #   AddressSanitizer + UndefinedBehaviorSanitizer (RelWithDebInfo, so the sanitized run stays fast).
-# Set LINROPE_SKIP_SANITIZERS=1 to run only the Release pass.
+# Set LINROPE_SKIP_PORTABLE=1 or LINROPE_SKIP_SANITIZERS=1 to leave out those passes.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_dependencies
 build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
   -DLINROPE_BUILD_BENCHMARKS=ON
 ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure
+if [ "${LINROPE_SKIP_PORTABLE:-0}" != 1 ]; then
+  # The experiments have no kernels of their own; the install check is the Release pass's.
+  build_tree "$ROOT/build/portable" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
+    -DLINROPE_NATIVE=OFF -DLINROPE_BUILD_BENCHMARKS=OFF -DLINROPE_BUILD_EXPERIMENTS=OFF
+  ctest --test-dir "$ROOT/build/portable" -j "$JOBS" --output-on-failure -LE install
+fi
 if [ "${LINROPE_SKIP_SANITIZERS:-0}" != 1 ]; then
   build_tree "$ROOT/build/sanitize" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINROPE_WERROR=ON \
     -DLINROPE_SANITIZE=ON -DLINROPE_BUILD_BENCHMARKS=OFF
