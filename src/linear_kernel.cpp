@@ -297,9 +297,13 @@ void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index
 
 namespace {
 
+// Keys per block of a chunk's masked products (see causal_chunked): the GEMM micro-kernel's 32
+// columns, the finest split of the score product that wastes no part of a tile.
+constexpr Index kKeyBlock = 32;
+
 // Chunked causal form: per chunk of queries, the state holds every key before the chunk's first
-// visible key; the chunk's own keys enter through a masked (rows x keys) GEMM, weighted with
-// exp(c_j - M_i) computed once per run of queries sharing the same M_i.
+// visible key; the chunk's own keys enter through masked (rows x keys) GEMMs, a block of keys at a
+// time, weighted with exp(c_j - M_i) computed once per run of queries sharing the same M_i.
 template <class T>
 void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                     Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
@@ -358,8 +362,22 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
       numerator.setZero();
     }
     if (kb > 0) {
+      // Query r sees keys [0, visible_r) of the chunk (j <= i + shift): a triangle of the
+      // rows x kb block. Both products run one block of kKeyBlock keys at a time over the rows
+      // from the first that sees the block's first key, so the block above the triangle is mostly
+      // never computed (a quarter of both products for the default 64 x 64 chunk, nearly half for
+      // long chunks), while each key and value is still packed once. An entry left out (r, j)
+      // has j >= visible_r, so the masking loop zeroes it as it zeroed the whole block's.
       scores.resize(rows, kb);
-      gemm(const_view(queries.num()), const_view(keys.num()).transposed(), view(scores), false);
+      const auto first_row = [&](Index c0) {  // the first query that sees key c0 of the chunk
+        return std::clamp(js + c0 - qs - shift, Index(0), rows);
+      };
+      for (Index c0 = 0; c0 < kb && first_row(c0) < rows; c0 += kKeyBlock) {
+        const Index r0 = first_row(c0), width = std::min(kKeyBlock, kb - c0);
+        gemm(const_view(queries.num().bottomRows(rows - r0)),
+             const_view(keys.num().middleRows(c0, width)).transposed(),
+             View<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb}, false);
+      }
       double weight_max = kEmpty;
       Index weight_count = 0;
       for (Index r = 0; r < rows; ++r) {
@@ -371,8 +389,12 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
         for (Index j = 0; j < visible; ++j) row[j] *= key_weight[j];
         std::fill(row + visible, row + kb, T(0));
       }
-      gemm(const_view(scores), const_view(ConstRowMap<T>(v + js * dv, kb, dv)), view(numerator),
-           true);
+      for (Index c0 = 0; c0 < kb && first_row(c0) < rows; c0 += kKeyBlock) {
+        const Index r0 = first_row(c0), width = std::min(kKeyBlock, kb - c0);
+        gemm(ConstView<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb, 1},
+             const_view(ConstRowMap<T>(v + (js + c0) * dv, width, dv)),
+             view(numerator.bottomRows(rows - r0)), true);
+      }
     }
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, den[r],

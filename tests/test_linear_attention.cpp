@@ -433,6 +433,31 @@ TEST_CASE("offsets and cross attention: a block of new queries against a longer 
       }
 }
 
+TEST_CASE("chunked causal skips the blocks above the diagonal: any shift, any chunk, any n_k") {
+  // causal_chunked computes a chunk's masked products a block of 32 keys at a time, from the first
+  // query that sees the block. Shifts q_offset - k_offset of both signs and not multiples of 8 or
+  // 32, chunks of 50, 64 and 100 (blocks cut short), n_k shorter and longer than n.
+  int counter = 0;
+  for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
+    for (const Index chunk : {Index(50), Index(64), Index(100)})
+      for (const Index shift : {Index(-37), Index(0), Index(17), Index(40), Index(130)})
+        for (const Index n_k : {Index(30), Index(150)}) {
+          Problem p;
+          vary(p, counter);
+          p.kind = kind;
+          p.placement = counter % 2 == 0 ? RopePlacement::NumeratorOnly : RopePlacement::None;
+          p.causal = true;
+          p.n = 150;
+          p.n_k = n_k;
+          p.q_offset = 100 + shift;
+          p.k_offset = 100;
+          p.chunk_size = chunk;
+          ++counter;
+          check_problem<float>(p);
+          check_problem<double>(p);
+        }
+}
+
 TEST_CASE("rows with no admissible key are zero rows, for eps = 0 as well") {
   // Expectation: num_i = 0 and den_i = 0 for a query before every key; its output is exactly 0
   // (not 0/0), and den_i = 0 enters the statistics (nonpositive, below_threshold, min <= 0).
