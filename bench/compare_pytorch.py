@@ -37,7 +37,7 @@ Environment, so that PyTorch runs at its best:
 Cases skipped: a PyTorch computation needing more than --max-gb GB (default 20, for a 24 GiB
 machine) of memory, or predicted (from the previous size) to take more than 60 s per call; they
 print as "skipped". With the defaults every case up to n = 4096 runs. At n = 16384 the FAVOR+
-cumsum form runs (2 x 8.6 GB of prefix sums; skipped with --max-gb below 17.5), and softmax is
+cumsum form runs (2 x 8.6 GB of prefix sums; skipped with --max-gb below 17.2), and softmax is
 skipped: under the tunables above glibc does not reuse the freed scores for the next call's, and
 the peak grows over the timed calls to ~6x the scores (measured: 12.6 GB for 2.15 GB of scores at
 n = 8192), 52 GB at n = 16384, where the kernel kills the process.

@@ -16,7 +16,8 @@ namespace {
 
 constexpr double kEmpty = -std::numeric_limits<double>::infinity();
 
-// Rows x [rows x cols] of an input, checked for non-finite values if the caller asked for it.
+// x, a [rows x cols] block of q, k or v: raises setup.nonfinite if it holds a non-finite value
+// (when the caller asked for checks).
 template <class T>
 void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
   if (setup.nonfinite) setup.nonfinite->check(x, rows, cols);

@@ -59,7 +59,7 @@ class DenominatorTally {
 
 // Raised by a kernel that read a non-finite value. The kernels check each block of q, k and v as
 // they read it, while it is in cache: scanning the inputs first would be one more pass over memory
-// (15% of elu+1's time at n = 16384, where the kernel is memory-bound). The caller then finds the
+// (14% of elu+1's time at n = 16384, where the kernel is memory-bound). The caller then finds the
 // value with require_finite and throws. Atomic: the threads of one head may raise it together.
 class NonFiniteFlag {
  public:

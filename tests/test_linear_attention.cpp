@@ -1052,11 +1052,13 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
        {Method{"noncausal", false, CausalMethod::Chunked},
         Method{"chunked", true, CausalMethod::Chunked}, Method{"scan", true, CausalMethod::Scan}})
     for (const Index n : {Index(0), Index(7), Index(700)}) {  // 700: split across threads
-      const Index nk = n + 40;  // causal: keys n .. n + 39 lie past every query
+      const Index nk = n + 40;  // causal: keys from n (n - 4 for FAVOR+) on lie past every query
       const MatrixF q = gaussian(n, d, 11).cast<float>(), k = gaussian(nk, d, 12).cast<float>(),
                     v = gaussian(nk, dv, 13).cast<float>();
       for (const bool use_favor : {false, true}) {
         LinearOptions options;
+        options.q_offset = use_favor ? 3 : 0;  // FAVOR+: queries 4 positions behind the keys
+        options.k_offset = use_favor ? 7 : 0;
         options.causal = method.causal;
         options.method = method.method;
         options.placement = use_favor ? RopePlacement::NumeratorOnly : RopePlacement::None;
