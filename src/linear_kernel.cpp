@@ -370,15 +370,19 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
       // long chunks), while each key and value is still packed once. An entry left out (r, j)
       // has j >= visible_r, so the masking loop zeroes it as it zeroed the whole block's.
       scores.resize(rows, kb);
-      const auto first_row = [&](Index c0) {  // the first query that sees key c0 of the chunk
-        return std::clamp(js + c0 - qs - shift, Index(0), rows);
+      // product(c0, r0, width): keys c0 .. c0 + width - 1, seen from row r0 on.
+      const auto for_each_key_block = [&](auto product) {
+        for (Index c0 = 0; c0 < kb; c0 += kKeyBlock) {
+          const Index r0 = std::clamp(js + c0 - qs - shift, Index(0), rows);  // sees key c0 first
+          if (r0 == rows) break;
+          product(c0, r0, std::min(kKeyBlock, kb - c0));
+        }
       };
-      for (Index c0 = 0; c0 < kb && first_row(c0) < rows; c0 += kKeyBlock) {
-        const Index r0 = first_row(c0), width = std::min(kKeyBlock, kb - c0);
+      for_each_key_block([&](Index c0, Index r0, Index width) {
         gemm(const_view(queries.num().bottomRows(rows - r0)),
              const_view(keys.num().middleRows(c0, width)).transposed(),
              View<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb}, false);
-      }
+      });
       double weight_max = kEmpty;
       Index weight_count = 0;
       for (Index r = 0; r < rows; ++r) {
@@ -390,12 +394,11 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
         for (Index j = 0; j < visible; ++j) row[j] *= key_weight[j];
         std::fill(row + visible, row + kb, T(0));
       }
-      for (Index c0 = 0; c0 < kb && first_row(c0) < rows; c0 += kKeyBlock) {
-        const Index r0 = first_row(c0), width = std::min(kKeyBlock, kb - c0);
+      for_each_key_block([&](Index c0, Index r0, Index width) {
         gemm(ConstView<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb, 1},
              const_view(ConstRowMap<T>(v + (js + c0) * dv, width, dv)),
              view(numerator.bottomRows(rows - r0)), true);
-      }
+      });
     }
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, den[r],
