@@ -303,16 +303,18 @@ class FavorMap final : public FeatureMap {
     const Index d = input_dim();
     w_ = draw_projection(d, num_features(), config_.orthogonal, config_.regularized, config_.seed);
     wt_d_ = w_.transpose() * std::pow(double(d), -0.25);
-    wt_f_ = wt_d_.cast<float>();
+    wt_d_packed_ = detail::PackedRight<double>(detail::const_view(wt_d_));
+    const MatrixF wt_f = wt_d_.cast<float>();
+    wt_f_packed_ = detail::PackedRight<float>(detail::const_view(wt_f));
     max_row_norm_ = w_.rowwise().norm().maxCoeff();
   }
 
   template <class T>
-  const Matrix<T>& scaled_transpose() const {
+  const detail::PackedRight<T>& scaled_transpose() const {
     if constexpr (std::is_same_v<T, float>)
-      return wt_f_;
+      return wt_f_packed_;
     else
-      return wt_d_;
+      return wt_d_packed_;
   }
 
   // x [n x d] -> out [n x m]; log_scale == nullptr means unstabilised (apply).
@@ -320,7 +322,7 @@ class FavorMap final : public FeatureMap {
   void run(const Eigen::Ref<const Matrix<T>>& x, Eigen::Ref<Matrix<T>> out, double* log_scale,
            bool parallel) const {
     const Index n = x.rows(), d = input_dim(), f = num_features();
-    const Matrix<T>& wt = scaled_transpose<T>();
+    const detail::PackedRight<T>& wt = scaled_transpose<T>();
     const double inv_two_sqrt_d = 0.5 / std::sqrt(double(d));
     // |u_l| <= |x'| |w_l| bounds every partial sum of the GEMM too (Cauchy-Schwarz on |x'_j w_lj|).
     const double projection_bound = std::pow(double(d), -0.25) * max_row_norm_;
@@ -328,7 +330,7 @@ class FavorMap final : public FeatureMap {
 #pragma omp parallel for schedule(static) if (parallel && blocks > 1)
     for (Index b = 0; b < blocks; ++b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
-      detail::gemm(detail::const_view(x.middleRows(first, rows)), detail::const_view(wt),
+      detail::gemm(detail::const_view(x.middleRows(first, rows)), wt,
                    detail::view(out.middleRows(first, rows).leftCols(f)), false);
       for (Index i = first; i < first + rows; ++i) {
         const double squared = sum_of_squares(x.data() + i * x.outerStride(), d);
@@ -396,7 +398,10 @@ class FavorMap final : public FeatureMap {
 
   MatrixD w_;     // [f x d], as drawn
   MatrixD wt_d_;  // [d x f] = d^(-1/4) W^T: x W'^T is then W x' with the d^(-1/4) folded in
-  MatrixF wt_f_;  // the same, rounded once to float
+  // wt_d_, and wt_d_ rounded once to float, in the form the products read (packed once, not per
+  // block of rows)
+  detail::PackedRight<double> wt_d_packed_;
+  detail::PackedRight<float> wt_f_packed_;
   double max_row_norm_ = 0;
 };
 

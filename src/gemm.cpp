@@ -167,16 +167,36 @@ std::vector<float, Eigen::aligned_allocator<float>>& buffer(int which, Index siz
   return b;
 }
 
-void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool accumulate) {
-  const Index m = a.rows, n = b.cols, k = a.cols;
+Index round_up(Index count, Index multiple) { return (count + multiple - 1) / multiple * multiple; }
+
+// The packed form of a whole B [k x n]: its kKC x kNC cache blocks in the order gemm_packed visits
+// them (columns outer), each as pack_panels<kNR> lays it out. Block (jc, pc) starts at
+// jc k + round_up(nc, kNR) pc, the earlier column blocks being full (kNC is a multiple of kNR).
+Index packed_offset(Index k, Index jc, Index pc, Index nc) {
+  return jc * k + round_up(nc, kNR) * pc;
+}
+
+void pack_right(ConstView<float> b, float* to) {
+  const Index k = b.rows, n = b.cols;
+  for (Index jc = 0; jc < n; jc += kNC)
+    for (Index pc = 0; pc < k; pc += kKC) {
+      const Index nc = std::min(kNC, n - jc), kc = std::min(kKC, k - pc);
+      pack_panels<kNR>(b.transposed(), jc, pc, nc, kc, to + packed_offset(k, jc, pc, nc));
+    }
+}
+
+// c (+)= a b, with b_block(jc, pc, nc, kc) giving B's packed kc x nc block at (pc, jc): packed on
+// the spot, or taken from a PackedRight.
+template <class BlockOfB>
+void gemm_packed(ConstView<float> a, Index n, View<float> c, bool accumulate, BlockOfB b_block) {
+  const Index m = a.rows, k = a.cols;
   float* packed_a = buffer(0, kMC * kKC).data();
-  float* packed_b = buffer(1, kNC * kKC).data();
   for (Index jc = 0; jc < n; jc += kNC) {
     const Index nc = std::min(kNC, n - jc);
     for (Index pc = 0; pc < k; pc += kKC) {
       const Index kc = std::min(kKC, k - pc);
       const bool add = accumulate || pc > 0;
-      pack_panels<kNR>(b.transposed(), jc, pc, nc, kc, packed_b);
+      const float* packed_b = b_block(jc, pc, nc, kc);
       for (Index ic = 0; ic < m; ic += kMC) {
         const Index mc = std::min(kMC, m - ic);
         // A is read in place when packing would cost about as much as the product (one or two
@@ -205,22 +225,50 @@ void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool acc
   }
 }
 
+void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool accumulate) {
+  float* packed_b = buffer(1, kNC * kKC).data();
+  gemm_packed(a, b.cols, c, accumulate, [&](Index jc, Index pc, Index nc, Index kc) {
+    pack_panels<kNR>(b.transposed(), jc, pc, nc, kc, packed_b);
+    return static_cast<const float*>(packed_b);
+  });
+}
+
+void gemm_packed(ConstView<float> a, const PackedRight<float>& b, View<float> c, bool accumulate) {
+  gemm_packed(a, b.cols(), c, accumulate, [&](Index jc, Index pc, Index nc, Index) {
+    return b.data() + packed_offset(b.rows(), jc, pc, nc);
+  });
+}
+
 #endif  // __AVX512F__
+
+// Products with nothing to compute: c empty, or the empty sum (k = 0). Returns whether c is done.
+template <class T>
+bool trivial_product(Index k, View<T> c, bool accumulate) {
+  if (c.rows == 0 || c.cols == 0) return true;
+  if (k > 0) return false;
+  if (!accumulate)
+    for (Index i = 0; i < c.rows; ++i)
+      std::fill(c.data + i * c.row_stride, c.data + i * c.row_stride + c.cols, T(0));
+  return true;
+}
+
+// Whether float products run on the packed micro-kernel (and PackedRight<float> holds panels).
+template <class T>
+constexpr bool kPackedKernel =
+#ifdef __AVX512F__
+    std::is_same_v<T, float>;
+#else
+    false;
+#endif
 
 }  // namespace
 
 template <class T>
 void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
   assert(a.cols == b.rows && c.rows == a.rows && c.cols == b.cols);
-  if (c.rows == 0 || c.cols == 0) return;
-  if (a.cols == 0) {  // the empty sum
-    if (!accumulate)
-      for (Index i = 0; i < c.rows; ++i)
-        std::fill(c.data + i * c.row_stride, c.data + i * c.row_stride + c.cols, T(0));
-    return;
-  }
+  if (trivial_product(a.cols, c, accumulate)) return;
 #ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (kPackedKernel<T>) {
     gemm_packed(a, b, c, accumulate);
     return;
   }
@@ -228,7 +276,39 @@ void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
   gemm_eigen(a, b, c, accumulate);
 }
 
+template <class T>
+PackedRight<T>::PackedRight(ConstView<T> b) : rows_(b.rows), cols_(b.cols) {
+#ifdef __AVX512F__
+  if constexpr (kPackedKernel<T>) {
+    data_.resize(round_up(cols_, kNR) * rows_);
+    pack_right(b, data_.data());
+    return;
+  }
+#endif
+  data_.resize(rows_ * cols_);  // a row-major copy for Eigen
+  for (Index i = 0; i < rows_; ++i)
+    for (Index j = 0; j < cols_; ++j)
+      data_[i * cols_ + j] = b.data[i * b.row_stride + j * b.col_stride];
+}
+
+template <class T>
+void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, bool accumulate) {
+  assert(a.cols == b.rows() && c.rows == a.rows && c.cols == b.cols());
+  if (trivial_product(a.cols, c, accumulate)) return;
+#ifdef __AVX512F__
+  if constexpr (kPackedKernel<T>) {
+    gemm_packed(a, b, c, accumulate);
+    return;
+  }
+#endif
+  gemm_eigen(a, ConstView<T>{b.data(), b.rows(), b.cols(), b.cols(), 1}, c, accumulate);
+}
+
 template void gemm<float>(ConstView<float>, ConstView<float>, View<float>, bool);
 template void gemm<double>(ConstView<double>, ConstView<double>, View<double>, bool);
+template class PackedRight<float>;
+template class PackedRight<double>;
+template void gemm<float>(ConstView<float>, const PackedRight<float>&, View<float>, bool);
+template void gemm<double>(ConstView<double>, const PackedRight<double>&, View<double>, bool);
 
 }  // namespace linrope::detail

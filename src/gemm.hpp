@@ -9,6 +9,7 @@
 
 #include <linrope/types.hpp>
 #include <type_traits>
+#include <vector>
 
 namespace linrope::detail {
 
@@ -46,5 +47,27 @@ View<typename std::remove_reference_t<M>::Scalar> view(M&& m) {
 // overlap a or b. Never throws but std::bad_alloc (packing buffers, grown once per thread).
 template <class T>
 void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate);
+
+// A right-hand factor laid out once in the form gemm would otherwise rebuild on every call: for a
+// fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-256
+// rows, where repacking it cost about a third as much as the product itself). A copy of b, so it
+// does not refer to b's memory afterwards.
+template <class T>
+class PackedRight {
+ public:
+  PackedRight() = default;
+  explicit PackedRight(ConstView<T> b);
+  Index rows() const { return rows_; }
+  Index cols() const { return cols_; }
+  const T* data() const { return data_.data(); }
+
+ private:
+  Index rows_ = 0, cols_ = 0;
+  std::vector<T, Eigen::aligned_allocator<T>> data_;
+};
+
+// c = a b (accumulate: c += a b) with b packed beforehand; bitwise the same c as gemm on b's view.
+template <class T>
+void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, bool accumulate);
 
 }  // namespace linrope::detail
