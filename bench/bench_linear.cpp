@@ -8,6 +8,7 @@
 // Names ("favor" and "elu" rather than "favor+" and "elu+1", so that --benchmark_filter needs no
 // regex escapes):
 //   linear/<map>/<placement>/<noncausal|chunked|scan>/n:<n>  batched linear_attention
+//   linear/favor/numerator_only/chunked/m:<m>/n:<n>  the same with f = m = 64, 128, 192 features
 //   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
 //   softmax/<noncausal|causal>/n:<n>    batched softmax_attention
 //   machine/peak_fma, machine/sgemm_1024, machine/copy   what this machine can do
@@ -74,13 +75,14 @@ std::vector<float> gaussian_buffer(Index count, unsigned seed) {
   return x;
 }
 
-std::unique_ptr<linrope::FeatureMap> make_map(FeatureMapKind kind) {
+// features: FAVOR+'s f (0 for elu+1, which has none).
+std::unique_ptr<linrope::FeatureMap> make_map(FeatureMapKind kind, Index features) {
   return linrope::make_feature_map(
-      {.kind = kind,
-       .input_dim = kDim,
-       .num_features = kind == FeatureMapKind::FavorPositive ? kFavorFeatures : 0,
-       .orthogonal = true,
-       .seed = 7});
+      {.kind = kind, .input_dim = kDim, .num_features = features, .orthogonal = true, .seed = 7});
+}
+
+Index default_features(FeatureMapKind kind) {
+  return kind == FeatureMapKind::FavorPositive ? kFavorFeatures : 0;
 }
 
 // The rope each placement needs: width d before the map, width m on the features.
@@ -118,10 +120,10 @@ struct Problem {
   std::vector<float> q, k, v, out;
 };
 
-void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement placement, Mode mode) {
-  const Index n = state.range(0);
+void time_linear(benchmark::State& state, FeatureMapKind kind, Index f, RopePlacement placement,
+                 Mode mode, Index n) {
   Problem problem(n);
-  const auto map = make_map(kind);
+  const auto map = make_map(kind, f);
   const Index m = map->output_dim();
   const std::optional<linrope::Rope> rope = make_rope(placement, m);
   const linrope::LinearOptions options{
@@ -136,11 +138,21 @@ void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement place
     benchmark::DoNotOptimize(problem.out.data());
     benchmark::ClobberMemory();
   }
-  const Index f = kind == FeatureMapKind::FavorPositive ? kFavorFeatures : 0;
   state.SetItemsProcessed(state.iterations() * kBatch * n);
   linrope::bench::set_flops(state,
                             double(kBatch * kHeads) * linear_flops(n, n, kDim, kDim, f, m, mode));
   state.counters["threads"] = linrope::bench::threads();
+}
+
+void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement placement, Mode mode) {
+  time_linear(state, kind, default_features(kind), placement, mode, state.range(0));
+}
+
+// FAVOR+ eq. 19, causal chunked, with f = m features other than 256: where it overtakes causal
+// softmax as m varies (the FLOP count says near n = 4.75 m + 48 at equal FLOP rates).
+void BM_FavorFeatures(benchmark::State& state) {
+  time_linear(state, FeatureMapKind::FavorPositive, state.range(0), RopePlacement::NumeratorOnly,
+              Mode::Chunked, state.range(1));
 }
 
 void BM_Softmax(benchmark::State& state, bool causal) {
@@ -163,7 +175,7 @@ void BM_Softmax(benchmark::State& state, bool causal) {
 // which costs nothing extra: memory and work per step are O(m d_v) whatever the position).
 void BM_Stream(benchmark::State& state, FeatureMapKind kind, RopePlacement placement) {
   constexpr Index kTokens = 256;  // distinct input rows, cycled
-  const auto map = make_map(kind);
+  const auto map = make_map(kind, default_features(kind));
   const Index m = map->output_dim();
   const std::optional<linrope::Rope> rope = make_rope(placement, m);
   const linrope::LinearOptions options{.placement = placement, .rope = rope ? &*rope : nullptr};
@@ -183,7 +195,7 @@ void BM_Stream(benchmark::State& state, FeatureMapKind kind, RopePlacement place
     benchmark::DoNotOptimize(out.data());
     t = (t + 1) % kTokens;
   }
-  const Index f = kind == FeatureMapKind::FavorPositive ? kFavorFeatures : 0;
+  const Index f = default_features(kind);
   state.SetItemsProcessed(state.iterations());
   linrope::bench::set_flops(state, linear_flops(1, 1, kDim, kDim, f, m, Mode::Scan));
   state.counters["position"] = double(stream.position());
@@ -215,6 +227,11 @@ bool register_all() {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
+  benchmark::RegisterBenchmark("linear/favor/numerator_only/chunked", BM_FavorFeatures)
+      ->ArgsProduct({{64, 128, 192}, {256, 512, 1024, 2048}})
+      ->ArgNames({"m", "n"})
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
   for (const bool causal : {false, true})
     benchmark::RegisterBenchmark(causal ? "softmax/causal" : "softmax/noncausal", BM_Softmax,
                                  causal)

@@ -395,7 +395,11 @@ def report_bench(ours):
             ("favor+ numerator_only causal chunked vs softmax causal",
              "linear/favor/numerator_only/chunked", "softmax/causal"),
             ("elu+1 numerator_only causal chunked vs softmax causal",
-             "linear/elu/numerator_only/chunked", "softmax/causal")):
+             "linear/elu/numerator_only/chunked", "softmax/causal"),
+            # Fewer features: the FLOP count puts the crossover near 4.75 m + 48 at equal rates.
+            *((f"favor+ numerator_only causal chunked, m = {m} (FLOP model: ~{4.75 * m + 48:.0f})"
+               " vs softmax causal", f"linear/favor/numerator_only/chunked/m:{m}", "softmax/causal")
+              for m in (64, 128, 192))):
         common = sorted(sizes_of(lin) & sizes_of(soft))
         lp = [(n, t(f"{lin}/n:{n}")) for n in common]
         sp = [(n, t(f"{soft}/n:{n}")) for n in common]
