@@ -8,6 +8,7 @@
 
 #include "csv.hpp"
 #include "experiment.hpp"
+#include "interrupt.hpp"
 #include "memory.hpp"
 #include "progress.hpp"
 
@@ -71,7 +72,8 @@ void add_options(CLI::App& app, Options& o, bool& quick, bool& no_plots) {
                  "OpenMP threads (0: OpenMP's default for scaling, 1 for the accuracy experiments)")
       ->check(integer_at_least(0));
   app.add_flag("--resume", o.resume,
-               "keep the points already in the CSV files and measure the rest");
+               "keep the points already in the CSV files and measure the rest (e.g. after Ctrl-C "
+               "or SIGTERM, which save every finished point and exit with 130 or 143)");
   app.add_flag("--no-plots", no_plots, "write CSV, JSON and REPORT.md but no PNG");
   app.add_flag("--quiet", o.quiet, "no progress bar");
   app.add_option("--python", o.python, "Python interpreter with matplotlib")->capture_default_str();
@@ -123,7 +125,8 @@ void add_options(CLI::App& app, Options& o, bool& quick, bool& no_plots) {
 
 }  // namespace
 
-int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
+            std::function<void(const std::vector<std::string>&)> on_measure) {
   const std::string program = "linrope-experiments";
   Options options;
   bool quick = false, no_plots = false;
@@ -171,19 +174,43 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   for (const auto& [sub, e] : subcommands)
     if (sub->parsed() || all->parsed()) chosen.push_back(e);
 
+  // From here on Ctrl-C and SIGTERM stop the run between two points (interrupt.hpp).
+  const InterruptHandlers handlers;
+  auto stop = [&](int signal, const std::string& why) {
+    err << program << ": interrupted (" << signal_name(signal) << ") " << why
+        << "; run again with --resume to continue\n";
+    return 128 + signal;
+  };
   int status = 0;
   const auto start = std::chrono::steady_clock::now();
-  for (const Experiment* e : chosen) {
+  for (std::size_t i = 0; i < chosen.size(); ++i) {
+    const Experiment* e = chosen[i];
+    bool failed = false;
     try {
       const auto begin = std::chrono::steady_clock::now();
-      const Context c = run_experiment(*e, options);
+      const Context c = run_experiment(*e, options, on_measure);
       out << e->name << ": " << c.measured << " points measured, " << c.resumed << " resumed, "
           << Progress::format_duration(
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count())
           << " -> " << (options.out / stem_of(e->name)).string() << '\n';
+    } catch (const Interrupted& ex) {
+      return stop(ex.signal(), "during " + e->name + "; " + std::to_string(ex.saved()) + " of " +
+                                   std::to_string(ex.total()) + " points saved to " +
+                                   ex.csv().string());
     } catch (const std::exception& ex) {
       err << program << ": " << e->name << " failed: " << one_line(ex.what()) << '\n';
       status = 1;
+      failed = true;
+    }
+    // A signal after the last point of `e` (while it was summarised, plotted or reported): `e` is
+    // complete (or failed on its own); stop before the next experiment.
+    if (interrupted()) {
+      std::string rest;
+      for (std::size_t j = i + 1; j < chosen.size(); ++j)
+        rest += (rest.empty() ? "" : ", ") + chosen[j]->name;
+      return stop(interrupt_signal(),
+                  "after " + e->name + (failed ? " failed; " : " completed; ") +
+                      (rest.empty() ? "nothing left to run" : "not run: " + rest));
     }
   }
   out << "total "

@@ -50,7 +50,9 @@ const Experiment* find_experiment(const std::string& name);
 
 // Runs one experiment into options.out/<name>: CSV (by the experiment), <name>.json, plots,
 // report_section.md, then rebuilds options.out/REPORT.md. Returns the context (counters) for tests.
-// Throws on failure (std::runtime_error, std::invalid_argument).
+// Throws on failure (std::runtime_error, std::invalid_argument). After SIGINT or SIGTERM (see
+// interrupt.hpp) throws Interrupted once the sweep has saved its CSV, having written <name>.json
+// with "status": "interrupted", no plots, and a report section saying the sweep is incomplete.
 Context run_experiment(const Experiment& experiment, const Options& options,
                        std::function<void(const std::vector<std::string>&)> on_measure = {});
 

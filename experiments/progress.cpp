@@ -82,9 +82,9 @@ void Progress::draw(bool force) {
   std::fflush(stderr);
 }
 
-void Progress::finish() {
+void Progress::finish(const std::string& label) {
   if (!enabled_ || finished_) return;
-  label_ = "done";
+  label_ = label;
   draw(true);
   if (tty_) std::fputc('\n', stderr);
   finished_ = true;

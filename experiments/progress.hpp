@@ -16,10 +16,10 @@ class Progress {
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
 
-  void skip(double work);                // a point taken from an earlier run (--resume)
-  void begin(const std::string& label);  // shows the point about to be measured
-  void end(double work);                 // that point is done
-  void finish();                         // final line; idempotent
+  void skip(double work);                          // a point taken from an earlier run (--resume)
+  void begin(const std::string& label);            // shows the point about to be measured
+  void end(double work);                           // that point is done
+  void finish(const std::string& label = "done");  // final line; idempotent
 
   // "1h02m", "3m05s", "12s"
   static std::string format_duration(double seconds);

@@ -1,10 +1,12 @@
 // Runs one experiment end to end: CSV (written by the experiment as it goes), JSON metadata,
-// plots, its report section, and REPORT.md.
+// plots, its report section, and REPORT.md; or, when a signal stopped the sweep, metadata and a
+// report section that say so.
 #include <chrono>
 #include <iostream>
 
 #include "atomic_file.hpp"
 #include "experiment.hpp"
+#include "interrupt.hpp"
 #include "memory.hpp"
 #include "metadata.hpp"
 #include "plot.hpp"
@@ -56,20 +58,64 @@ Context run_experiment(const Experiment& experiment, const Options& options,
   Context context{options, dir, 0, 0, std::move(on_measure)};
   const double load_before = load_average();
   const auto start = std::chrono::steady_clock::now();
-  Outcome outcome = experiment.run(context);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  nlohmann::json meta;  // filled once the experiment has stopped, either way
+  auto fill_metadata = [&](const char* status, double seconds) {
+    meta = run_metadata();
+    meta["experiment"] = experiment.name;
+    meta["status"] = status;  // "complete", or "interrupted": the CSV holds only part of the sweep
+    meta["command_line"] = options.command_line;
+    meta["options"] = to_json(options);
+    meta["duration_s"] = seconds;
+    meta["load_average_before"] = load_before;
+    meta["points_measured"] = context.measured;
+    meta["points_resumed"] = context.resumed;
+    meta["csv"] = stem + ".csv";
+  };
+  auto provenance = [&](double seconds) {
+    const std::string commit = meta["git_commit"].get<std::string>();
+    return "Run " + meta["date"].get<std::string>() + ", " + (options.full ? "--full" : "--quick") +
+           " mode, commit " + commit.substr(0, 12) + ", " + cpu_model() + " (" +
+           std::to_string(meta["machine"]["cores"].get<unsigned>()) + " cores, " +
+           std::to_string(max_threads()) + " threads, load average " + fmt(load_before, 3) +
+           " before the run), " + Progress::format_duration(seconds) + "; " +
+           std::to_string(context.measured) + " points measured, " +
+           std::to_string(context.resumed) + " resumed.";
+  };
+  std::vector<std::string> stems;
+  for (const auto& e : all_experiments()) stems.push_back(stem_of(e.name));
 
-  nlohmann::json meta = run_metadata();
-  meta["experiment"] = experiment.name;
-  meta["command_line"] = options.command_line;
+  Outcome outcome;
+  try {
+    outcome = experiment.run(context);
+  } catch (const Interrupted& stop) {
+    // The CSV holds the finished points (the sweep saved it). Figures and findings drawn from part
+    // of a sweep would read as results, so none are made: no plots, and a report section that
+    // says what is missing and how to finish it. It replaces the section of any earlier run,
+    // which no longer describes the CSV. The metadata records the interruption.
+    const double seconds = elapsed();
+    fill_metadata("interrupted", seconds);
+    meta["signal"] = signal_name(stop.signal());
+    meta["points_total"] = stop.total();
+    write_file_atomic(dir / (stem + ".json"), meta.dump(2) + "\n");
+    Section section;
+    section.title = experiment.name + ": interrupted, incomplete";
+    section.paragraphs.push_back(
+        "Interrupted by " + signal_name(stop.signal()) + " after " + std::to_string(stop.saved()) +
+        " of " + std::to_string(stop.total()) +
+        " points; the CSV holds those points only, so this section has no figures or findings. "
+        "Run `linrope-experiments " +
+        experiment.name + " --resume` with the same options to measure the rest and write it.");
+    write_file_atomic(dir / "report_section.md",
+                      render_section(section, stem, dir, provenance(seconds), ""));
+    assemble_report(options.out, stems);
+    throw;
+  }
+  const double seconds = elapsed();
+  fill_metadata("complete", seconds);
   meta["seeds"] = outcome.seeds;
-  meta["options"] = to_json(options);
-  meta["duration_s"] = seconds;
-  meta["load_average_before"] = load_before;
-  meta["points_measured"] = context.measured;
-  meta["points_resumed"] = context.resumed;
-  meta["csv"] = stem + ".csv";
   meta["summary"] = outcome.summary;
   write_file_atomic(dir / (stem + ".json"), meta.dump(2) + "\n");
 
@@ -81,19 +127,8 @@ Context run_experiment(const Experiment& experiment, const Options& options,
       std::cerr << "linrope-experiments: plots for " << experiment.name
                 << " not generated: " << plot.message << '\n';
   }
-  const std::string commit = meta["git_commit"].get<std::string>();
-  const std::string provenance =
-      "Run " + meta["date"].get<std::string>() + ", " + (options.full ? "--full" : "--quick") +
-      " mode, commit " + commit.substr(0, 12) + ", " + cpu_model() + " (" +
-      std::to_string(meta["machine"]["cores"].get<unsigned>()) + " cores, " +
-      std::to_string(max_threads()) + " threads, load average " + fmt(load_before, 3) +
-      " before the run), " + Progress::format_duration(seconds) + "; " +
-      std::to_string(context.measured) + " points measured, " + std::to_string(context.resumed) +
-      " resumed.";
   write_file_atomic(dir / "report_section.md",
-                    render_section(outcome.section, stem, dir, provenance, plot_note));
-  std::vector<std::string> stems;
-  for (const auto& e : all_experiments()) stems.push_back(stem_of(e.name));
+                    render_section(outcome.section, stem, dir, provenance(seconds), plot_note));
   assemble_report(options.out, stems);
   return context;
 }

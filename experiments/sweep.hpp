@@ -9,6 +9,10 @@
 //     sweep.record(full_row, work);
 //   }
 //   sweep.finish();
+//
+// Ctrl-C or SIGTERM (see interrupt.hpp): the point being measured finishes; then record() (or the
+// next begin() of a point to measure) saves the CSV at once and throws Interrupted, so an
+// interrupted run keeps every finished point and `--resume` measures only the rest.
 #pragma once
 
 #include <chrono>
@@ -27,7 +31,9 @@ class Sweep {
         std::size_t key_columns, std::size_t total_points, double total_work);
 
   // False (and the point counts as done) when the row for `key` is already in the table.
+  // Throws Interrupted, after saving, instead of starting a point once a signal has come.
   bool begin(const Row& key, const std::string& label, double work);
+  // Throws Interrupted, after saving (this row included), once a signal has come.
   void record(const Row& row, double work);
   void finish();  // saves the CSV (always, so that a run with no new point still writes it)
 
@@ -36,9 +42,11 @@ class Sweep {
 
  private:
   void save(bool force);
+  void stop_if_interrupted();
   Context& context_;
   CsvTable table_;
   std::filesystem::path path_;
+  std::size_t total_points_;
   Progress progress_;
   std::chrono::steady_clock::time_point last_save_;
 };

@@ -121,6 +121,7 @@ TEST_CASE("every experiment writes its CSV schema, JSON metadata and report sect
 
     const auto meta = nlohmann::json::parse(read_file(dir.path() / stem / (stem + ".json")));
     CHECK(meta["experiment"] == schema.experiment);
+    CHECK(meta["status"] == "complete");
     CHECK(meta["git_commit"].is_string());
     CHECK(!meta["machine"]["cpu"].get<std::string>().empty());
     CHECK(meta["machine"]["cores"].get<unsigned>() >= 1);

@@ -1,0 +1,258 @@
+// Ctrl-C and SIGTERM during a run, through the same run_cli the program uses: the handlers, the
+// CSV left behind (exactly the finished points), the exit status and the one line on stderr, the
+// metadata and report of the stopped experiment, and a --resume that ends with the same points as
+// a run that was never interrupted. Signals are raised with std::raise from the on_measure hook,
+// i.e. while a point is being measured, as a Ctrl-C would arrive; raise() delivers the signal to
+// the calling thread before it returns, so the point at which it lands is deterministic.
+#include <doctest/doctest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <csignal>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "atomic_file.hpp"
+#include "cli.hpp"
+#include "csv.hpp"
+#include "interrupt.hpp"
+#include "scratch_dir.hpp"
+
+using namespace linrope::experiments;
+using linrope::experiments::testing::count_temporaries;
+using linrope::experiments::testing::ScratchDir;
+
+namespace {
+
+using Hook = std::function<void(const std::vector<std::string>&)>;
+
+struct Result {
+  int status;
+  std::string out, err;
+};
+
+Result run(const std::vector<std::string>& args, Hook on_measure = {}) {
+  std::vector<const char*> argv = {"linrope-experiments"};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int status = run_cli(int(argv.size()), argv.data(), out, err, std::move(on_measure));
+  return {status, out.str(), err.str()};
+}
+
+// Tiny sizes (those of test_runs.cpp) on the command line: every run here takes well under a
+// second, a few under the sanitizers.
+std::vector<std::string> small_args(const std::filesystem::path& out, const std::string& command) {
+  std::vector<std::string> args = {command, "--out", out.string(), "--quiet", "--no-plots"};
+  std::istringstream sizes(
+      "--lengths 16,32 --heads 2 --dim 8 --reps 1 --naive-max 32 --softmax-max 32 "
+      "--scaling-features 8 --one-head-n 64 --fit-min-n 16 "
+      "--norm-lengths 8,16 --norm-seeds 2 --norm-dim 8 --norm-features 8 "
+      "--favor-length 32 --favor-dim 4 --favor-features 4,8 --favor-seeds 2 --favor-pairs 64 "
+      "--decay-dim 16 --decay-distance 8 "
+      "--relative-positions 10,1000 --relative-dim 8 --relative-samples 16");
+  for (std::string word; sizes >> word;) args.push_back(word);
+  return args;
+}
+
+std::size_t lines_of(const std::string& text) {
+  return std::size_t(std::count(text.begin(), text.end(), '\n'));
+}
+
+// The rows of a CSV (every column, or only the first `columns`), read back through CsvTable, which
+// throws on a malformed file: a CSV that loads is a valid one.
+std::vector<std::vector<std::string>> rows_of(const std::filesystem::path& csv,
+                                              std::size_t columns = 0) {
+  std::istringstream in(read_file(csv));
+  std::string header;
+  std::getline(in, header);
+  const std::vector<std::string> names = split_csv_line(header);
+  CsvTable table(names, names.size());  // every column in the key: no row can replace another
+  table.load(csv);
+  std::vector<std::vector<std::string>> rows;
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const auto& row = table.row(r);
+    rows.emplace_back(row.begin(),
+                      columns == 0 ? row.end() : row.begin() + std::ptrdiff_t(columns));
+  }
+  return rows;
+}
+
+nlohmann::json metadata(const std::filesystem::path& out, const std::string& stem) {
+  return nlohmann::json::parse(read_file(out / stem / (stem + ".json")));
+}
+
+}  // namespace
+
+TEST_CASE("the handlers only record the signal, re-arm the default action, and leave no trace") {
+  struct sigaction before_int {
+  }, before_term{}, now{};
+  sigaction(SIGINT, nullptr, &before_int);
+  sigaction(SIGTERM, nullptr, &before_term);
+  {
+    const InterruptHandlers handlers;
+    CHECK_FALSE(interrupted());
+    sigaction(SIGINT, nullptr, &now);
+    CHECK((now.sa_handler != before_int.sa_handler));
+    CHECK((now.sa_handler != SIG_DFL));
+    std::raise(SIGINT);
+    CHECK(interrupt_signal() == SIGINT);
+    // One-shot: a second Ctrl-C now takes the default action (force quit).
+    sigaction(SIGINT, nullptr, &now);
+    CHECK((now.sa_handler == SIG_DFL));
+    sigaction(SIGTERM, nullptr, &now);
+    CHECK((now.sa_handler != SIG_DFL));
+    CHECK((now.sa_handler != before_term.sa_handler));
+  }
+  CHECK_FALSE(interrupted());  // a later run starts clean
+  sigaction(SIGINT, nullptr, &now);
+  CHECK((now.sa_handler == before_int.sa_handler));
+  sigaction(SIGTERM, nullptr, &now);
+  CHECK((now.sa_handler == before_term.sa_handler));
+  {
+    const InterruptHandlers handlers;
+    std::raise(SIGTERM);
+    CHECK(interrupt_signal() == SIGTERM);
+    CHECK(signal_name(interrupt_signal()) == "SIGTERM");
+  }
+  CHECK_FALSE(interrupted());
+}
+
+TEST_CASE("Ctrl-C: finished points saved, status 130, one line, and --resume completes the run") {
+  struct Case {
+    const char* experiment;
+    std::size_t total;        // points of small_args()
+    std::size_t key_columns;  // what identifies a point
+    bool deterministic;       // every value reproducible (scaling measures times)
+  };
+  for (const Case& c :
+       {Case{"rope-decay", 6 * 9, 5, true}, Case{"scaling", 2 * (4 + 16) + 16, 8, false}}) {
+    for (const std::size_t k : {std::size_t(1), std::size_t(5)}) {
+      CAPTURE(c.experiment);
+      CAPTURE(k);
+      const std::string stem = c.experiment == std::string("rope-decay") ? "rope_decay" : "scaling";
+      ScratchDir reference_dir("interrupt-reference"), dir("interrupt");
+      const auto csv = dir.path() / stem / (stem + ".csv");
+      const std::size_t columns = c.deterministic ? 0 : c.key_columns;
+
+      const Result reference = run(small_args(reference_dir.path(), c.experiment));
+      REQUIRE(reference.status == 0);
+      const auto expected = rows_of(reference_dir.path() / stem / (stem + ".csv"), columns);
+      REQUIRE(expected.size() == c.total);
+
+      // The signal lands while the k-th point is measured: that point finishes and is saved, and
+      // no further point starts.
+      std::size_t calls = 0;
+      const Result stopped = run(small_args(dir.path(), c.experiment), [&](const auto&) {
+        if (++calls == k) std::raise(SIGINT);
+      });
+      CHECK(stopped.status == 130);
+      CHECK(calls == k);
+      CHECK(lines_of(stopped.err) == 1);
+      CHECK(stopped.err == "linrope-experiments: interrupted (SIGINT) during " +
+                               std::string(c.experiment) + "; " + std::to_string(k) + " of " +
+                               std::to_string(c.total) + " points saved to " + csv.string() +
+                               "; run again with --resume to continue\n");
+      CHECK_FALSE(interrupted());  // run_cli removed its handlers and cleared the flag
+
+      // Exactly the finished points, in sweep order, and a file that loads.
+      const auto partial = rows_of(csv, columns);
+      REQUIRE(partial.size() == k);
+      CHECK(std::equal(partial.begin(), partial.end(), expected.begin()));
+      const auto partial_full = rows_of(csv);
+      CHECK(count_temporaries(dir.path()) == 0);
+
+      // Marked incomplete: metadata, no findings in the report section, REPORT.md says so.
+      const auto meta = metadata(dir.path(), stem);
+      CHECK(meta["status"] == "interrupted");
+      CHECK(meta["signal"] == "SIGINT");
+      CHECK(meta["points_measured"] == k);
+      CHECK(meta["points_total"] == c.total);
+      CHECK_FALSE(meta.contains("summary"));
+      const std::string report = read_file(dir.path() / "REPORT.md");
+      CHECK(report.find(std::string(c.experiment) + ": interrupted, incomplete") !=
+            std::string::npos);
+      CHECK(report.find("--resume") != std::string::npos);
+      CHECK(report.find("![") == std::string::npos);
+
+      // --resume measures only the rest and ends with the points of the uninterrupted run.
+      calls = 0;
+      auto args = small_args(dir.path(), c.experiment);
+      args.push_back("--resume");
+      const Result resumed = run(args, [&](const auto&) { ++calls; });
+      CHECK(resumed.status == 0);
+      CHECK(resumed.err.empty());
+      CHECK(calls == c.total - k);
+      const auto final_rows = rows_of(csv, columns);
+      CHECK(std::set(final_rows.begin(), final_rows.end()) ==
+            std::set(expected.begin(), expected.end()));
+      CHECK(final_rows.size() == c.total);
+      // The resumed rows are kept as they were, measured values included.
+      const auto final_full = rows_of(csv);
+      CHECK(std::equal(partial_full.begin(), partial_full.end(), final_full.begin()));
+      const auto meta_after = metadata(dir.path(), stem);
+      CHECK(meta_after["status"] == "complete");
+      CHECK(meta_after["points_resumed"] == k);
+      CHECK(meta_after["points_measured"] == c.total - k);
+      CHECK(read_file(dir.path() / "REPORT.md").find("interrupted") == std::string::npos);
+      CHECK(count_temporaries(dir.path()) == 0);
+    }
+  }
+}
+
+TEST_CASE("SIGTERM during `all`: earlier experiments complete, later ones not started, 143") {
+  ScratchDir dir("interrupt-all");
+  // The key of each experiment has its own width: 8 columns for scaling, 6 for normalization.
+  constexpr std::size_t kScaling = 8, kNormalization = 6;
+  const std::size_t normalization_total = 2 * 2 * 5 * 2 * 3 * 4;  // see test_runs.cpp
+  std::size_t scaling_calls = 0, normalization_calls = 0, other_calls = 0;
+  auto count = [&](const std::vector<std::string>& key) {
+    if (key.size() == kScaling)
+      ++scaling_calls;
+    else if (key.size() == kNormalization)
+      ++normalization_calls;
+    else
+      ++other_calls;
+  };
+  const Result stopped = run(small_args(dir.path(), "all"), [&](const auto& key) {
+    count(key);
+    if (key.size() == kNormalization && normalization_calls == 3) std::raise(SIGTERM);
+  });
+  CHECK(stopped.status == 143);
+  CHECK(lines_of(stopped.err) == 1);
+  CHECK(stopped.err.find("interrupted (SIGTERM) during normalization; 3 of " +
+                         std::to_string(normalization_total) + " points saved to ") !=
+        std::string::npos);
+  CHECK(stopped.out.find("scaling: ") != std::string::npos);  // finished before the signal
+  CHECK(other_calls == 0);
+  CHECK(metadata(dir.path(), "scaling")["status"] == "complete");
+  CHECK(metadata(dir.path(), "normalization")["status"] == "interrupted");
+  CHECK(rows_of(dir.path() / "normalization" / "normalization.csv").size() == 3);
+  for (const char* later : {"favor_error", "rope_decay", "rope_relative"})
+    CHECK_FALSE(std::filesystem::exists(dir.path() / later));
+  const std::string report = read_file(dir.path() / "REPORT.md");
+  CHECK(report.find("normalization: interrupted, incomplete") != std::string::npos);
+  CHECK(report.find("scaling/scaling.csv") != std::string::npos);
+
+  const std::size_t scaling_before = scaling_calls;
+  scaling_calls = normalization_calls = other_calls = 0;
+  auto args = small_args(dir.path(), "all");
+  args.push_back("--resume");
+  const Result resumed = run(args, count);
+  CHECK(resumed.status == 0);
+  CHECK(resumed.err.empty());
+  CHECK(scaling_calls == 0);
+  CHECK(scaling_before > 0);
+  CHECK(normalization_calls == normalization_total - 3);
+  CHECK(rows_of(dir.path() / "normalization" / "normalization.csv").size() == normalization_total);
+  for (const char* stem :
+       {"scaling", "normalization", "favor_error", "rope_decay", "rope_relative"}) {
+    CAPTURE(stem);
+    CHECK(metadata(dir.path(), stem)["status"] == "complete");
+  }
+  CHECK(read_file(dir.path() / "REPORT.md").find("interrupted") == std::string::npos);
+  CHECK(count_temporaries(dir.path()) == 0);
+}
