@@ -1,9 +1,12 @@
-// Feature maps, float, d = 64, output width 256 (favor+: f = 256; favor-trig / favor-hyp: f = 128,
-// two halves): the cost of a map beside the Eigen GEMM of exactly its shape, [n x d] * [d x f], in
-// the same run. GFLOP/s counts that GEMM only (2 n d f), not the element-wise pass, so
+// Feature maps, float, over n, the input width d = 32, 64, 128 and (FAVOR maps) the projection
+// count f = 128, 256 (favor+: m = f; favor-trig / favor-hyp: m = 2f, two halves): the cost of a
+// map beside the Eigen GEMM of exactly its shape, [n x d] * [d x f], in the same run. GFLOP/s
+// counts that GEMM only (2 n d f), not the element-wise pass, so
 //   map time / GEMM time = (GEMM GFLOP/s) / (map GFLOP/s).
 // elu+1, relu and 1+cos have no GEMM: they report items (rows) and bytes moved (read x, write out).
+// Names: <map>/n:<n>/d:<d>/f:<f> (f:0 for the element-wise maps), eigen_gemm/n:<n>/d:<d>/f:<f>.
 #include <linrope/feature_maps.hpp>
+#include <cstdint>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -12,29 +15,18 @@ namespace {
 
 using namespace linrope;
 
-constexpr Index kDim = 64;
-
-Index projection_rows(FeatureMapKind kind) {
-  switch (kind) {
-    case FeatureMapKind::FavorPositive:
-      return 256;
-    case FeatureMapKind::FavorTrig:
-    case FeatureMapKind::FavorHyperbolic:
-      return 128;
-    default:
-      return 0;
-  }
-}
+const std::vector<std::int64_t> kRows = {4096, 16384}, kDims = {32, 64, 128},
+                                kProjections = {128, 256};
 
 void BM_FeatureMap(benchmark::State& state, FeatureMapKind kind, bool stabilized) {
-  const Index n = state.range(0), f = projection_rows(kind);
+  const Index n = state.range(0), d = state.range(1), f = state.range(2);
   FeatureMapConfig config;
   config.kind = kind;
-  config.input_dim = kDim;
+  config.input_dim = d;
   config.num_features = f;
   config.seed = 42;
   const auto map = make_feature_map(config);
-  const MatrixF x = MatrixF::Random(n, kDim);  // |x| ~ 4.6: ordinary attention magnitudes
+  const MatrixF x = MatrixF::Random(n, d);  // |x| ~ 0.58 sqrt(d): ordinary attention magnitudes
   MatrixF out(n, map->output_dim());
   std::vector<double> log_scale(static_cast<std::size_t>(n));
   for (auto _ : state) {
@@ -47,18 +39,18 @@ void BM_FeatureMap(benchmark::State& state, FeatureMapKind kind, bool stabilized
   }
   state.SetItemsProcessed(state.iterations() * n);
   if (f > 0)
-    bench::set_flops(state, 2.0 * double(n) * double(kDim) * double(f));
+    bench::set_flops(state, 2.0 * double(n) * double(d) * double(f));
   else
-    bench::set_bytes(state, double(n) * double(kDim + map->output_dim()) * sizeof(float));
+    bench::set_bytes(state, double(n) * double(d + map->output_dim()) * sizeof(float));
   state.counters["threads"] = bench::threads();
 }
 
 // The peer: the GEMM the Favor maps run, same shapes and layouts (x row-major [n x d], the scaled
 // W^T row-major [d x f]), Eigen's own OpenMP parallelisation.
 void BM_EigenGemm(benchmark::State& state) {
-  const Index n = state.range(0), f = state.range(1);
-  const MatrixF x = MatrixF::Random(n, kDim);
-  const MatrixF wt = MatrixF::Random(kDim, f);
+  const Index n = state.range(0), d = state.range(1), f = state.range(2);
+  const MatrixF x = MatrixF::Random(n, d);
+  const MatrixF wt = MatrixF::Random(d, f);
   MatrixF out(n, f);
   for (auto _ : state) {
     out.noalias() = x * wt;
@@ -66,30 +58,30 @@ void BM_EigenGemm(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n);
-  bench::set_flops(state, 2.0 * double(n) * double(kDim) * double(f));
+  bench::set_flops(state, 2.0 * double(n) * double(d) * double(f));
   state.counters["threads"] = bench::threads();
 }
 
 }  // namespace
 
-#define LINROPE_MAP_BENCHMARK(label, kind, stabilized)                      \
+#define LINROPE_MAP_BENCHMARK(label, kind, stabilized, projections)         \
   BENCHMARK_CAPTURE(BM_FeatureMap, label, FeatureMapKind::kind, stabilized) \
-      ->ArgsProduct({{4096, 16384}})                                        \
-      ->ArgNames({"n"})                                                     \
+      ->ArgsProduct({kRows, kDims, projections})                            \
+      ->ArgNames({"n", "d", "f"})                                           \
       ->UseRealTime()
 
-LINROPE_MAP_BENCHMARK(favor_pos, FavorPositive, false);
-LINROPE_MAP_BENCHMARK(favor_pos_stabilized, FavorPositive, true);
-LINROPE_MAP_BENCHMARK(favor_trig, FavorTrig, false);
-LINROPE_MAP_BENCHMARK(favor_trig_stabilized, FavorTrig, true);
-LINROPE_MAP_BENCHMARK(favor_hyp, FavorHyperbolic, false);
-LINROPE_MAP_BENCHMARK(favor_hyp_stabilized, FavorHyperbolic, true);
-LINROPE_MAP_BENCHMARK(elu_plus_one, EluPlusOne, false);
-LINROPE_MAP_BENCHMARK(relu, Relu, false);
-LINROPE_MAP_BENCHMARK(one_plus_cos, OnePlusCosine, false);
+LINROPE_MAP_BENCHMARK(favor_pos, FavorPositive, false, kProjections);
+LINROPE_MAP_BENCHMARK(favor_pos_stabilized, FavorPositive, true, kProjections);
+LINROPE_MAP_BENCHMARK(favor_trig, FavorTrig, false, kProjections);
+LINROPE_MAP_BENCHMARK(favor_trig_stabilized, FavorTrig, true, kProjections);
+LINROPE_MAP_BENCHMARK(favor_hyp, FavorHyperbolic, false, kProjections);
+LINROPE_MAP_BENCHMARK(favor_hyp_stabilized, FavorHyperbolic, true, kProjections);
+LINROPE_MAP_BENCHMARK(elu_plus_one, EluPlusOne, false, {0});
+LINROPE_MAP_BENCHMARK(relu, Relu, false, {0});
+LINROPE_MAP_BENCHMARK(one_plus_cos, OnePlusCosine, false, {0});
 BENCHMARK(BM_EigenGemm)
-    ->ArgsProduct({{4096, 16384}, {128, 256}})
-    ->ArgNames({"n", "f"})
+    ->ArgsProduct({kRows, kDims, kProjections})
+    ->ArgNames({"n", "d", "f"})
     ->UseRealTime();
 
 LINROPE_REGISTER_MACHINE_REFERENCES();

@@ -1,14 +1,16 @@
 // Linear attention through the public batched API, float32, beside exact softmax attention (same
 // API family, same sizes) and the machine references, all measured in one run.
 //
-// Shapes: q, k, v [B = 1, H = 8, n, d = 64] (PyTorch's layout), d_v = d. Feature maps: favor+
-// (FavorPositive, f = 256 orthogonal random features, m = 256) and elu+1 (m = d = 64). RoPE width:
+// Shapes: q, k, v [B = 1, H = 8, n, d = 64] (PyTorch's layout; d = 32 and 128 in the d:<d>
+// family), d_v = d. Feature maps: favor+ (FavorPositive, f = 256 orthogonal random features,
+// m = 256; 64-192 in the m:<m> family) and elu+1 (m = d). RoPE width:
 // d for before_map, m for numerator_only and full (none has no rope).
 //
 // Names ("favor" and "elu" rather than "favor+" and "elu+1", so that --benchmark_filter needs no
 // regex escapes):
 //   linear/<map>/<placement>/<noncausal|chunked|scan>/n:<n>  batched linear_attention
 //   linear/favor/numerator_only/chunked/m:<m>/n:<n>  the same with f = m = 64, 128, 192 features
+//   linear/<map>/numerator_only/<noncausal|chunked>/d:<d>/n:<n>  head width d = d_v = 32, 128
 //   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
 //   softmax/<noncausal|causal>/n:<n>    batched softmax_attention
 //   machine/peak_fma, machine/sgemm_1024, machine/copy   what this machine can do
@@ -76,9 +78,9 @@ std::vector<float> gaussian_buffer(Index count, unsigned seed) {
 }
 
 // features: FAVOR+'s f (0 for elu+1, which has none).
-std::unique_ptr<linrope::FeatureMap> make_map(FeatureMapKind kind, Index features) {
+std::unique_ptr<linrope::FeatureMap> make_map(FeatureMapKind kind, Index features, Index d = kDim) {
   return linrope::make_feature_map(
-      {.kind = kind, .input_dim = kDim, .num_features = features, .orthogonal = true, .seed = 7});
+      {.kind = kind, .input_dim = d, .num_features = features, .orthogonal = true, .seed = 7});
 }
 
 Index default_features(FeatureMapKind kind) {
@@ -86,9 +88,9 @@ Index default_features(FeatureMapKind kind) {
 }
 
 // The rope each placement needs: width d before the map, width m on the features.
-std::optional<linrope::Rope> make_rope(RopePlacement placement, Index m) {
+std::optional<linrope::Rope> make_rope(RopePlacement placement, Index m, Index d = kDim) {
   if (placement == RopePlacement::None) return std::nullopt;
-  return linrope::Rope({.dim = placement == RopePlacement::BeforeMap ? kDim : m});
+  return linrope::Rope({.dim = placement == RopePlacement::BeforeMap ? d : m});
 }
 
 // FLOPs of one (batch, head) slice, by the model in the header comment.
@@ -102,30 +104,31 @@ double linear_flops(Index n, Index n_k, Index d, Index d_v, Index f, Index m, Mo
   return flops;
 }
 
-// Owns [B, H, n, d] buffers for q, k, v and out, and hands out the views.
+// Owns [B, H, n, d] buffers for q, k, v and out (d_v = d), and hands out the views.
 struct Problem {
-  explicit Problem(Index n)
+  explicit Problem(Index n, Index d = kDim)
       : n(n),
-        q(gaussian_buffer(kBatch * kHeads * n * kDim, 1)),
-        k(gaussian_buffer(kBatch * kHeads * n * kDim, 2)),
-        v(gaussian_buffer(kBatch * kHeads * n * kDim, 3)),
-        out(static_cast<std::size_t>(kBatch * kHeads * n * kDim)) {}
+        d(d),
+        q(gaussian_buffer(kBatch * kHeads * n * d, 1)),
+        k(gaussian_buffer(kBatch * kHeads * n * d, 2)),
+        v(gaussian_buffer(kBatch * kHeads * n * d, 3)),
+        out(static_cast<std::size_t>(kBatch * kHeads * n * d)) {}
   linrope::Heads<const float> in(const std::vector<float>& x) const {
-    return {.data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
+    return {.data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = d};
   }
   linrope::Heads<float> output() {
-    return {.data = out.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
+    return {.data = out.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = d};
   }
-  Index n;
+  Index n, d;
   std::vector<float> q, k, v, out;
 };
 
 void time_linear(benchmark::State& state, FeatureMapKind kind, Index f, RopePlacement placement,
-                 Mode mode, Index n) {
-  Problem problem(n);
-  const auto map = make_map(kind, f);
+                 Mode mode, Index n, Index d = kDim) {
+  Problem problem(n, d);
+  const auto map = make_map(kind, f, d);
   const Index m = map->output_dim();
-  const std::optional<linrope::Rope> rope = make_rope(placement, m);
+  const std::optional<linrope::Rope> rope = make_rope(placement, m, d);
   const linrope::LinearOptions options{
       .causal = mode != Mode::NonCausal,
       .placement = placement,
@@ -139,8 +142,7 @@ void time_linear(benchmark::State& state, FeatureMapKind kind, Index f, RopePlac
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * kBatch * n);
-  linrope::bench::set_flops(state,
-                            double(kBatch * kHeads) * linear_flops(n, n, kDim, kDim, f, m, mode));
+  linrope::bench::set_flops(state, double(kBatch * kHeads) * linear_flops(n, n, d, d, f, m, mode));
   state.counters["threads"] = linrope::bench::threads();
 }
 
@@ -153,6 +155,12 @@ void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement place
 void BM_FavorFeatures(benchmark::State& state) {
   time_linear(state, FeatureMapKind::FavorPositive, state.range(0), RopePlacement::NumeratorOnly,
               Mode::Chunked, state.range(1));
+}
+
+// Eq. 19 at head widths d = d_v other than 64 (elu+1: m = d; FAVOR+: m = 256).
+void BM_HeadWidth(benchmark::State& state, FeatureMapKind kind, Mode mode) {
+  time_linear(state, kind, default_features(kind), RopePlacement::NumeratorOnly, mode,
+              state.range(1), state.range(0));
 }
 
 void BM_Softmax(benchmark::State& state, bool causal) {
@@ -227,6 +235,16 @@ bool register_all() {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
+  for (const FeatureMapKind kind : maps)
+    for (const Mode mode : {Mode::NonCausal, Mode::Chunked}) {
+      const std::string name =
+          std::string("linear/") + map_name(kind) + "/numerator_only/" + mode_name(mode);
+      benchmark::RegisterBenchmark(name.c_str(), BM_HeadWidth, kind, mode)
+          ->ArgsProduct({{32, 128}, {4096}})
+          ->ArgNames({"d", "n"})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
   benchmark::RegisterBenchmark("linear/favor/numerator_only/chunked", BM_FavorFeatures)
       ->ArgsProduct({{64, 128, 192}, {256, 512, 1024, 2048}})
       ->ArgNames({"m", "n"})

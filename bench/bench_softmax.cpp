@@ -89,13 +89,13 @@ void BM_Decode(benchmark::State& state) {
 
 BENCHMARK(BM_Naive)
     ->Name("softmax/naive")
-    ->ArgsProduct({{1024, 4096}, {64}, {0, 1}})
+    ->ArgsProduct({{1024, 4096}, {64, 128}, {0, 1}})
     ->ArgNames({"n", "d", "causal"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Streaming)
     ->Name("softmax/streaming")
-    ->ArgsProduct({{1024, 4096, 16384}, {64}, {0, 1}, {0}})
+    ->ArgsProduct({{1024, 4096, 16384}, {64, 128}, {0, 1}, {0}})
     ->ArgNames({"n", "d", "causal", "block"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
