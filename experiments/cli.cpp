@@ -176,9 +176,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
 
   // From here on Ctrl-C and SIGTERM stop the run between two points (interrupt.hpp).
   const InterruptHandlers handlers;
-  auto stop = [&](int signal, const std::string& why) {
-    err << program << ": interrupted (" << signal_name(signal) << ") " << why
-        << "; run again with --resume to continue\n";
+  auto stop = [&](int signal, const std::string& why,
+                  const std::string& advice = "run again with --resume to continue") {
+    err << program << ": interrupted (" << signal_name(signal) << ") " << why << "; " << advice
+        << '\n';
     return 128 + signal;
   };
   int status = 0;
@@ -194,6 +195,12 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count())
           << " -> " << (options.out / stem_of(e->name)).string() << '\n';
     } catch (const Interrupted& ex) {
+      if (ex.saved() == 0)
+        return stop(ex.signal(),
+                    "during " + e->name +
+                        " before its first point finished; nothing saved, earlier results left "
+                        "as they were",
+                    "run it again to measure it");
       return stop(ex.signal(), "during " + e->name + "; " + std::to_string(ex.saved()) + " of " +
                                    std::to_string(ex.total()) + " points saved to " +
                                    ex.csv().string());
@@ -208,9 +215,12 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       std::string rest;
       for (std::size_t j = i + 1; j < chosen.size(); ++j)
         rest += (rest.empty() ? "" : ", ") + chosen[j]->name;
+      // Nothing left to run: --resume then only remakes plots the signal may have cut short.
       return stop(interrupt_signal(),
                   "after " + e->name + (failed ? " failed; " : " completed; ") +
-                      (rest.empty() ? "nothing left to run" : "not run: " + rest));
+                      (rest.empty() ? "nothing left to run" : "not run: " + rest),
+                  rest.empty() ? "if its plots were cut short, run again with --resume to make them"
+                               : "run again with --resume to continue");
     }
   }
   out << "total "

@@ -18,6 +18,10 @@ static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a
 void record_signal(int signal) { received_signal.store(signal, std::memory_order_relaxed); }
 
 void install(int signal, struct sigaction& previous) {
+  sigaction(signal, nullptr, &previous);
+  // A signal ignored when the program started (nohup, `trap '' INT`, a background job of a
+  // non-interactive shell) stays ignored, as the caller asked.
+  if (previous.sa_handler == SIG_IGN) return;
   struct sigaction action {};
   action.sa_handler = &record_signal;
   sigemptyset(&action.sa_mask);

@@ -91,6 +91,9 @@ Context run_experiment(const Experiment& experiment, const Options& options,
   try {
     outcome = experiment.run(context);
   } catch (const Interrupted& stop) {
+    // No point of this run finished: the CSV (not rewritten, see Sweep), metadata and report
+    // section of any earlier run still describe each other; leave them as they were.
+    if (context.measured == 0) throw;
     // The CSV holds the finished points (the sweep saved it). Figures and findings drawn from part
     // of a sweep would read as results, so none are made: no plots, and a report section that
     // says what is missing and how to finish it. It replaces the section of any earlier run,
@@ -123,6 +126,9 @@ Context run_experiment(const Experiment& experiment, const Options& options,
   if (options.plots) {
     const PlotResult plot = run_plot(options, stem, dir);
     plot_note = plot.message;
+    if (!plot.ok && interrupted())  // the signal reached plot.py too
+      plot_note = "plots not made: interrupted by " + signal_name(interrupt_signal()) +
+                  "; run again with --resume to make them";
     if (!plot.ok)
       std::cerr << "linrope-experiments: plots for " << experiment.name
                 << " not generated: " << plot.message << '\n';

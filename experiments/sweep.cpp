@@ -10,6 +10,7 @@ Sweep::Sweep(Context& context, const std::string& name, std::vector<std::string>
       table_(std::move(columns), key_columns),
       path_(context.dir / (name + ".csv")),
       total_points_(total_points),
+      measured_before_(context.measured),
       progress_(name, total_points, total_work, !context.options.quiet),
       last_save_(std::chrono::steady_clock::now()) {
   if (context.options.resume) table_.load(path_);
@@ -41,7 +42,9 @@ void Sweep::record(const Row& row, double work) {
 void Sweep::stop_if_interrupted() {
   const int signal = interrupt_signal();
   if (signal == 0) return;
-  save(true);
+  // Only a sweep that measured something rewrites its CSV: stopped before its first point, a run
+  // without --resume would otherwise replace an earlier run's results with an empty table.
+  if (context_.measured > measured_before_) save(true);
   progress_.finish("interrupted");
   throw Interrupted(signal, path_, context_.measured + context_.resumed, total_points_);
 }

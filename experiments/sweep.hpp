@@ -47,6 +47,7 @@ class Sweep {
   CsvTable table_;
   std::filesystem::path path_;
   std::size_t total_points_;
+  std::size_t measured_before_;  // context.measured when the sweep began
   Progress progress_;
   std::chrono::steady_clock::time_point last_save_;
 };

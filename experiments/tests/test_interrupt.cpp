@@ -21,6 +21,7 @@
 #include "csv.hpp"
 #include "interrupt.hpp"
 #include "scratch_dir.hpp"
+#include "sweep.hpp"
 
 using namespace linrope::experiments;
 using linrope::experiments::testing::count_temporaries;
@@ -119,6 +120,64 @@ TEST_CASE("the handlers only record the signal, re-arm the default action, and l
     CHECK(signal_name(interrupt_signal()) == "SIGTERM");
   }
   CHECK_FALSE(interrupted());
+}
+
+TEST_CASE("a signal ignored when the run starts stays ignored") {
+  struct sigaction ignore {
+  }, before{}, now{};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  sigaction(SIGINT, &ignore, &before);
+  {
+    const InterruptHandlers handlers;
+    sigaction(SIGINT, nullptr, &now);
+    CHECK((now.sa_handler == SIG_IGN));
+    std::raise(SIGINT);  // ignored: no flag
+    CHECK_FALSE(interrupted());
+  }
+  sigaction(SIGINT, nullptr, &now);
+  CHECK((now.sa_handler == SIG_IGN));
+  sigaction(SIGINT, &before, nullptr);
+}
+
+// A stand-in for rope-decay (same directory and CSV) whose signal comes before its first point
+// finishes, as Ctrl-C during favor-error's or normalization's set-up would.
+Outcome interrupted_before_first_point(Context& context) {
+  std::raise(SIGINT);
+  Sweep sweep(context, "rope_decay",
+              {"dim", "base", "scaling", "factor", "distance", "decay", "decay_relative"}, 5, 1,
+              1.0);
+  Row key;
+  key.set("dim", 16).set("base", 77).set("scaling", "none").set("factor", 1).set("distance", 0);
+  sweep.begin(key, "point", 1.0);  // throws Interrupted
+  FAIL("begin() started a point after the signal");
+  return {};
+}
+
+TEST_CASE("Ctrl-C before the first point finishes leaves an earlier run's files as they were") {
+  const ScratchDir dir("interrupt-first");
+  REQUIRE(run(small_args(dir.path(), "rope-decay")).status == 0);
+  const std::filesystem::path exp_dir = dir.path() / "rope_decay";
+  const std::vector<std::filesystem::path> files = {
+      exp_dir / "rope_decay.csv", exp_dir / "rope_decay.json", exp_dir / "report_section.md",
+      dir.path() / "REPORT.md"};
+  std::vector<std::string> before;
+  for (const auto& f : files) before.push_back(read_file(f));
+
+  Options options;
+  options.out = dir.path();
+  options.quiet = true;
+  options.plots = false;
+  const Experiment stand_in{"rope-decay", "", &interrupted_before_first_point};
+  {
+    const InterruptHandlers handlers;
+    CHECK_THROWS_AS(run_experiment(stand_in, options), Interrupted);
+  }
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    CAPTURE(files[i]);
+    CHECK(read_file(files[i]) == before[i]);  // not rewritten: no empty table, no "interrupted"
+  }
+  CHECK(count_temporaries(dir.path()) == 0);
 }
 
 TEST_CASE("Ctrl-C: finished points saved, status 130, one line, and --resume completes the run") {
