@@ -4,9 +4,10 @@
 // counts that GEMM only (2 n d f), not the element-wise pass, so
 //   map time / GEMM time = (GEMM GFLOP/s) / (map GFLOP/s).
 // elu+1, relu and 1+cos have no GEMM: they report items (rows) and bytes moved (read x, write out).
-// Names: <map>/n:<n>/d:<d>/f:<f> (f:0 for the element-wise maps), eigen_gemm/n:<n>/d:<d>/f:<f>.
-#include <linrope/feature_maps.hpp>
+// Names: BM_FeatureMap/<map>/n:<n>/d:<d>/f:<f> (<map> such as favor_pos or relu; f:0 for the
+// element-wise maps), BM_EigenGemm/n:<n>/d:<d>/f:<f>.
 #include <cstdint>
+#include <linrope/feature_maps.hpp>
 #include <vector>
 
 #include "bench_common.hpp"

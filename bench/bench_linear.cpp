@@ -151,7 +151,8 @@ void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement place
 }
 
 // FAVOR+ eq. 19, causal chunked, with f = m features other than 256: where it overtakes causal
-// softmax as m varies (the FLOP count says near n = 4.75 m + 48 at equal FLOP rates).
+// softmax as m varies (RESULTS.md's count of the useful FLOPs, masked tiles skipped, puts it near
+// n = 4.75 m + 48 at equal FLOP rates; this file's model, whole chunk blocks, near 5 m + 64).
 void BM_FavorFeatures(benchmark::State& state) {
   time_linear(state, FeatureMapKind::FavorPositive, state.range(0), RopePlacement::NumeratorOnly,
               Mode::Chunked, state.range(1));

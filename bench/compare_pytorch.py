@@ -396,7 +396,8 @@ def report_bench(ours):
              "linear/favor/numerator_only/chunked", "softmax/causal"),
             ("elu+1 numerator_only causal chunked vs softmax causal",
              "linear/elu/numerator_only/chunked", "softmax/causal"),
-            # Fewer features: the FLOP count puts the crossover near 4.75 m + 48 at equal rates.
+            # Fewer features: RESULTS.md's useful-FLOP count (masked tiles skipped) puts the
+            # crossover near 4.75 m + 48 at equal rates.
             *((f"favor+ numerator_only causal chunked, m = {m} (FLOP model: ~{4.75 * m + 48:.0f})"
                " vs softmax causal", f"linear/favor/numerator_only/chunked/m:{m}", "softmax/causal")
               for m in (64, 128, 192))):

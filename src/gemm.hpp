@@ -49,7 +49,7 @@ template <class T>
 void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate);
 
 // A right-hand factor laid out once in the form gemm would otherwise rebuild on every call: for a
-// fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-256
+// fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-128
 // rows, where repacking it cost about a third as much as the product itself). A copy of b, so it
 // does not refer to b's memory afterwards.
 template <class T>
@@ -66,7 +66,11 @@ class PackedRight {
   std::vector<T, Eigen::aligned_allocator<T>> data_;
 };
 
-// c = a b (accumulate: c += a b) with b packed beforehand; bitwise the same c as gemm on b's view.
+// c = a b (accumulate: c += a b) with b packed beforehand. Float with AVX-512: bitwise the same c
+// as gemm on b's view (the same panels through the same micro-kernel calls). Elsewhere (double, or
+// no AVX-512) Eigen multiplies a contiguous row-major copy of b: bitwise gemm's c when b's view is
+// itself contiguous and row-major (FAVOR+'s projection), otherwise equal up to rounding (Eigen
+// may pick another product kernel for another layout, e.g. for m = 1).
 template <class T>
 void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, bool accumulate);
 
