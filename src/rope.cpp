@@ -209,7 +209,8 @@ void rotate_block(T* x0, const T* src0, Index q0, Index q_stride, Index qa, Inde
 }
 
 #if defined(__AVX512F__)
-// The float kernel with AVX-512: 8 pairs at a time, their angle additions in one __m512d each.
+// The float kernel with AVX-512: 8 pairs at a time, their angle additions in one __m512d each
+// (the half layout's row pairs 16 at a time, rotate16_half: 9-10% faster there, bitwise the same).
 // GCC's auto-vectorisation of rotate_block<float> de- and re-interleaved x around the double
 // products with vpermt2ps (perf annotate); here the interleaved layout instead widens (c, s) to
 // (c c, s s) with one permute each and rotates x in place with fmaddsub, and the half layout needs
@@ -243,6 +244,26 @@ inline void rotate8(float* __restrict x, const float* __restrict src, Index k, I
   }
 }
 
+// The half layout, pairs k .. k+15 of row x: rotate8's per-lane arithmetic (bitwise the same
+// result) with (c, s) of pairs k .. k+7 in c0/s0 and of k+8 .. k+15 in c1/s1, the float work 16
+// wide rather than 8.
+template <bool Negative, bool InPlace>
+inline void rotate16_half(float* __restrict x, const float* __restrict src, Index k, Index half,
+                          __m512d c0, __m512d c1, __m512d s0, __m512d s1) {
+  const float* from = InPlace ? x : src;
+  const __m512 cf = _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(c0))),
+                         _mm256_castps_pd(_mm512_cvtpd_ps(c1)), 1));
+  const __m512 sf = _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(s0))),
+                         _mm256_castps_pd(_mm512_cvtpd_ps(s1)), 1));
+  const __m512 a = _mm512_loadu_ps(from + k), b = _mm512_loadu_ps(from + k + half);
+  const __m512 bs = _mm512_mul_ps(b, sf), as = _mm512_mul_ps(a, sf);
+  _mm512_storeu_ps(x + k, Negative ? _mm512_fmadd_ps(a, cf, bs) : _mm512_fmsub_ps(a, cf, bs));
+  _mm512_storeu_ps(x + k + half,
+                   Negative ? _mm512_fmsub_ps(b, cf, as) : _mm512_fmadd_ps(b, cf, as));
+}
+
 template <bool Negative, bool Interleaved, bool InPlace, Index Half>
 void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride, Index qa, Index qb,
                          Index h, Index reach, const double* __restrict lo_cos,
@@ -256,7 +277,23 @@ void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride,
     const double* __restrict lc = lo_cos + (reach + l) * half;
     const double* __restrict ls = lo_sin + (reach + l) * half;
     if (xm != nullptr) {
-      for (Index k = 0; k < vec; k += 8) {
+      Index k = 0;
+      if constexpr (!Interleaved)
+        for (; k + 16 <= vec; k += 16) {  // 16 pairs: the float work 16 wide (rotate16_half)
+          const __m512d ch0 = _mm512_loadu_pd(hc + k), sh0 = _mm512_loadu_pd(hs + k);
+          const __m512d cl0 = _mm512_loadu_pd(lc + k), sl0 = _mm512_loadu_pd(ls + k);
+          const __m512d ch1 = _mm512_loadu_pd(hc + k + 8), sh1 = _mm512_loadu_pd(hs + k + 8);
+          const __m512d cl1 = _mm512_loadu_pd(lc + k + 8), sl1 = _mm512_loadu_pd(ls + k + 8);
+          const __m512d ss0 = _mm512_mul_pd(sh0, sl0), cs0 = _mm512_mul_pd(ch0, sl0);
+          const __m512d ss1 = _mm512_mul_pd(sh1, sl1), cs1 = _mm512_mul_pd(ch1, sl1);
+          rotate16_half<Negative, InPlace>(
+              xp, sp, k, half, _mm512_fmsub_pd(ch0, cl0, ss0), _mm512_fmsub_pd(ch1, cl1, ss1),
+              _mm512_fmadd_pd(sh0, cl0, cs0), _mm512_fmadd_pd(sh1, cl1, cs1));
+          rotate16_half<Negative, InPlace>(
+              xm, sm, k, half, _mm512_fmadd_pd(ch0, cl0, ss0), _mm512_fmadd_pd(ch1, cl1, ss1),
+              _mm512_fmsub_pd(sh0, cl0, cs0), _mm512_fmsub_pd(sh1, cl1, cs1));
+        }
+      for (; k < vec; k += 8) {
         const __m512d ch = _mm512_loadu_pd(hc + k), sh = _mm512_loadu_pd(hs + k);
         const __m512d cl = _mm512_loadu_pd(lc + k), sl = _mm512_loadu_pd(ls + k);
         const __m512d ss = _mm512_mul_pd(sh, sl), cs = _mm512_mul_pd(ch, sl);

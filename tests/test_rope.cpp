@@ -383,9 +383,11 @@ TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both direction
 
 TEST_CASE_TEMPLATE("every r/2 from 1 to 41: vector groups of 8 pairs and their scalar tail", T,
                    float, double) {
-  // With AVX-512, src/rope.cpp rotates float rows 8 pairs at a time and the last r/2 mod 8 pairs
-  // in a scalar tail: r/2 = 1..41 gives tail only (< 8), vectors only (8, 16, 24, 32, 40) and both
-  // with every tail length; odd dims leave a pass-through column after the rotated ones. 37 rows
+  // With AVX-512, src/rope.cpp rotates float rows 8 pairs at a time (the half layout's row pairs
+  // 16 at a time first) and the last r/2 mod 8 pairs in a scalar tail: r/2 = 1..41 gives tail
+  // only (< 8), vectors only (8, 16, 24, 32, 40), 16-pair steps followed by an 8-pair one (24,
+  // 40) and all of these with every tail length; odd dims leave a pass-through column after the
+  // rotated ones. 37 rows
   // from -18 cross 0 in both directions, so each width meets paired rows (h +- l), unpaired block
   // edges and both signs of the angle; forward and inverse, with Yarn so the magnitude is folded
   // in. Double (portable kernel only) runs the same sweep.
