@@ -39,14 +39,19 @@ def read_summary(directory, stem):
 
 
 def save(fig, directory, name):
-    final = os.path.join(directory, name)
-    temporary = os.path.join(directory, ".%s.tmp-%d" % (name, os.getpid()))
+    """Writes name (a .png, for the report) and the same figure as .svg (vector, for papers),
+    each to a temporary name first and then renamed, so an interrupted run leaves no half file."""
     try:
-        fig.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
-        os.replace(temporary, final)
+        for path, fmt in ((name, "png"), (os.path.splitext(name)[0] + ".svg", "svg")):
+            final = os.path.join(directory, path)
+            temporary = os.path.join(directory, ".%s.tmp-%d" % (path, os.getpid()))
+            try:
+                fig.savefig(temporary, format=fmt, dpi=110, bbox_inches="tight")
+                os.replace(temporary, final)
+            finally:
+                if os.path.exists(temporary):
+                    os.remove(temporary)
     finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
         plt.close(fig)
 
 
