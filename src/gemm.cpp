@@ -261,11 +261,19 @@ constexpr bool kPackedKernel =
     false;
 #endif
 
-}  // namespace
-
+// Eigen's operand for b: the view itself, or the row-major copy a PackedRight holds off AVX-512.
 template <class T>
-void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
-  assert(a.cols == b.rows && c.rows == a.rows && c.cols == b.cols);
+ConstView<T> eigen_operand(ConstView<T> b) {
+  return b;
+}
+template <class T>
+ConstView<T> eigen_operand(const PackedRight<T>& b) {
+  return {b.data(), b.rows(), b.cols(), b.cols(), 1};
+}
+
+// Both gemm overloads: b is a ConstView or a PackedRight.
+template <class T, class Right>
+void product(ConstView<T> a, const Right& b, View<T> c, bool accumulate) {
   if (trivial_product(a.cols, c, accumulate)) return;
 #ifdef __AVX512F__
   if constexpr (kPackedKernel<T>) {
@@ -273,7 +281,15 @@ void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
     return;
   }
 #endif
-  gemm_eigen(a, b, c, accumulate);
+  gemm_eigen(a, eigen_operand(b), c, accumulate);
+}
+
+}  // namespace
+
+template <class T>
+void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
+  assert(a.cols == b.rows && c.rows == a.rows && c.cols == b.cols);
+  product(a, b, c, accumulate);
 }
 
 template <class T>
@@ -294,14 +310,7 @@ PackedRight<T>::PackedRight(ConstView<T> b) : rows_(b.rows), cols_(b.cols) {
 template <class T>
 void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, bool accumulate) {
   assert(a.cols == b.rows() && c.rows == a.rows && c.cols == b.cols());
-  if (trivial_product(a.cols, c, accumulate)) return;
-#ifdef __AVX512F__
-  if constexpr (kPackedKernel<T>) {
-    gemm_packed(a, b, c, accumulate);
-    return;
-  }
-#endif
-  gemm_eigen(a, ConstView<T>{b.data(), b.rows(), b.cols(), b.cols(), 1}, c, accumulate);
+  product(a, b, c, accumulate);
 }
 
 template void gemm<float>(ConstView<float>, ConstView<float>, View<float>, bool);

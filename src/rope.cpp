@@ -247,16 +247,18 @@ inline void rotate8(float* __restrict x, const float* __restrict src, Index k, I
 // The half layout, pairs k .. k+15 of row x: rotate8's per-lane arithmetic (bitwise the same
 // result) with (c, s) of pairs k .. k+7 in c0/s0 and of k+8 .. k+15 in c1/s1, the float work 16
 // wide rather than 8.
+// lo and hi, each rounded to float, side by side: [lo_0 .. lo_7, hi_0 .. hi_7].
+inline __m512 to_float16(__m512d lo, __m512d hi) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo))),
+                         _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
+}
+
 template <bool Negative, bool InPlace>
 inline void rotate16_half(float* __restrict x, const float* __restrict src, Index k, Index half,
                           __m512d c0, __m512d c1, __m512d s0, __m512d s1) {
   const float* from = InPlace ? x : src;
-  const __m512 cf = _mm512_castpd_ps(
-      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(c0))),
-                         _mm256_castps_pd(_mm512_cvtpd_ps(c1)), 1));
-  const __m512 sf = _mm512_castpd_ps(
-      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(s0))),
-                         _mm256_castps_pd(_mm512_cvtpd_ps(s1)), 1));
+  const __m512 cf = to_float16(c0, c1), sf = to_float16(s0, s1);
   const __m512 a = _mm512_loadu_ps(from + k), b = _mm512_loadu_ps(from + k + half);
   const __m512 bs = _mm512_mul_ps(b, sf), as = _mm512_mul_ps(a, sf);
   _mm512_storeu_ps(x + k, Negative ? _mm512_fmadd_ps(a, cf, bs) : _mm512_fmsub_ps(a, cf, bs));
