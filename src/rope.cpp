@@ -24,10 +24,12 @@ constexpr std::string_view kFn = "Rope";
 // (B m1 theta) and (B^2 m2 theta) come from three small tables, cos/sin(top theta) from
 // std::cos/sin once per B^3 consecutive rows, and angle additions in double join them: error
 // ~|p theta| u_d + a few u_d, where a float angle at p = 10^6 is already off by ~0.06 rad.
-// Per row that is one angle addition per pair, fused with the rotation; the rest runs once per
-// block or less. Rows h + l and h - l share the four products of their angle additions
-// (cos(h +- l) = ch cl -+ sh sl, sin(h +- l) = sh cl +- ch sl), which halves the multiplications
-// of the per-row work. A std::sincos per pair per block would cost as much as the rotation itself.
+// Per row that is one angle addition per pair, fused with the rotation (in float in the AVX-512
+// float kernel, from the centre's and the table's cos/sin rounded to float: rotate_block_avx512);
+// the rest runs once per block or less. Rows h + l and h - l share the four products of their angle
+// additions (cos(h +- l) = ch cl -+ sh sl, sin(h +- l) = sh cl +- ch sl), which halves the
+// multiplications of the per-row work. A std::sincos per pair per block would cost as much as the
+// rotation itself.
 
 // Software prefetch of the next block's rows, one per 64-byte line, only for x of 16 MB or more:
 // there the centre-outwards row order of the kernel defeats the hardware prefetcher (rope at
@@ -40,11 +42,36 @@ constexpr Index kPrefetchBytes = Index(1) << 24;
 // -p or p + rows could overflow).
 constexpr Index kMaxPosition = Index(1) << 53;
 
-// Rows per block: 32 while the per-row table ((B + 1) x r/2 cos/sin pairs) stays ~16 KB, so that
-// it shares L1 with the rows in flight; 16 for r/2 > 32 (17 KB at r = 128). Larger blocks spread
-// the per-block work (one angle addition, two unpaired rows) over more rows: +15% for r = 64 in
-// cache; for r = 128 the 33 KB table of B = 32 cost ~20% once x no longer fitted in cache.
-inline Index block_size(Index half) { return half <= 32 ? 32 : 16; }
+// Rows per block: 32 while the offset table the kernel reads per row ((B + 1) x r/2 cos/sin
+// pairs) stays ~16 KB, so that it shares L1 with the rows in flight; else 16. Larger blocks spread
+// the per-block work (angle additions for the centre, two unpaired rows) over more rows. The
+// portable kernel reads the table in double: B = 32 up to r/2 = 32 (+15% at r = 64 in cache; at
+// r = 128 its 33 KB table cost ~20% once x no longer fitted in cache). The AVX-512 float kernel
+// reads it in float (17 KB at r = 128, B = 32): up to r/2 = 64, rope/apply at r = 128 went from
+// 0.70 to 0.75-0.82 of copy in cache and 0.63 to 0.83-0.87 out of it; double rows in the same
+// build (the double table) were no slower.
+inline Index block_size(Index half) {
+#if defined(__AVX512F__)
+  return half <= 64 ? 32 : 16;
+#else
+  return half <= 32 ? 32 : 16;
+#endif
+}
+
+// The AVX-512 float kernel takes pairs 16 at a time, [0, whole16(half)), in float; the rest as
+// 8-pair vectors and then one by one, in double.
+inline Index whole16(Index half) { return half - half % 16; }
+
+// Which pair the float kernel keeps in slot s of its tables (pairs in groups of 16): the pair
+// itself in the half layout. In the interleaved one, each 128-bit lane j of a group holds pairs
+// (2j, 2j+1, 8+2j, 9+2j), so that unpacklo/unpackhi of a vector with itself give
+// (c0 c0 c1 c1 .. c7 c7) and (c8 c8 .. c15 c15), the cosines next to the pairs they rotate, with
+// one in-lane shuffle each.
+inline Index float_slot_pair(Index s, bool interleaved) {
+  if (!interleaved) return s;
+  const Index group = s - s % 16, lane = s % 16 / 4, e = s % 4;
+  return group + (e < 2 ? 2 * lane + e : 8 + 2 * lane + e - 2);
+}
 
 // The block centre of |p| = q >= 0: the multiple of B nearest to q, ties (l = -B/2) upwards.
 inline Index centre_of(Index q, Index block) { return (q + block / 2) / block * block; }
@@ -120,6 +147,15 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
       block_cos_[(B + l) * half + k] = std::cos(double(l * B * B) * theta_[k]);
       block_sin_[(B + l) * half + k] = std::sin(double(l * B * B) * theta_[k]);
     }
+  const Index v16 = whole16(half);
+  const bool interleaved = config.layout == RopeLayout::Interleaved;
+  table_cos_f_.resize((2 * R + 1) * v16);
+  table_sin_f_.resize((2 * R + 1) * v16);
+  for (Index l = 0; l <= 2 * R; ++l)
+    for (Index s = 0; s < v16; ++s) {
+      table_cos_f_[l * v16 + s] = float(table_cos_[l * half + float_slot_pair(s, interleaved)]);
+      table_sin_f_[l * v16 + s] = float(table_sin_[l * half + float_slot_pair(s, interleaved)]);
+    }
 }
 
 namespace {
@@ -191,50 +227,66 @@ inline void for_block_rows(T* x0, Index q0, Index q_stride, Index qa, Index qb, 
   }
 }
 
-// The rows of one block (see for_block_rows); lo_cos/lo_sin row l + R holds cos/sin(l theta); hc,
-// hs: cos/sin(h theta) times the magnitude. Each row gets its angle (h +- l) theta by one angle
+// What a block kernel reads besides x, for the block centre h: row l + R of lo_cos/lo_sin holds
+// cos/sin(l theta), hc/hs cos/sin(h theta) times the magnitude, all r/2 wide, in double. lo_cos_f
+// .. hs_f: the same rounded to float, for the AVX-512 float kernel only (null otherwise): pairs
+// [0, whole16(r/2)) in its slot order (float_slot_pair), lo rows whole16(r/2) wide.
+struct BlockAngles {
+  const double *lo_cos, *lo_sin, *hc, *hs;
+  const float *lo_cos_f, *lo_sin_f, *hc_f, *hs_f;
+};
+
+// The rows of one block (see for_block_rows). Each row gets its angle (h +- l) theta by one angle
 // addition in double, rounded to T (sine negated when Negative), then its rotation. Half > 0 fixes
 // r/2 at compile time (the common widths: loops fully unrolled, hc/hs kept in registers across
 // the block); Half = 0 takes it from half_runtime. The portable kernel: any T, any target.
 template <class T, bool Negative, bool Interleaved, bool InPlace, Index Half>
 void rotate_block(T* x0, const T* src0, Index q0, Index q_stride, Index qa, Index qb, Index h,
-                  Index reach, const double* __restrict lo_cos, const double* __restrict lo_sin,
-                  const double* __restrict hc, const double* __restrict hs, Index half_runtime) {
+                  Index reach, const BlockAngles& angles, Index half_runtime) {
   const Index half = Half > 0 ? Half : half_runtime;
+  const double* __restrict hc = angles.hc;
+  const double* __restrict hs = angles.hs;
   for_block_rows(x0, q0, q_stride, qa, qb, h, reach, [&](T* xp, T* xm, Index l) {
     rotate_pairs_scalar<T, Negative, Interleaved, InPlace>(
         xp, source_row<T, InPlace>(x0, src0, xp), xm, source_row<T, InPlace>(x0, src0, xm), 0, half,
-        lo_cos + (reach + l) * half, lo_sin + (reach + l) * half, hc, hs);
+        angles.lo_cos + (reach + l) * half, angles.lo_sin + (reach + l) * half, hc, hs);
   });
 }
 
 #if defined(__AVX512F__)
-// The float kernel with AVX-512: 8 pairs at a time, their angle additions in one __m512d each
-// (the half layout's row pairs 16 at a time, rotate16_half: 9-10% faster there, bitwise the same).
-// GCC's auto-vectorisation of rotate_block<float> de- and re-interleaved x around the double
-// products with vpermt2ps (perf annotate); here the interleaved layout instead widens (c, s) to
-// (c c, s s) with one permute each and rotates x in place with fmaddsub, and the half layout needs
-// no permute at all: ~10 vector operations per 8 pairs per row (rope/apply at
-// n = 4096, d = 64: 35 -> 26 us on the shared development machine). FMA keeps the arithmetic
-// within the portable kernel's rounding bounds: c = fma(hc, lc, -hs ls) rounds once where
-// cc - ss rounds three times, and a c - b s likewise.
+// The float kernel with AVX-512. Pairs 16 at a time: their angle additions in float, in one
+// __m512 each, from the block centre's cos/sin and the offset table rounded to float. In double
+// (8 pairs per __m512d, two conversions to float and, in the interleaved layout, two cross-lane
+// permutes to widen (c, s) to (c c, s s)) rope/apply stayed at ~0.6 of copy in cache
+// (16384 x 128, interleaved); in float, with B = 32 (block_size), 0.75-0.82. The float angle
+// addition leaves cos and sin within 4 u_f, whatever the position: h theta is still reduced in
+// double, once per block (rope_tolerance in tests/test_rope.cpp derives the bound). The pairs past
+// the last multiple of 16 keep the double angle additions, 8 at a time, then one by one,
+// where FMA keeps the arithmetic within the portable kernel's rounding bounds: c = fma(hc, lc,
+// -hs ls) rounds once where cc - ss rounds three times, and a c - b s likewise.
+
+// The interleaved layout, 8 pairs: x = [a0 b0 a1 b1 ..] read from `from`, C = [c0 c0 c1 c1 ..],
+// S = [s0 s0 ..], x swapped = [b0 a0 ..]: fmaddsub gives a c - b s in the even slots, b c + a s
+// in the odd ones; fmsubadd the inverse.
+template <bool Negative>
+[[gnu::always_inline]] inline void rotate_interleaved8(float* __restrict x, const float* from,
+                                                       __m512 C, __m512 S) {
+  const __m512 v = _mm512_loadu_ps(from);
+  const __m512 bs = _mm512_mul_ps(_mm512_permute_ps(v, 0xB1), S);
+  _mm512_storeu_ps(x, Negative ? _mm512_fmsubadd_ps(v, C, bs) : _mm512_fmaddsub_ps(v, C, bs));
+}
 
 // Rotates pairs k .. k+7 of row x by (c, s) in double, each rounded once to float.
 template <bool Negative, bool Interleaved, bool InPlace>
-inline void rotate8(float* __restrict x, const float* __restrict src, Index k, Index half,
-                    __m512d c, __m512d s) {
+[[gnu::always_inline]] inline void rotate_vector(float* __restrict x, const float* __restrict src,
+                                                 Index k, Index half, __m512d c, __m512d s) {
   const float* from = InPlace ? x : src;  // see rotate_pair
   const __m256 cf = _mm512_cvtpd_ps(c), sf = _mm512_cvtpd_ps(s);
   if constexpr (Interleaved) {
-    // x = [a0 b0 a1 b1 ..], C = [c0 c0 c1 c1 ..], S = [s0 s0 ..], x swapped = [b0 a0 ..]:
-    // fmaddsub gives a c - b s in the even slots, b c + a s in the odd ones; fmsubadd the inverse.
     const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512 C = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf));
-    const __m512 S = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf));
-    const __m512 v = _mm512_loadu_ps(from + 2 * k);
-    const __m512 bs = _mm512_mul_ps(_mm512_permute_ps(v, 0xB1), S);
-    _mm512_storeu_ps(x + 2 * k,
-                     Negative ? _mm512_fmsubadd_ps(v, C, bs) : _mm512_fmaddsub_ps(v, C, bs));
+    rotate_interleaved8<Negative>(x + 2 * k, from + 2 * k,
+                                  _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf)),
+                                  _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf)));
   } else {
     const __m256 a = _mm256_loadu_ps(from + k), b = _mm256_loadu_ps(from + k + half);
     const __m256 bs = _mm256_mul_ps(b, sf), as = _mm256_mul_ps(a, sf);
@@ -244,9 +296,28 @@ inline void rotate8(float* __restrict x, const float* __restrict src, Index k, I
   }
 }
 
-// The half layout, pairs k .. k+15 of row x: rotate8's per-lane arithmetic (bitwise the same
-// result) with (c, s) of pairs k .. k+7 in c0/s0 and of k+8 .. k+15 in c1/s1, the float work 16
-// wide rather than 8.
+// Rotates pairs k .. k+15 of row x (k a multiple of 16) by (c, s), which hold those pairs in the
+// float slot order (float_slot_pair).
+template <bool Negative, bool Interleaved, bool InPlace>
+[[gnu::always_inline]] inline void rotate_vector(float* __restrict x, const float* __restrict src,
+                                                 Index k, Index half, __m512 c, __m512 s) {
+  const float* from = InPlace ? x : src;  // see rotate_pair
+  if constexpr (Interleaved) {
+    // Pairs k .. k+7 with the in-lane duplicates (unpacklo) of their slots, k+8 .. k+15 with
+    // unpackhi.
+    rotate_interleaved8<Negative>(x + 2 * k, from + 2 * k, _mm512_unpacklo_ps(c, c),
+                                  _mm512_unpacklo_ps(s, s));
+    rotate_interleaved8<Negative>(x + 2 * k + 16, from + 2 * k + 16, _mm512_unpackhi_ps(c, c),
+                                  _mm512_unpackhi_ps(s, s));
+  } else {
+    const __m512 a = _mm512_loadu_ps(from + k), b = _mm512_loadu_ps(from + k + half);
+    const __m512 bs = _mm512_mul_ps(b, s), as = _mm512_mul_ps(a, s);
+    _mm512_storeu_ps(x + k, Negative ? _mm512_fmadd_ps(a, c, bs) : _mm512_fmsub_ps(a, c, bs));
+    _mm512_storeu_ps(x + k + half,
+                     Negative ? _mm512_fmsub_ps(b, c, as) : _mm512_fmadd_ps(b, c, as));
+  }
+}
+
 // lo and hi, each rounded to float, side by side: [lo_0 .. lo_7, hi_0 .. hi_7].
 inline __m512 to_float16(__m512d lo, __m512d hi) {
   return _mm512_castpd_ps(
@@ -254,65 +325,84 @@ inline __m512 to_float16(__m512d lo, __m512d hi) {
                          _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
 }
 
-template <bool Negative, bool InPlace>
-inline void rotate16_half(float* __restrict x, const float* __restrict src, Index k, Index half,
-                          __m512d c0, __m512d c1, __m512d s0, __m512d s1) {
-  const float* from = InPlace ? x : src;
-  const __m512 cf = to_float16(c0, c1), sf = to_float16(s0, s1);
-  const __m512 a = _mm512_loadu_ps(from + k), b = _mm512_loadu_ps(from + k + half);
-  const __m512 bs = _mm512_mul_ps(b, sf), as = _mm512_mul_ps(a, sf);
-  _mm512_storeu_ps(x + k, Negative ? _mm512_fmadd_ps(a, cf, bs) : _mm512_fmsub_ps(a, cf, bs));
-  _mm512_storeu_ps(x + k + half,
-                   Negative ? _mm512_fmsub_ps(b, cf, as) : _mm512_fmadd_ps(b, cf, as));
+// v[0, whole16(half)) rounded to float into out, in the float slot order (float_slot_pair).
+// Interleaved, each 64-bit half of a 128-bit lane j of out is pairs (2j, 2j+1) of lo and then of
+// hi; written with a compiled float_slot_pair, this loop became gathers, 26% of rope/apply.
+inline void round_to_slots(const double* v, float* out, Index half, bool interleaved) {
+  const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+  for (Index k = 0; k < whole16(half); k += 16) {
+    __m512d f = _mm512_castps_pd(to_float16(_mm512_loadu_pd(v + k), _mm512_loadu_pd(v + k + 8)));
+    if (interleaved) f = _mm512_permutexvar_pd(order, f);
+    _mm512_storeu_ps(out + k, _mm512_castpd_ps(f));
+  }
+}
+
+// The angle additions of one vector of pairs, from k: 16 pairs in float (__m512) or 8 in double
+// (__m512d), by the same steps. These helpers and rotate_vector are always_inline: left to GCC,
+// the block loop lost ~15% (16384 x 128 interleaved, 190-200 -> 232 us), as in stop 10's item 15.
+inline __m512 load_vector(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512d load_vector(const double* p) { return _mm512_loadu_pd(p); }
+inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512d mul(__m512d a, __m512d b) { return _mm512_mul_pd(a, b); }
+inline __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512d fma(__m512d a, __m512d b, __m512d c) { return _mm512_fmadd_pd(a, b, c); }
+inline __m512 fms(__m512 a, __m512 b, __m512 c) { return _mm512_fmsub_ps(a, b, c); }
+inline __m512d fms(__m512d a, __m512d b, __m512d c) { return _mm512_fmsub_pd(a, b, c); }
+
+// Rows xp at h + l and xm at h - l: cos(h +- l) = ch cl -+ sh sl, sin(h +- l) = sh cl +- ch sl;
+// the two rows share sh sl and ch sl.
+template <bool Negative, bool Interleaved, bool InPlace, class S>
+[[gnu::always_inline]] inline void rotate_two_rows(float* __restrict xp, const float* __restrict sp,
+                                                   float* __restrict xm, const float* __restrict sm,
+                                                   Index k, Index half, const S* __restrict hc,
+                                                   const S* __restrict hs, const S* __restrict lc,
+                                                   const S* __restrict ls) {
+  const auto ch = load_vector(hc + k), sh = load_vector(hs + k);
+  const auto cl = load_vector(lc + k), sl = load_vector(ls + k);
+  const auto ss = mul(sh, sl), cs = mul(ch, sl);
+  rotate_vector<Negative, Interleaved, InPlace>(xp, sp, k, half, fms(ch, cl, ss), fma(sh, cl, cs));
+  rotate_vector<Negative, Interleaved, InPlace>(xm, sm, k, half, fma(ch, cl, ss), fms(sh, cl, cs));
+}
+
+// Row xp alone, at h + l.
+template <bool Negative, bool Interleaved, bool InPlace, class S>
+[[gnu::always_inline]] inline void rotate_one_row(float* __restrict xp, const float* __restrict sp,
+                                                  Index k, Index half, const S* __restrict hc,
+                                                  const S* __restrict hs, const S* __restrict lc,
+                                                  const S* __restrict ls) {
+  const auto ch = load_vector(hc + k), sh = load_vector(hs + k);
+  const auto cl = load_vector(lc + k), sl = load_vector(ls + k);
+  rotate_vector<Negative, Interleaved, InPlace>(xp, sp, k, half, fms(ch, cl, mul(sh, sl)),
+                                                fma(sh, cl, mul(ch, sl)));
 }
 
 template <bool Negative, bool Interleaved, bool InPlace, Index Half>
 void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride, Index qa, Index qb,
-                         Index h, Index reach, const double* __restrict lo_cos,
-                         const double* __restrict lo_sin, const double* __restrict hc,
-                         const double* __restrict hs, Index half_runtime) {
+                         Index h, Index reach, const BlockAngles& angles, Index half_runtime) {
   const Index half = Half > 0 ? Half : half_runtime;
-  const Index vec = half - half % 8;  // pairs [0, vec) in vectors, [vec, half) in the tail
+  const Index v16 = whole16(half), vec = half - half % 8;  // see whole16
+  const double* __restrict hc = angles.hc;
+  const double* __restrict hs = angles.hs;
+  const float* __restrict hcf = angles.hc_f;
+  const float* __restrict hsf = angles.hs_f;
   for_block_rows(x0, q0, q_stride, qa, qb, h, reach, [&](float* xp, float* xm, Index l) {
     const float* sp = source_row<float, InPlace>(x0, src0, xp);
     const float* sm = source_row<float, InPlace>(x0, src0, xm);
-    const double* __restrict lc = lo_cos + (reach + l) * half;
-    const double* __restrict ls = lo_sin + (reach + l) * half;
+    const double* __restrict lc = angles.lo_cos + (reach + l) * half;
+    const double* __restrict ls = angles.lo_sin + (reach + l) * half;
+    const float* __restrict lcf = angles.lo_cos_f + (reach + l) * v16;
+    const float* __restrict lsf = angles.lo_sin_f + (reach + l) * v16;
     if (xm != nullptr) {
-      Index k = 0;
-      if constexpr (!Interleaved)
-        for (; k + 16 <= vec; k += 16) {  // 16 pairs: the float work 16 wide (rotate16_half)
-          const __m512d ch0 = _mm512_loadu_pd(hc + k), sh0 = _mm512_loadu_pd(hs + k);
-          const __m512d cl0 = _mm512_loadu_pd(lc + k), sl0 = _mm512_loadu_pd(ls + k);
-          const __m512d ch1 = _mm512_loadu_pd(hc + k + 8), sh1 = _mm512_loadu_pd(hs + k + 8);
-          const __m512d cl1 = _mm512_loadu_pd(lc + k + 8), sl1 = _mm512_loadu_pd(ls + k + 8);
-          const __m512d ss0 = _mm512_mul_pd(sh0, sl0), cs0 = _mm512_mul_pd(ch0, sl0);
-          const __m512d ss1 = _mm512_mul_pd(sh1, sl1), cs1 = _mm512_mul_pd(ch1, sl1);
-          rotate16_half<Negative, InPlace>(
-              xp, sp, k, half, _mm512_fmsub_pd(ch0, cl0, ss0), _mm512_fmsub_pd(ch1, cl1, ss1),
-              _mm512_fmadd_pd(sh0, cl0, cs0), _mm512_fmadd_pd(sh1, cl1, cs1));
-          rotate16_half<Negative, InPlace>(
-              xm, sm, k, half, _mm512_fmadd_pd(ch0, cl0, ss0), _mm512_fmadd_pd(ch1, cl1, ss1),
-              _mm512_fmsub_pd(sh0, cl0, cs0), _mm512_fmsub_pd(sh1, cl1, cs1));
-        }
-      for (; k < vec; k += 8) {
-        const __m512d ch = _mm512_loadu_pd(hc + k), sh = _mm512_loadu_pd(hs + k);
-        const __m512d cl = _mm512_loadu_pd(lc + k), sl = _mm512_loadu_pd(ls + k);
-        const __m512d ss = _mm512_mul_pd(sh, sl), cs = _mm512_mul_pd(ch, sl);
-        // cos(h +- l) = ch cl -+ sh sl, sin(h +- l) = sh cl +- ch sl.
-        rotate8<Negative, Interleaved, InPlace>(xp, sp, k, half, _mm512_fmsub_pd(ch, cl, ss),
-                                                _mm512_fmadd_pd(sh, cl, cs));
-        rotate8<Negative, Interleaved, InPlace>(xm, sm, k, half, _mm512_fmadd_pd(ch, cl, ss),
-                                                _mm512_fmsub_pd(sh, cl, cs));
-      }
+      for (Index k = 0; k < v16; k += 16)
+        rotate_two_rows<Negative, Interleaved, InPlace>(xp, sp, xm, sm, k, half, hcf, hsf, lcf,
+                                                        lsf);
+      for (Index k = v16; k < vec; k += 8)
+        rotate_two_rows<Negative, Interleaved, InPlace>(xp, sp, xm, sm, k, half, hc, hs, lc, ls);
     } else {
-      for (Index k = 0; k < vec; k += 8) {
-        const __m512d ch = _mm512_loadu_pd(hc + k), sh = _mm512_loadu_pd(hs + k);
-        const __m512d cl = _mm512_loadu_pd(lc + k), sl = _mm512_loadu_pd(ls + k);
-        rotate8<Negative, Interleaved, InPlace>(xp, sp, k, half,
-                                                _mm512_fmsub_pd(ch, cl, _mm512_mul_pd(sh, sl)),
-                                                _mm512_fmadd_pd(sh, cl, _mm512_mul_pd(ch, sl)));
-      }
+      for (Index k = 0; k < v16; k += 16)
+        rotate_one_row<Negative, Interleaved, InPlace>(xp, sp, k, half, hcf, hsf, lcf, lsf);
+      for (Index k = v16; k < vec; k += 8)
+        rotate_one_row<Negative, Interleaved, InPlace>(xp, sp, k, half, hc, hs, lc, ls);
     }
     if (vec < half)
       rotate_pairs_scalar<float, Negative, Interleaved, InPlace>(xp, sp, xm, sm, vec, half, lc, ls,
@@ -322,8 +412,8 @@ void rotate_block_avx512(float* x0, const float* src0, Index q0, Index q_stride,
 #endif
 
 template <class T>
-using BlockKernel = void (*)(T*, const T*, Index, Index, Index, Index, Index, Index, const double*,
-                             const double*, const double*, const double*, Index);
+using BlockKernel = void (*)(T*, const T*, Index, Index, Index, Index, Index, Index,
+                             const BlockAngles&, Index);
 
 template <class T, bool Negative, bool Interleaved, bool InPlace>
 BlockKernel<T> pick_kernel(Index half) {
@@ -355,6 +445,14 @@ BlockKernel<T> pick_kernel(Index half) {
   }
 }
 
+// Room for n values: in `in` when they fit, else in `heap`.
+template <class V, std::size_t N>
+V* inline_or_heap(std::array<V, N>& in, std::vector<V>& heap, Index n) {
+  if (n <= Index(N)) return in.data();
+  heap.resize(std::size_t(n));
+  return heap.data();
+}
+
 // Rotates rows of x in place. A row at position p turns by -|p| theta when p < 0 (cos is even,
 // sin odd), so that every table angle is at most ~|p| theta and the rounding error stays
 // ~|p theta| u_d on both sides of 0. Keeps cos/sin (times the magnitude) of the current block
@@ -365,12 +463,15 @@ template <class T>
 class Rotator {
  public:
   Rotator(std::span<const double> theta, const std::vector<double>& lo_cos,
-          const std::vector<double>& lo_sin, const std::vector<double>& mid_cos,
+          const std::vector<double>& lo_sin, const std::vector<float>& lo_cos_f,
+          const std::vector<float>& lo_sin_f, const std::vector<double>& mid_cos,
           const std::vector<double>& mid_sin, double magnitude, RopeLayout layout, bool inverse,
           Index dim, Index block)
       : theta_(theta),
         lo_cos_(lo_cos.data()),
         lo_sin_(lo_sin.data()),
+        lo_cos_f_(lo_cos_f.data()),
+        lo_sin_f_(lo_sin_f.data()),
         mid_cos_(mid_cos.data()),
         mid_sin_(mid_sin.data()),
         half_(Index(theta.size())),
@@ -381,18 +482,20 @@ class Rotator {
         reach_(block / 2),
         mid2_(block * block),
         top_span_(block * block * block) {
-    double* buffers = inline_.data();
-    if (half_ > kInlinePairs) {
-      heap_.resize(std::size_t(6 * half_));
-      buffers = heap_.data();
-    }
+    double* buffers = inline_or_heap(inline_, heap_, 6 * half_);
     top_cos_ = buffers;
     top_sin_ = buffers + half_;
     span_cos_ = buffers + 2 * half_;
     span_sin_ = buffers + 3 * half_;
     block_cos_ = buffers + 4 * half_;
     block_sin_ = buffers + 5 * half_;
-    const bool interleaved = layout == RopeLayout::Interleaved;
+    interleaved_ = layout == RopeLayout::Interleaved;
+    if constexpr (kFloatAngles) {
+      float* floats = inline_or_heap(inline_f_, heap_f_, 2 * half_);
+      block_cos_f_ = floats;
+      block_sin_f_ = floats + half_;
+    }
+    const bool interleaved = interleaved_;
     pick_directions<false>(interleaved, inverse, forward_[0], backward_[0]);
     pick_directions<true>(interleaved, inverse, forward_[1], backward_[1]);
   }
@@ -430,6 +533,11 @@ class Rotator {
 
  private:
   static constexpr Index kInlinePairs = 128;  // r = 256: the m = 256 features of linear attention
+#if defined(__AVX512F__)
+  static constexpr bool kFloatAngles = std::is_same_v<T, float>;  // rotate_block_avx512
+#else
+  static constexpr bool kFloatAngles = false;
+#endif
 
   // The kernels for p >= 0 (forward) and p < 0 (backward); the inverse turns the other way:
   // negative angles for p >= 0, positive ones for p < 0.
@@ -459,7 +567,9 @@ class Rotator {
         }
       }
       seek_block(h);
-      kernel(x0, src0, q0, q_stride, qa, qb, h, reach_, lo_cos_, lo_sin_, block_cos_, block_sin_,
+      kernel(x0, src0, q0, q_stride, qa, qb, h, reach_,
+             BlockAngles{lo_cos_, lo_sin_, block_cos_, block_sin_, lo_cos_f_, lo_sin_f_,
+                         block_cos_f_, block_sin_f_},
              half_);
     }
   }
@@ -499,12 +609,20 @@ class Rotator {
     const Index row1 = ((h - span) / block_rows_) * half_;
     add_angle(span_cos_, span_sin_, mid_cos_ + row1, mid_sin_ + row1, scale_, block_cos_,
               block_sin_, half_);
+#if defined(__AVX512F__)
+    if constexpr (kFloatAngles) {
+      round_to_slots(block_cos_, block_cos_f_, half_, interleaved_);
+      round_to_slots(block_sin_, block_sin_f_, half_, interleaved_);
+    }
+#endif
     block_ = h;
     block_valid_ = true;
   }
 
   std::span<const double> theta_;
-  const double *lo_cos_, *lo_sin_, *mid_cos_, *mid_sin_;
+  const double *lo_cos_, *lo_sin_;
+  const float *lo_cos_f_, *lo_sin_f_;
+  const double *mid_cos_, *mid_sin_;
   Index half_;
   double scale_;
   Index dim_, dim_bytes_;
@@ -518,6 +636,12 @@ class Rotator {
          *block_cos_ = nullptr, *block_sin_ = nullptr;
   std::array<double, 6 * kInlinePairs> inline_;
   std::vector<double> heap_;
+  // block_cos_/sin_ rounded to float in the float kernel's slot order (kFloatAngles only; else
+  // null), in inline_f_ or (r/2 > kInlinePairs) heap_f_.
+  bool interleaved_ = false;
+  float *block_cos_f_ = nullptr, *block_sin_f_ = nullptr;
+  std::array<float, kFloatAngles ? 2 * kInlinePairs : 0> inline_f_;
+  std::vector<float> heap_f_;
 };
 
 }  // namespace
@@ -526,8 +650,8 @@ template <class T>
 void Rope::rotate_rows(T* x, Index rows, Index stride, Index first_position, bool inverse) const {
   assert(first_position >= -kMaxPosition && first_position <= kMaxPosition &&
          rows - 1 <= kMaxPosition - first_position);
-  Rotator<T>(theta_, table_cos_, table_sin_, block_cos_, block_sin_, magnitude_, config_.layout,
-             inverse, config_.dim, table_block_)
+  Rotator<T>(theta_, table_cos_, table_sin_, table_cos_f_, table_sin_f_, block_cos_, block_sin_,
+             magnitude_, config_.layout, inverse, config_.dim, table_block_)
       .run(x, rows, stride, first_position);
 }
 
@@ -558,8 +682,8 @@ void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positio
     if (positions[i] < -kMaxPosition || positions[i] > kMaxPosition)
       detail::throw_invalid(fn, "positions[", i, "] is ", positions[i],
                             " but expected a position within +-2^53 = ", kMaxPosition);
-  Rotator<T> rotator(theta_, table_cos_, table_sin_, block_cos_, block_sin_, magnitude_,
-                     config_.layout, inverse, config_.dim, table_block_);
+  Rotator<T> rotator(theta_, table_cos_, table_sin_, table_cos_f_, table_sin_f_, block_cos_,
+                     block_sin_, magnitude_, config_.layout, inverse, config_.dim, table_block_);
   for (Index i = 0; i < x.rows(); ++i) rotator.row(x.data() + i * x.outerStride(), positions[i]);
 }
 
@@ -587,8 +711,8 @@ void Rope::rotate_rows(const T* from, T* to, Index rows, Index stride, Index fir
                        bool inverse) const {
   assert(first_position >= -kMaxPosition && first_position <= kMaxPosition &&
          rows - 1 <= kMaxPosition - first_position);
-  Rotator<T>(theta_, table_cos_, table_sin_, block_cos_, block_sin_, magnitude_, config_.layout,
-             inverse, config_.dim, table_block_)
+  Rotator<T>(theta_, table_cos_, table_sin_, table_cos_f_, table_sin_f_, block_cos_, block_sin_,
+             magnitude_, config_.layout, inverse, config_.dim, table_block_)
       .run(to, rows, stride, first_position, from);
 }
 

@@ -51,10 +51,12 @@ struct RopeConfig {
 };
 
 // A rope of fixed width. Immutable after construction, so one Rope may be shared across threads.
-// Angles are computed in double for every position (at position 65536 a float angle is already off
-// by ~4e-3 rad): cos/sin come from small cached tables joined by angle additions in double, so a
-// float row at position 10^6 matches the exact rotation to within 6 * 2^-24 = 3.6e-7 relative (cos
-// and sin rounded once to float, then three float roundings per element).
+// Angles are exact to double precision at every position (at position 65536 a float angle is
+// already off by ~4e-3 rad): cos/sin of each block of 16 or 32 rows come from small cached tables
+// joined by angle additions in double, and each row's from one more angle addition: in float in
+// the AVX-512 float kernel (cos and sin then within 4 * 2^-24), in double elsewhere (rounded once).
+// So a float row at position 10^6 matches the exact rotation to within 12 * 2^-24 = 7.2e-7 of its
+// largest entry (6 * 2^-24 without AVX-512; measured at d = 128: 3.2 and 2.2 * 2^-24).
 // Throws std::invalid_argument on: dim < 1, odd rotary_dim, rotary_dim > dim, base <= 0 or not
 // finite, factor <= 0 or not finite (scaled kinds), Ntk with r = 2, Yarn without
 // original_max_position or with beta_fast <= beta_slow (or either not finite).
@@ -114,6 +116,9 @@ class Rope {
   Index table_block_ = 16;
   std::vector<double> table_cos_, table_sin_;
   std::vector<double> block_cos_, block_sin_;
+  // table_cos_/sin_ rounded to float, pairs 0 .. r/2 - r/2 % 16 only, in the order the AVX-512
+  // float kernel loads them: row-major [B + 1 x (r/2 - r/2 % 16)].
+  std::vector<float> table_cos_f_, table_sin_f_;
 };
 
 // The long-term decay of RoPE (RoFormer sec. 3.4.3, and the kexue.fm derivation):
