@@ -1,5 +1,5 @@
 // RoPE apply on an [n x d] float matrix, in place, against two yardsticks measured in the same run:
-//   rope/apply        Rope::apply (element-wise form, angles in double), both layouts
+//   rope/apply        Rope::apply (element-wise form, angles reduced in double), both layouts
 //   rope/naive_matrix the naive form: for every row, a dense (d x d) rotation matrix R(p) is built
 //                     (cos/sin of p theta_i in double, stored as float) and the row is replaced by
 //                     R(p) x with Eigen's GEMV. This is what "never build the rotation matrix in a
