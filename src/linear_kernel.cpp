@@ -147,7 +147,9 @@ void write_output(T* out, const T* numerator, Index dv, double den, double log_s
     return;
   }
   if (tally) tally->add(den, log_scale);
-  const double total = den + (eps > 0 ? eps * std::exp(-log_scale) : 0.0);
+  // Maps without a stabiliser (elu+1, relu, 1+cos) have log_scale 0 on every row: exp(-0) = 1
+  // exactly, without the libm call.
+  const double total = den + (eps > 0 ? eps * (log_scale == 0 ? 1.0 : std::exp(-log_scale)) : 0.0);
   if (total == 0 || !std::isfinite(total)) {  // 0 / 0 (eps = 0), or num / inf
     std::fill(out, out + dv, T(0));
     return;
@@ -190,8 +192,14 @@ void DenominatorTally::store(DenominatorStats& stats) const {
 namespace {
 
 // Rows per feature block of the non-causal form: large enough for efficient GEMMs, small enough for
-// the block's features to stay in L2.
-constexpr Index kBlockRows = 256;
+// the block's features to stay in L2. 512 while those are at most 128 KiB of float (m <= 64:
+// elu+1, relu, 1+cos), which spreads the per-block work (packing the state, the calls) over more
+// of their cheap rows; else 256 (FAVOR+, m = 256: 256 KiB, twice that for eq. 19).
+Index block_rows(Index m) { return m <= 64 ? 512 : 256; }
+
+// A thread's share of the rows, when the non-causal form splits a sequence: at least this many,
+// in multiples of it.
+constexpr Index kSplitRows = 256;
 
 int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_threads() : 1; }
 
@@ -199,7 +207,7 @@ int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_thre
 template <class T>
 void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
                  const LinearSetup& setup) {
-  const Index block = std::min<Index>(kBlockRows, std::max<Index>(nk, 1));
+  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(nk, 1));
   FeatureBlock<T> keys(setup, block);
   Matrix<T> weighted;
   Vector<T> weights;
@@ -224,7 +232,7 @@ void merge(LinearState<T>& state, const LinearState<T>& other) {
 template <class T>
 void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_pos0,
               const LinearSetup& setup, DenominatorTally* tally) {
-  const Index block = std::min<Index>(kBlockRows, std::max<Index>(n, 1));
+  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n, 1));
   FeatureBlock<T> queries(setup, block);
   Matrix<T> numerator;
   Vector<T> den;
@@ -264,13 +272,13 @@ void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index
   const int threads = usable_threads(parallel);
   LinearState<T> state;
   state.reset(setup.m, dv);
-  const Index key_parts = std::min<Index>(threads, nk / kBlockRows);
+  const Index key_parts = std::min<Index>(threads, nk / kSplitRows);
   if (key_parts > 1) {
     std::vector<LinearState<T>> parts(key_parts);
 #pragma omp parallel for num_threads(key_parts)
     for (Index t = 0; t < key_parts; ++t) {
-      const Index begin = split_point(nk, key_parts, t, kBlockRows);
-      const Index end = split_point(nk, key_parts, t + 1, kBlockRows);
+      const Index begin = split_point(nk, key_parts, t, kSplitRows);
+      const Index end = split_point(nk, key_parts, t + 1, kSplitRows);
       parts[t].reset(setup.m, dv);
       absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
     }
@@ -278,14 +286,14 @@ void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index
   } else {
     absorb_keys(state, k, v, nk, k_pos0, setup);
   }
-  const Index query_parts = std::min<Index>(threads, n / kBlockRows);
+  const Index query_parts = std::min<Index>(threads, n / kSplitRows);
   if (query_parts > 1) {
     std::vector<DenominatorTally> tallies(query_parts,
                                           tally ? tally->empty() : DenominatorTally(0));
 #pragma omp parallel for num_threads(query_parts)
     for (Index t = 0; t < query_parts; ++t) {
-      const Index begin = split_point(n, query_parts, t, kBlockRows);
-      const Index end = split_point(n, query_parts, t + 1, kBlockRows);
+      const Index begin = split_point(n, query_parts, t, kSplitRows);
+      const Index end = split_point(n, query_parts, t + 1, kSplitRows);
       read_out(state, q + begin * d, out + begin * dv, end - begin, q_pos0 + begin, setup,
                tally ? &tallies[t] : nullptr);
     }
