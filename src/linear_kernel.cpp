@@ -192,9 +192,10 @@ void DenominatorTally::store(DenominatorStats& stats) const {
 namespace {
 
 // Rows per feature block of the non-causal form: large enough for efficient GEMMs, small enough for
-// the block's features to stay in L2. 512 while those are at most 128 KiB of float (m <= 64:
-// elu+1, relu, 1+cos), which spreads the per-block work (packing the state, the calls) over more
-// of their cheap rows; else 256 (FAVOR+, m = 256: 256 KiB, twice that for eq. 19).
+// the block's features to stay in L2. 512 when m <= 64 (elu+1, relu, 1+cos: 128 KiB of float
+// features, 256 KiB for eq. 19's two copies; double twice that, not measured), which spreads the
+// per-block work (packing the state, the calls) over more of their cheap rows; else 256 (FAVOR+,
+// m = 256: 256 KiB, twice that for eq. 19).
 Index block_rows(Index m) { return m <= 64 ? 512 : 256; }
 
 // A thread's share of the rows, when the non-causal form splits a sequence: at least this many,

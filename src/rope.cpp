@@ -147,6 +147,7 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
       block_cos_[(B + l) * half + k] = std::cos(double(l * B * B) * theta_[k]);
       block_sin_[(B + l) * half + k] = std::sin(double(l * B * B) * theta_[k]);
     }
+#if defined(__AVX512F__)  // only the AVX-512 float kernel reads them
   const Index v16 = whole16(half);
   const bool interleaved = config.layout == RopeLayout::Interleaved;
   table_cos_f_.resize((2 * R + 1) * v16);
@@ -156,6 +157,7 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
       table_cos_f_[l * v16 + s] = float(table_cos_[l * half + float_slot_pair(s, interleaved)]);
       table_sin_f_[l * v16 + s] = float(table_sin_[l * half + float_slot_pair(s, interleaved)]);
     }
+#endif
 }
 
 namespace {
@@ -269,8 +271,8 @@ void rotate_block(T* x0, const T* src0, Index q0, Index q_stride, Index qa, Inde
 // S = [s0 s0 ..], x swapped = [b0 a0 ..]: fmaddsub gives a c - b s in the even slots, b c + a s
 // in the odd ones; fmsubadd the inverse.
 template <bool Negative>
-[[gnu::always_inline]] inline void rotate_interleaved8(float* __restrict x, const float* from,
-                                                       __m512 C, __m512 S) {
+[[gnu::always_inline]] inline void rotate_interleaved8(float* x, const float* from, __m512 C,
+                                                       __m512 S) {
   const __m512 v = _mm512_loadu_ps(from);
   const __m512 bs = _mm512_mul_ps(_mm512_permute_ps(v, 0xB1), S);
   _mm512_storeu_ps(x, Negative ? _mm512_fmsubadd_ps(v, C, bs) : _mm512_fmaddsub_ps(v, C, bs));

@@ -358,12 +358,13 @@ TEST_CASE("elu+1 and relu and 1+cos match the element-wise references") {
 }
 
 TEST_CASE("float elu+1 is exp(x) to within a few ulp down to the subnormals") {
-  // Every float x from -110 to 1 in steps of 2^-10 (the odd width 37 puts values in every lane and
-  // in the tail). The negative side is exp(x): the cephes polynomial, rebuilt by 2^m. Relative
-  // error: the polynomial ~1.5 u_f, the reduction r = x - m ln 2 in two FMAs below u_f, the five
-  // roundings of its evaluation ~2.5 u_f: 4 u_f. Below 2^-126 the result is subnormal: with
-  // AVX-512 (vscalefps) rounded once more, 2^-150 absolute; the portable build's Eigen exp clamps
-  // x at -88.7 and so returns ~2.9e-39 below it, under 2^-126.
+  // Every float x from -110 to 1 in steps of 2^-10, 37 per row of a strided view: the kernel then
+  // maps each row on its own, two full vectors and a 5-lane tail, so every value meets every kind
+  // of lane as x moves along the rows. The negative side is exp(x): the cephes polynomial, rebuilt
+  // by 2^m. Relative error: the polynomial ~1.5 u_f, the reduction r = x - m ln 2 in two FMAs below
+  // u_f, the five roundings of its evaluation ~2.5 u_f: 4 u_f. Below 2^-126 the result is
+  // subnormal: with AVX-512 (vscalefps) rounded once more, 2^-150 absolute; the portable build's
+  // Eigen exp clamps x at -88.7 and so returns ~2.9e-39 below it, under 2^-126.
 #if defined(__AVX512F__)
   const double subnormal_slack = 0x1.0p-150;
 #else
@@ -371,10 +372,12 @@ TEST_CASE("float elu+1 is exp(x) to within a few ulp down to the subnormals") {
 #endif
   const double step = 0x1.0p-10;
   const Index count = Index(111 / step) + 1, d = 37, n = (count + d - 1) / d;
-  MatrixF x = MatrixF::Zero(n, d);
+  MatrixF padded = MatrixF::Zero(n, d + 3);
+  auto x = padded.leftCols(d);
   for (Index i = 0; i < count; ++i) x(i / d, i % d) = float(-110 + double(i) * step);
   const auto elu = make(FeatureMapKind::EluPlusOne, d);
-  const MatrixF y = features<float>(*elu, x);
+  MatrixF y(n, d);
+  elu->apply(x, y);
   double worst = 0;  // in u_f of exp(x), for x <= 0 above the subnormals
   for (Index i = 0; i < count; ++i) {
     const double xi = x(i / d, i % d), yi = y(i / d, i % d);

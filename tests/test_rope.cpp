@@ -55,10 +55,10 @@ double max_abs_position(const std::vector<Index>& positions) {
 // entries are at most max_abs_x, rotated by the double-precision angle p theta:
 //  - in T: cos and sin (magnitude folded in) to within 4 u_T g: the AVX-512 float kernel joins
 //    the block centre's C = g cos(h theta) and S, each rounded to float, with the table's
-//    c = cos(l theta) and s, also rounded, by one float angle addition fma(C, c, -S s): 2 u_T g |C
-//    c|
-//    + 3 u_T g |S s| + u_T g for the last rounding, and |C c| + |S s| <= 1 (elsewhere they are
-//    rounded once from double, u_T g). Then one product and one fused difference:
+//    c = cos(l theta) and s, also rounded, by one float angle addition fma(C, c, -S s):
+//    2 u_T |C c| + 3 u_T |S s| + u_T g for the last rounding, with |C c| + |S s| <= g
+//    (elsewhere they are rounded once from double, u_T g). Then one product and one fused
+//    difference:
 //    (4 + 1 + 1) u_T g (|a| + |b|);
 //  - in double: the angle p theta is off by ~2 u_d |p| theta_max (theta from pow versus exp/log,
 //    then the product; the table split and the mirroring of p < 0 only re-associate it), plus
@@ -316,7 +316,7 @@ TEST_CASE_TEMPLATE("out-of-place rotate_rows is bitwise the in-place rotation of
   // partial rotation (the unrotated columns must be copied), rows on both sides of 0, inverse; the
   // source must stay as it was. The linear kernels rotate eq. 19's features this way.
   for (const RopeLayout layout : {RopeLayout::Interleaved, RopeLayout::Half})
-    for (const Index dim : {2, 10, 32, 50, 64, 66, 128, 256})
+    for (const Index dim : {2, 10, 32, 50, 64, 66, 128, 256, 258, 260})
       for (const Index rotary : {dim, dim - 2})
         for (const bool inverse : {false, true}) {
           if (rotary < 2) continue;
@@ -387,19 +387,20 @@ TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both direction
       }
 }
 
-TEST_CASE_TEMPLATE("every r/2 from 1 to 41: vector groups of 8 pairs and their scalar tail", T,
+TEST_CASE_TEMPLATE("every r/2 from 1 to 41, and 57: float groups of 16, double 8s, scalar tails", T,
                    float, double) {
-  // With AVX-512, src/rope.cpp rotates float rows 8 pairs at a time (the half layout's row pairs
-  // 16 at a time first) and the last r/2 mod 8 pairs in a scalar tail: r/2 = 1..41 gives tail
-  // only (< 8), vectors only (8, 16, 24, 32, 40), 16-pair steps followed by an 8-pair one (24,
-  // 40) and all of these with every tail length; odd dims leave a pass-through column after the
-  // rotated ones. 37 rows
+  // With AVX-512, src/rope.cpp rotates float rows 16 pairs at a time (angle additions in float),
+  // then at most one 8-pair vector and the last r/2 mod 8 pairs one by one (both in double):
+  // r/2 = 1..41 gives the tail only (< 8), one 8-pair vector (8..15), 16-pair groups alone (16,
+  // 32), followed by an 8-pair vector (24, 40), and all of these with every tail length; 57 has
+  // three 16-pair groups, an 8-pair vector and a tail, with B = 32. Odd dims leave a pass-through
+  // column after the rotated ones. 37 rows
   // from -18 cross 0 in both directions, so each width meets paired rows (h +- l), unpaired block
   // edges and both signs of the angle; forward and inverse, with Yarn so the magnitude is folded
   // in. Double (portable kernel only) runs the same sweep.
   std::uint64_t seed = 3000;
   for (RopeLayout layout : kLayouts)
-    for (Index half = 1; half <= 41; ++half)
+    for (Index half = 1; half <= 57; half += half < 41 ? 1 : 16)
       for (bool inverse : {false, true}) {
         const Index r = 2 * half, dim = r + (half % 2);
         CAPTURE(layout_name(layout));
@@ -612,13 +613,13 @@ TEST_CASE_TEMPLATE("apply_inverse undoes apply", T, float, double) {
 }
 
 TEST_CASE("float at large positions matches double to ~1e-6 relative") {
-  // Per pair, the float result differs from the exact rotation by cos and sin rounded to float,
-  // one rounding per product and one per difference: |err| <= 3 u_f g (|a| + |b|) per element,
-  // so <= 3 u_f g sqrt(2) sqrt(2) |(a, b)| = 6 u_f g |(a, b)| per pair and 6 u_f g |x_rot| per row
-  // (u_f = 2^-24: 3.6e-7). The angle, in double, is off by ~2 u_d p = 2e-9 rad at p = 10^7:
-  // negligible. Tolerance 2x: 7.2e-7 relative per row.
+  // Per element, the float result differs from the exact rotation by at most 6 u_f g (|a| + |b|)
+  // (rope_tolerance: cos and sin within 4 u_f g, one rounding per product and one per
+  // difference), so <= 6 u_f g sqrt(2) sqrt(2) |(a, b)| = 12 u_f g |(a, b)| per pair and
+  // 12 u_f g |x_rot| per row (u_f = 2^-24: 7.2e-7). The angle, in double, is off by
+  // ~2 u_d p = 2e-9 rad at p = 10^7: negligible. Tolerance 2x: 1.4e-6 relative per row.
   const double u = unit_roundoff<float>();
-  const double rel_tol = 2 * 6 * u;
+  const double rel_tol = 2 * 12 * u;
   for (RopeLayout layout : kLayouts)
     for (Index first : {Index(1000000), Index(999990), Index(10000000), Index(-10000019)}) {
       CAPTURE(layout_name(layout));

@@ -56,7 +56,8 @@ struct RopeConfig {
 // joined by angle additions in double, and each row's from one more angle addition: in float in
 // the AVX-512 float kernel (cos and sin then within 4 * 2^-24), in double elsewhere (rounded once).
 // So a float row at position 10^6 matches the exact rotation to within 12 * 2^-24 = 7.2e-7 of its
-// largest entry (6 * 2^-24 without AVX-512; measured at d = 128: 3.2 and 2.2 * 2^-24).
+// largest entry times the magnitude (6 * 2^-24 without AVX-512; measured at d = 128: 3.2 and
+// 2.2 * 2^-24).
 // Throws std::invalid_argument on: dim < 1, odd rotary_dim, rotary_dim > dim, base <= 0 or not
 // finite, factor <= 0 or not finite (scaled kinds), Ntk with r = 2, Yarn without
 // original_max_position or with beta_fast <= beta_slow (or either not finite).
