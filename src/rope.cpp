@@ -497,9 +497,8 @@ class Rotator {
       block_cos_f_ = floats;
       block_sin_f_ = floats + half_;
     }
-    const bool interleaved = interleaved_;
-    pick_directions<false>(interleaved, inverse, forward_[0], backward_[0]);
-    pick_directions<true>(interleaved, inverse, forward_[1], backward_[1]);
+    pick_directions<false>(interleaved_, inverse, forward_[0], backward_[0]);
+    pick_directions<true>(interleaved_, inverse, forward_[1], backward_[1]);
   }
   Rotator(const Rotator&) = delete;
   Rotator& operator=(const Rotator&) = delete;
