@@ -7,6 +7,7 @@
 // deterministic: the same inputs give bitwise the same C whatever thread calls it.
 #pragma once
 
+#include <array>
 #include <linrope/types.hpp>
 #include <type_traits>
 #include <vector>
@@ -43,10 +44,23 @@ View<typename std::remove_reference_t<M>::Scalar> view(M&& m) {
   return {m.data(), m.rows(), m.cols(), m.outerStride()};
 }
 
+// Memory the caller touches right after a product (the next block of its inputs, the rows it is
+// about to write): the product fetches it into L2, one cache line every other step of its inner
+// loop, so that the fetch overlaps the arithmetic instead of stalling the pass that reads it.
+// Ranges are fetched in order, as far as the product's length allows; the result is unaffected.
+// Only the AVX-512 float kernel fetches (Eigen's products ignore it).
+struct Prefetch {
+  struct Range {
+    const void* data = nullptr;
+    Index bytes = 0;
+  };
+  std::array<Range, 2> ranges{};
+};
+
 // c = a b (accumulate: c += a b). Shapes must agree: a [m x k], b [k x n], c [m x n]; c must not
 // overlap a or b. Never throws but std::bad_alloc (packing buffers, grown once per thread).
 template <class T>
-void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate);
+void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate, Prefetch next = {});
 
 // A right-hand factor laid out once in the form gemm would otherwise rebuild on every call: for a
 // fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-128

@@ -4,6 +4,7 @@
 // accumulate or not, strided blocks in and out, and determinism.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -126,6 +127,41 @@ TEST_CASE("gemm is deterministic: repeated calls give bitwise the same result") 
   linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(first), false);
   linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(second), false);
   CHECK((first.array() == second.array()).all());
+}
+
+// A product that fetches memory for its caller (Prefetch) takes another path through the
+// micro-kernel's inner loop (steps in pairs while lines remain), so it is compared, bitwise, with
+// the same product without one: over odd and even K, K below and above a cache block, and ranges
+// that run out mid-product, outlast it, start unaligned, end mid-line, are empty, or are the
+// operands themselves. Nothing fetched may change.
+TEST_CASE("gemm fetching memory for its caller (Prefetch) gives bitwise what gemm without gives") {
+  using linrope::detail::Prefetch;
+  const std::vector<float> elsewhere(5000, 3.0f);
+  std::uint64_t seed = 1300;
+  for (const Index k : {1, 2, 3, 64, 255, 257, 600})
+    for (const Index m : {1, 8, 37, 130}) {
+      CAPTURE(k);
+      CAPTURE(m);
+      const Operand<float> a_op(linrope::testing::gaussian(m, k, seed), false);
+      const Operand<float> b_op(linrope::testing::gaussian(k, 45, seed + 1), true);
+      const linrope::MatrixF c0 = linrope::testing::gaussian(m, 45, seed + 2).cast<float>();
+      seed += 3;
+      linrope::MatrixF plain = c0;
+      linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(plain), true);
+      const Index a_bytes = Index(sizeof(float)) * a_op.storage.size();
+      for (const Prefetch& next :
+           {Prefetch{{Prefetch::Range{elsewhere.data() + 3, 4 * 41}, Prefetch::Range{}}},
+            Prefetch{{Prefetch::Range{elsewhere.data(), 4 * 5000},
+                      Prefetch::Range{a_op.storage.data(), a_bytes}}},
+            Prefetch{{Prefetch::Range{}, Prefetch::Range{elsewhere.data() + 1, 4 * 4000}}},
+            Prefetch{
+                {Prefetch::Range{b_op.storage.data(), 4}, Prefetch::Range{plain.data(), 8}}}}) {
+        linrope::MatrixF fetched = c0;
+        linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(fetched), true, next);
+        CHECK((fetched.array() == plain.array()).all());
+      }
+      CHECK(std::all_of(elsewhere.begin(), elsewhere.end(), [](float x) { return x == 3.0f; }));
+    }
 }
 
 // PackedRight against gemm on the view it was built from: bitwise for float with AVX-512 (the same
