@@ -46,6 +46,20 @@ std::string stem_of(const std::string& name) {
   return stem;
 }
 
+namespace {
+
+// Removes the plots (PNG and SVG) in an experiment's directory: an earlier run's, once the CSV
+// they were drawn from has been replaced.
+void remove_figures(const fs::path& dir) {
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const auto extension = entry.path().extension();
+    if (extension == ".png" || extension == ".svg") fs::remove(entry.path(), error);
+  }
+}
+
+}  // namespace
+
 Context run_experiment(const Experiment& experiment, const Options& options,
                        std::function<void(const std::vector<std::string>&)> on_measure) {
   const std::string stem = stem_of(experiment.name);
@@ -97,7 +111,9 @@ Context run_experiment(const Experiment& experiment, const Options& options,
     // The CSV holds the finished points (the sweep saved it). Figures and findings drawn from part
     // of a sweep would read as results, so none are made: no plots, and a report section that
     // says what is missing and how to finish it. It replaces the section of any earlier run,
-    // which no longer describes the CSV. The metadata records the interruption.
+    // which no longer describes the CSV, as its figures no longer do: they are removed. The
+    // metadata records the interruption.
+    remove_figures(dir);
     const double seconds = elapsed();
     fill_metadata("interrupted", seconds);
     meta["signal"] = signal_name(stop.signal());

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <csignal>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -158,9 +160,10 @@ TEST_CASE("Ctrl-C before the first point finishes leaves an earlier run's files 
   const ScratchDir dir("interrupt-first");
   REQUIRE(run(small_args(dir.path(), "rope-decay")).status == 0);
   const std::filesystem::path exp_dir = dir.path() / "rope_decay";
+  std::ofstream(exp_dir / "rope_decay.png") << "the earlier run's plot";  // (run with --no-plots)
   const std::vector<std::filesystem::path> files = {
       exp_dir / "rope_decay.csv", exp_dir / "rope_decay.json", exp_dir / "report_section.md",
-      dir.path() / "REPORT.md"};
+      dir.path() / "REPORT.md", exp_dir / "rope_decay.png"};
   std::vector<std::string> before;
   for (const auto& f : files) before.push_back(read_file(f));
 
@@ -180,7 +183,9 @@ TEST_CASE("Ctrl-C before the first point finishes leaves an earlier run's files 
   CHECK(count_temporaries(dir.path()) == 0);
 }
 
-TEST_CASE("Ctrl-C: finished points saved, status 130, one line, and --resume completes the run") {
+TEST_CASE(
+    "Ctrl-C: finished points saved, earlier plots removed, status 130, one line, and --resume "
+    "completes the run") {
   struct Case {
     const char* experiment;
     std::size_t total;        // points of small_args()
@@ -201,6 +206,11 @@ TEST_CASE("Ctrl-C: finished points saved, status 130, one line, and --resume com
       REQUIRE(reference.status == 0);
       const auto expected = rows_of(reference_dir.path() / stem / (stem + ".csv"), columns);
       REQUIRE(expected.size() == c.total);
+      // An earlier run's plots, which the interrupted run's CSV no longer matches.
+      const std::vector<std::filesystem::path> earlier_figures = {
+          dir.path() / stem / (stem + "_earlier.png"), dir.path() / stem / (stem + "_earlier.svg")};
+      std::filesystem::create_directories(dir.path() / stem);
+      for (const auto& figure : earlier_figures) std::ofstream(figure) << "earlier run";
 
       // The signal lands while the k-th point is measured: that point finishes and is saved, and
       // no further point starts.
@@ -223,6 +233,7 @@ TEST_CASE("Ctrl-C: finished points saved, status 130, one line, and --resume com
       CHECK(std::equal(partial.begin(), partial.end(), expected.begin()));
       const auto partial_full = rows_of(csv);
       CHECK(count_temporaries(dir.path()) == 0);
+      for (const auto& figure : earlier_figures) CHECK_FALSE(std::filesystem::exists(figure));
 
       // Marked incomplete: metadata, no findings in the report section, REPORT.md says so.
       const auto meta = metadata(dir.path(), stem);
