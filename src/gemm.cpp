@@ -2,7 +2,6 @@
 #include "gemm.hpp"
 
 #include <algorithm>
-#include <array>
 #include <cassert>
 #include <vector>
 
@@ -125,42 +124,11 @@ void pack_panels(ConstView<float> x, Index r0, Index c0, Index rows, Index depth
   }
 }
 
-// The cache lines of a Prefetch still to fetch, handed out a run at a time.
-class LineFeed {
- public:
-  explicit LineFeed(const Prefetch& next) {
-    for (const auto& range : next.ranges) {
-      const char* first = static_cast<const char*>(range.data);
-      begin_[count_] = first;
-      end_[count_] = first + std::max<Index>(range.bytes, 0);
-      count_ += range.bytes > 0 ? 1 : 0;
-    }
-  }
-  // Up to `lines` consecutive lines, all starting inside one range: returns the first and sets
-  // `lines` to their number (0 when nothing is left).
-  const char* take(Index& lines) {
-    while (current_ < count_ && begin_[current_] >= end_[current_]) ++current_;
-    if (current_ == count_) {
-      lines = 0;
-      return nullptr;
-    }
-    const char* first = begin_[current_];
-    lines = std::min<Index>(lines, (end_[current_] - first + kLine - 1) / kLine);
-    begin_[current_] = first + lines * kLine;
-    return first;
-  }
-  static constexpr Index kLine = 64;
-
- private:
-  std::array<const char*, 2> begin_{}, end_{};
-  int count_ = 0, current_ = 0;
-};
-
 // c[0 .. rows, 0 .. cols] (+)= A panel x packed B panel over kc, with A's element (i, p) at
 // a[i * row_step + p * col_step]: packed (1, kMR), a row-major A in place (lda, 1) or a
 // column-major one in place (1, lda). Rows beyond `rows` are clamped to the last one (computed,
 // never stored), so an in-place A is never read past its end. Fetches up to kc / 2 lines of
-// `feed` into L2, one every other step: 16 FMAs, 8 cycles, apart.
+// `feed` into L2, one per two steps (32 FMAs) while they last.
 void micro_kernel(Index kc, const float* a, Index row_step, Index col_step, const float* b,
                   float* c, Index ldc, Index rows, Index cols, bool accumulate, LineFeed& feed) {
   const float* row_of[kMR];
@@ -178,10 +146,11 @@ void micro_kernel(Index kc, const float* a, Index row_step, Index col_step, cons
       acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
     }
   };
-  Index lines = kc / 2, p = 0;
-  const char* fetch = feed.take(lines);
-  for (Index line = 0; line < lines; ++line, p += 2) {
-    _mm_prefetch(fetch + line * LineFeed::kLine, _MM_HINT_T1);
+  const LineFeed::Run run = feed.take(kc / 2);
+  Index p = 0;
+  for (Index line = 0; line < run.count; ++line, p += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>((run.first + line) * LineFeed::kLineBytes),
+                 _MM_HINT_T1);
     step(p);
     step(p + 1);
   }

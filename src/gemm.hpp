@@ -7,7 +7,9 @@
 // deterministic: the same inputs give bitwise the same C whatever thread calls it.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
 #include <linrope/types.hpp>
 #include <type_traits>
 #include <vector>
@@ -45,16 +47,55 @@ View<typename std::remove_reference_t<M>::Scalar> view(M&& m) {
 }
 
 // Memory the caller touches right after a product (the next block of its inputs, the rows it is
-// about to write): the product fetches it into L2, one cache line every other step of its inner
-// loop, so that the fetch overlaps the arithmetic instead of stalling the pass that reads it.
-// Ranges are fetched in order, as far as the product's length allows; the result is unaffected.
-// Only the AVX-512 float kernel fetches (Eigen's products ignore it).
+// about to write): the product fetches it into L2 while it computes, so that the fetch overlaps
+// the arithmetic instead of stalling the pass that reads it. Ranges are fetched in order, one
+// cache line per two steps of the micro-kernel's inner loop, so a product [m x k] x [k x n] has
+// room for ceil(m / 8) ceil(n / 32) k / 2 lines (a 512-key block's state update at d = 64: 4096
+// lines, exactly its next keys and values); what does not fit is not fetched. The result is
+// unaffected. Only the AVX-512 float kernel fetches (Eigen's products ignore it).
 struct Prefetch {
   struct Range {
     const void* data = nullptr;
     Index bytes = 0;
   };
   std::array<Range, 2> ranges{};
+};
+
+// The cache lines of a Prefetch, handed out in order a run at a time: what the micro-kernel
+// fetches. Every line a range touches is covered, from the one holding its first byte to the one
+// holding its last. Lines are numbered (address / kLineBytes), so no pointer is ever formed
+// outside the caller's arrays.
+class LineFeed {
+ public:
+  static constexpr Index kLineBytes = 64;
+  struct Run {
+    std::uintptr_t first = 0;  // line number
+    Index count = 0;
+  };
+
+  explicit LineFeed(const Prefetch& next) {
+    for (const auto& range : next.ranges) {
+      if (range.bytes <= 0) continue;
+      const auto start = reinterpret_cast<std::uintptr_t>(range.data);
+      next_[count_] = start / kLineBytes;
+      end_[count_] = (start + std::uintptr_t(range.bytes) - 1) / kLineBytes + 1;
+      ++count_;
+    }
+  }
+
+  // The next at most `most` lines, all of one range (count 0 once none are left).
+  Run take(Index most) {
+    while (current_ < count_ && next_[current_] >= end_[current_]) ++current_;
+    if (current_ == count_ || most <= 0) return {};
+    const std::uintptr_t left = end_[current_] - next_[current_];
+    const Run run{next_[current_], Index(std::min(left, std::uintptr_t(most)))};
+    next_[current_] += std::uintptr_t(run.count);
+    return run;
+  }
+
+ private:
+  std::array<std::uintptr_t, 2> next_{}, end_{};  // lines [next, end) of each range still to go
+  int count_ = 0, current_ = 0;
 };
 
 // c = a b (accumulate: c += a b). Shapes must agree: a [m x k], b [k x n], c [m x n]; c must not

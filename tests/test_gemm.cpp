@@ -4,8 +4,8 @@
 // accumulate or not, strided blocks in and out, and determinism.
 #include <doctest/doctest.h>
 
-#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -131,37 +131,89 @@ TEST_CASE("gemm is deterministic: repeated calls give bitwise the same result") 
 
 // A product that fetches memory for its caller (Prefetch) takes another path through the
 // micro-kernel's inner loop (steps in pairs while lines remain), so it is compared, bitwise, with
-// the same product without one: over odd and even K, K below and above a cache block, and ranges
-// that run out mid-product, outlast it, start unaligned, end mid-line, are empty, or are the
-// operands themselves. Nothing fetched may change.
+// the same product without one: every A layout (row-major in place, column-major in place, and
+// packed, for N > 64), odd and even K below and above a cache block, accumulate or not, and
+// ranges that run out mid-product, outlast it, start unaligned, end mid-line, are empty, or are
+// the operands themselves.
 TEST_CASE("gemm fetching memory for its caller (Prefetch) gives bitwise what gemm without gives") {
   using linrope::detail::Prefetch;
   const std::vector<float> elsewhere(5000, 3.0f);
   std::uint64_t seed = 1300;
   for (const Index k : {1, 2, 3, 64, 255, 257, 600})
-    for (const Index m : {1, 8, 37, 130}) {
-      CAPTURE(k);
-      CAPTURE(m);
-      const Operand<float> a_op(linrope::testing::gaussian(m, k, seed), false);
-      const Operand<float> b_op(linrope::testing::gaussian(k, 45, seed + 1), true);
-      const linrope::MatrixF c0 = linrope::testing::gaussian(m, 45, seed + 2).cast<float>();
-      seed += 3;
-      linrope::MatrixF plain = c0;
-      linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(plain), true);
-      const Index a_bytes = Index(sizeof(float)) * a_op.storage.size();
-      for (const Prefetch& next :
-           {Prefetch{{Prefetch::Range{elsewhere.data() + 3, 4 * 41}, Prefetch::Range{}}},
-            Prefetch{{Prefetch::Range{elsewhere.data(), 4 * 5000},
-                      Prefetch::Range{a_op.storage.data(), a_bytes}}},
-            Prefetch{{Prefetch::Range{}, Prefetch::Range{elsewhere.data() + 1, 4 * 4000}}},
-            Prefetch{
-                {Prefetch::Range{b_op.storage.data(), 4}, Prefetch::Range{plain.data(), 8}}}}) {
-        linrope::MatrixF fetched = c0;
-        linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(fetched), true, next);
-        CHECK((fetched.array() == plain.array()).all());
+    for (const Index m : {1, 8, 37, 130})
+      for (const Index n : {45, 200})
+        for (const bool a_columns : {false, true})
+          for (const bool accumulate : {false, true}) {
+            CAPTURE(k);
+            CAPTURE(m);
+            CAPTURE(n);
+            CAPTURE(a_columns);
+            CAPTURE(accumulate);
+            const Operand<float> a_op(linrope::testing::gaussian(m, k, seed), a_columns);
+            const Operand<float> b_op(linrope::testing::gaussian(k, n, seed + 1), true);
+            const linrope::MatrixF c0 = linrope::testing::gaussian(m, n, seed + 2).cast<float>();
+            seed += 3;
+            linrope::MatrixF plain = c0;
+            linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(plain), accumulate);
+            const Index a_bytes = Index(sizeof(float)) * a_op.storage.size();
+            for (const Prefetch& next :
+                 {Prefetch{{Prefetch::Range{elsewhere.data() + 3, 4 * 41}, Prefetch::Range{}}},
+                  Prefetch{{Prefetch::Range{elsewhere.data(), 4 * 5000},
+                            Prefetch::Range{a_op.storage.data(), a_bytes}}},
+                  Prefetch{{Prefetch::Range{}, Prefetch::Range{elsewhere.data() + 1, 4 * 4000}}},
+                  Prefetch{{Prefetch::Range{b_op.storage.data(), 4},
+                            Prefetch::Range{plain.data(), 8}}}}) {
+              linrope::MatrixF fetched = c0;
+              linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(fetched),
+                                    accumulate, next);
+              CHECK((fetched.array() == plain.array()).all());
+            }
+          }
+}
+
+// What the micro-kernel fetches: LineFeed hands out exactly the cache lines the ranges touch,
+// each once, the first range's before the second's, in runs of at most the size asked for that
+// lie in one range. Model: line numbers address / 64 from the first byte's to the last byte's.
+TEST_CASE("LineFeed hands out exactly the cache lines a Prefetch's ranges touch, in order") {
+  using linrope::detail::LineFeed;
+  using linrope::detail::Prefetch;
+  alignas(64) static const char memory[4096] = {};
+  const auto lines_of = [](const Prefetch::Range& r) {
+    std::vector<std::uintptr_t> lines;
+    if (r.bytes <= 0) return lines;
+    const auto start = reinterpret_cast<std::uintptr_t>(r.data);
+    for (std::uintptr_t l = start / 64; l <= (start + r.bytes - 1) / 64; ++l) lines.push_back(l);
+    return lines;
+  };
+  const std::vector<Prefetch::Range> ranges = {
+      {memory, 64}, {memory + 1, 64},   {memory + 63, 2},    {memory + 7, 1},     {memory + 128, 0},
+      {nullptr, 0}, {memory + 5, 1000}, {memory + 640, 640}, {memory + 100, 3000}};
+  for (const auto& first : ranges)
+    for (const auto& second : ranges)
+      for (const Index most : {1, 3, 128}) {
+        CAPTURE(first.bytes);
+        CAPTURE(second.bytes);
+        CAPTURE(most);
+        std::vector<std::uintptr_t> expected = lines_of(first);
+        const std::vector<std::uintptr_t> of_second = lines_of(second);
+        expected.insert(expected.end(), of_second.begin(), of_second.end());
+
+        LineFeed feed(Prefetch{{first, second}});
+        CHECK(feed.take(0).count == 0);  // asks for nothing, takes nothing
+        std::vector<std::uintptr_t> handed;
+        for (LineFeed::Run run = feed.take(most); run.count > 0; run = feed.take(most)) {
+          CHECK(run.count <= most);
+          // One run lies in one range: its lines are the next ones of the expected sequence and
+          // consecutive (two ranges may touch the same or adjacent lines, never within a run).
+          for (Index i = 0; i < run.count; ++i) handed.push_back(run.first + std::uintptr_t(i));
+          const std::size_t at = handed.size() - std::size_t(run.count);
+          const bool in_first = at + std::size_t(run.count) <= lines_of(first).size();
+          const bool in_second = at >= lines_of(first).size();
+          CHECK((in_first || in_second));
+        }
+        CHECK(handed == expected);
+        CHECK(feed.take(most).count == 0);  // and stays empty
       }
-      CHECK(std::all_of(elsewhere.begin(), elsewhere.end(), [](float x) { return x == 3.0f; }));
-    }
 }
 
 // PackedRight against gemm on the view it was built from: bitwise for float with AVX-512 (the same
