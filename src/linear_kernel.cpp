@@ -205,11 +205,11 @@ constexpr Index kSplitRows = 256;
 
 int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_threads() : 1; }
 
-// Rows [first, first + rows) of a row-major [* x cols] buffer, as a range to prefetch (none when
-// rows <= 0).
+// Rows [first, first + rows) of a row-major [* x cols] buffer, as a range to prefetch (empty when
+// rows is 0).
 template <class T>
 Prefetch::Range rows_of(const T* x, Index cols, Index first, Index rows) {
-  return {x + first * cols, Index(sizeof(T)) * cols * std::max<Index>(rows, 0)};
+  return {x + first * cols, Index(sizeof(T)) * cols * rows};
 }
 
 // Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time: the non-causal form,
@@ -360,11 +360,11 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
     queries.compute(q + qs * d, rows, q_pos0 + qs);
     const Index kb = je - js;
     if (kb > 0) keys.compute(k + js * d, kb, k_pos0 + js);
-    // The next chunk's rows, which this chunk's products fetch (gemm.hpp's Prefetch): queries
-    // [qs + rows, next_qe) and keys [je, next_je) during the read-out, values and output rows
-    // during the state update (elu+1 at n = 16384, 8 heads, 2 threads: 0.89x the time).
-    const Index next_qe = std::min(n, qs + rows + L);
-    const Index next_je = std::clamp(next_qe + shift, je, nk);
+    // The next chunk's rows, which this chunk's products fetch (gemm.hpp's Prefetch): its
+    // queries and keys [je, next_je) during the read-out, its values and output rows during the
+    // state update (elu+1 at n = 16384, 8 heads, 2 threads: 0.89x the time).
+    const Index next_rows = std::min(L, n - qs - rows);
+    const Index next_je = std::clamp(qs + rows + next_rows + shift, je, nk);
 
     // Denominators and per-query maxima M_i, admitting the chunk's keys as they become visible.
     z_running = state.z;
@@ -387,8 +387,7 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
     numerator.resize(rows, dv);
     if (state.M != kEmpty) {
       gemm(const_view(queries.num()), const_view(state.S), view(numerator), false,
-           Prefetch{
-               {rows_of(q, d, qs + rows, next_qe - qs - rows), rows_of(k, d, je, next_je - je)}});
+           Prefetch{{rows_of(q, d, qs + rows, next_rows), rows_of(k, d, je, next_je - je)}});
       for (Index r = 0; r < rows; ++r)
         if (query_max[r] > state.M) numerator.row(r) *= T(std::exp(state.M - query_max[r]));
     } else {
@@ -437,8 +436,7 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
                    queries.log_scale(r) + query_max[r], setup.options.eps, tally);
     if (kb > 0) {
       absorb(state, keys, v + js * dv, weighted, weights,
-             Prefetch{{rows_of(v, dv, je, next_je - je),
-                       rows_of(out, dv, qs + rows, next_qe - qs - rows)}});
+             Prefetch{{rows_of(v, dv, je, next_je - je), rows_of(out, dv, qs + rows, next_rows)}});
       absorbed = je;
     }
   }
