@@ -94,7 +94,8 @@ void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index
 
 // Causal, chunked or scan by setup.options.method: query i sees key j iff
 // k_pos0 + j <= q_pos0 + i, plus everything already in `state`. If absorb_all, every key ends up in
-// `state` (the stream); otherwise keys past the last query's horizon are left out.
+// `state` (the stream); otherwise `state` ends up holding only some of the keys, and is for the
+// caller to discard.
 // `parallel` as for linear_noncausal (the chunked form only; the scan is sequential by nature).
 template <class T>
 void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,

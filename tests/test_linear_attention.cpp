@@ -1036,8 +1036,9 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument") {
 TEST_CASE("a non-finite value is found wherever it is: every method, parallel split, unread keys") {
   // The kernels check q, k and v block by block as they read them, not in a scan before. Each
   // position below is read by a different part of them: the first and last blocks, the keys of
-  // the parallel split's first pass, and (causal) keys past the last query, which no query sees
-  // and the kernels never read. The message must still name the first bad value of q, k, then v.
+  // the parallel split's first pass, the last chunk's keys (causal: read, never absorbed), and
+  // (causal) keys past the last query, which no query sees and the kernels never read. The message
+  // must still name the first bad value of q, k, then v.
   const Index d = 6, dv = 3;
   const auto elu = make_map(FeatureMapKind::EluPlusOne, d);
   const auto favor = make_map(FeatureMapKind::FavorPositive, d);
@@ -1070,7 +1071,10 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
         };
         std::vector<Bad> cases = {{'k', 0, 1}, {'k', nk - 1, 4}, {'k', nk / 2, 0},
                                   {'v', 0, 2}, {'v', nk - 1, 0}, {'v', nk / 2 + 3, 1}};
-        if (n > 0) cases.insert(cases.end(), {{'q', 0, 0}, {'q', n - 1, 3}, {'q', n / 2, 2}});
+        // v's row n - 1 (causal, elu+1): the last chunk's keys, which are never absorbed.
+        if (n > 0)
+          cases.insert(cases.end(),
+                       {{'q', 0, 0}, {'q', n - 1, 3}, {'q', n / 2, 2}, {'v', n - 1, 1}});
         for (const Bad& bad : cases) {
           CAPTURE(method.name);
           CAPTURE(n);
