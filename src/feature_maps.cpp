@@ -19,6 +19,7 @@
 
 #include "check.hpp"
 #include "gemm.hpp"
+#include "parallel.hpp"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -235,8 +236,7 @@ class ElementwiseMap final : public FeatureMap {
   void run(const Eigen::Ref<const Matrix<T>>& x, Eigen::Ref<Matrix<T>> out, bool parallel) const {
     const Index n = x.rows();
     const Index blocks = (n + kBlockRows - 1) / kBlockRows;
-#pragma omp parallel for schedule(static) if (parallel && blocks > 1)
-    for (Index b = 0; b < blocks; ++b) {
+    detail::for_each_index(blocks, parallel, [&](Index b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       const auto xb = x.middleRows(first, rows).array();
       auto ob = out.middleRows(first, rows);
@@ -260,7 +260,7 @@ class ElementwiseMap final : public FeatureMap {
             unit_row(x.data() + i * x.outerStride(), &out(i, 0));
           break;
       }
-    }
+    });
   }
 
   // 1+cos: out = [x / |x|, 1], and [0, ..., 0, 1] for x = 0, normalised in double. For float input
@@ -366,8 +366,7 @@ class FavorMap final : public FeatureMap {
     // |u_l| <= |x'| |w_l| bounds every partial sum of the GEMM too (Cauchy-Schwarz on |x'_j w_lj|).
     const double projection_bound = std::pow(double(d), -0.25) * max_row_norm_;
     const Index blocks = (n + kBlockRows - 1) / kBlockRows;
-#pragma omp parallel for schedule(static) if (parallel && blocks > 1)
-    for (Index b = 0; b < blocks; ++b) {
+    detail::for_each_index(blocks, parallel, [&](Index b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       detail::gemm(detail::const_view(x.middleRows(first, rows)), wt,
                    detail::view(out.middleRows(first, rows).leftCols(f)), false);
@@ -386,7 +385,7 @@ class FavorMap final : public FeatureMap {
         }
         if (log_scale) log_scale[i] = scale;
       }
-    }
+    });
   }
 
   // row[0, f) holds u on entry; on exit row[0, m) holds the features of one row. Returns log_scale.
