@@ -124,23 +124,23 @@ void pack_panels(ConstView<float> x, Index r0, Index c0, Index rows, Index depth
   }
 }
 
-// c[0 .. rows, 0 .. cols] (+)= A panel x packed B panel over kc, with A's element (i, p) at
+// c[0 .. Rows, 0 .. cols] (+)= A panel x packed B panel over kc, with A's element (i, p) at
 // a[i * row_step + p * col_step]: packed (1, kMR), a row-major A in place (lda, 1) or a
-// column-major one in place (1, lda). Rows beyond `rows` are clamped to the last one (computed,
-// never stored), so an in-place A is never read past its end. Fetches up to kc / 2 lines of
-// `feed` into L2, one per two steps (32 FMAs) while they last.
+// column-major one in place (1, lda). Fetches up to kc / 2 lines of `feed` into L2, one per two
+// steps (4 Rows FMAs, 32 in a full tile) while they last.
+template <Index Rows>
 void micro_kernel(Index kc, const float* a, Index row_step, Index col_step, const float* b,
-                  float* c, Index ldc, Index rows, Index cols, bool accumulate, LineFeed& feed) {
-  const float* row_of[kMR];
+                  float* c, Index ldc, Index cols, bool accumulate, LineFeed& feed) {
+  const float* row_of[Rows];
 #pragma GCC unroll 8
-  for (Index i = 0; i < kMR; ++i) row_of[i] = a + std::min(i, rows - 1) * row_step;
-  __m512 acc[kMR][2];
+  for (Index i = 0; i < Rows; ++i) row_of[i] = a + i * row_step;
+  __m512 acc[Rows][2];
 #pragma GCC unroll 8
-  for (Index i = 0; i < kMR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (Index i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const auto step = [&](Index p) __attribute__((always_inline)) {
     const __m512 b0 = _mm512_load_ps(b + p * kNR), b1 = _mm512_load_ps(b + p * kNR + 16);
 #pragma GCC unroll 8
-    for (Index i = 0; i < kMR; ++i) {
+    for (Index i = 0; i < Rows; ++i) {
       const __m512 ai = _mm512_set1_ps(row_of[i][p * col_step]);
       acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
@@ -157,8 +157,7 @@ void micro_kernel(Index kc, const float* a, Index row_step, Index col_step, cons
   for (; p < kc; ++p) step(p);
   const __mmask16 m0 = first_lanes(cols), m1 = first_lanes(cols - 16);
 #pragma GCC unroll 8
-  for (Index i = 0; i < kMR; ++i) {
-    if (i >= rows) break;
+  for (Index i = 0; i < Rows; ++i) {
     float* row = c + i * ldc;
     if (accumulate) {
       acc[i][0] = _mm512_add_ps(acc[i][0], _mm512_maskz_loadu_ps(m0, row));
@@ -167,6 +166,27 @@ void micro_kernel(Index kc, const float* a, Index row_step, Index col_step, cons
     _mm512_mask_storeu_ps(row, m0, acc[i][0]);
     _mm512_mask_storeu_ps(row + 16, m1, acc[i][1]);
   }
+}
+
+// One tile of 1 .. kMR rows. A short tile runs as tiles of 4, 2 and 1 rows rather than as a full
+// one: a one-token call (a stream's step) would otherwise do kMR times its arithmetic. Each row's
+// sums are the same either way, in the same order.
+void micro_tile(Index kc, const float* a, Index row_step, Index col_step, const float* b, float* c,
+                Index ldc, Index rows, Index cols, bool accumulate, LineFeed& feed) {
+  if (rows == kMR) {
+    micro_kernel<kMR>(kc, a, row_step, col_step, b, c, ldc, cols, accumulate, feed);
+    return;
+  }
+  Index i = 0;
+  const auto tail = [&]<Index Rows>() {
+    if (rows - i < Rows) return;
+    micro_kernel<Rows>(kc, a + i * row_step, row_step, col_step, b, c + i * ldc, ldc, cols,
+                       accumulate, feed);
+    i += Rows;
+  };
+  tail.template operator()<4>();
+  tail.template operator()<2>();
+  tail.template operator()<1>();
 }
 
 // Packing buffers, 64-byte aligned for the aligned loads of B, grown once per thread.
@@ -229,9 +249,9 @@ void gemm_packed(ConstView<float> a, Index n, View<float> c, bool accumulate, co
         }
         for (Index jr = 0; jr < nc; jr += kNR)
           for (Index ir = 0; ir < mc; ir += kMR)
-            micro_kernel(kc, panel + ir * panel_step, row_step, col_step, packed_b + jr * kc,
-                         c.data + (ic + ir) * c.row_stride + jc + jr, c.row_stride,
-                         std::min(kMR, mc - ir), std::min(kNR, nc - jr), add, feed);
+            micro_tile(kc, panel + ir * panel_step, row_step, col_step, packed_b + jr * kc,
+                       c.data + (ic + ir) * c.row_stride + jc + jr, c.row_stride,
+                       std::min(kMR, mc - ir), std::min(kNR, nc - jr), add, feed);
       }
     }
   }
