@@ -6,7 +6,9 @@
 #include <complex>
 #include <linrope/rope.hpp>
 #include <numbers>
+#include <span>
 #include <type_traits>
+#include <vector>
 
 #include "check.hpp"
 
@@ -455,6 +457,42 @@ V* inline_or_heap(std::array<V, N>& in, std::vector<V>& heap, Index n) {
   return heap.data();
 }
 
+// cos/sin(top theta_k) for every k, into cos_out/sin_out: std::cos/sin, remembered per thread for
+// the last few (theta, top). A rope call that starts a new Rotator at |p| >= B^3 (4096 rows when
+// B = 16) would otherwise pay r/2 of each again, however few its rows: a stream's one-token step
+// of FAVOR+ (m = 256) spent 30% of its time there. The cache holds the frequencies themselves,
+// not the Rope's address, so a Rope destroyed and another built in its place can never match
+// wrongly; the values are the ones the libm calls give, so results are bitwise the same.
+void top_angles(std::span<const double> theta, Index top, double* cos_out, double* sin_out) {
+  struct Entry {
+    Index top = 0;
+    std::vector<double> theta, cos, sin;
+  };
+  constexpr std::size_t kEntries = 4;  // e.g. the ropes of q and of k, on features and on x
+  thread_local std::array<Entry, kEntries> cache;
+  thread_local std::size_t next_victim = 0;
+  const auto same_theta = [&](const Entry& e) {
+    return std::equal(e.theta.begin(), e.theta.end(), theta.begin(), theta.end());
+  };
+  auto hit = std::find_if(cache.begin(), cache.end(),
+                          [&](const Entry& e) { return e.top == top && same_theta(e); });
+  if (hit == cache.end()) {
+    hit = cache.begin() + next_victim;
+    next_victim = (next_victim + 1) % kEntries;
+    hit->top = top;
+    hit->theta.assign(theta.begin(), theta.end());
+    hit->cos.resize(theta.size());
+    hit->sin.resize(theta.size());
+    for (std::size_t k = 0; k < theta.size(); ++k) {
+      const double angle = double(top) * theta[k];
+      hit->cos[k] = std::cos(angle);
+      hit->sin[k] = std::sin(angle);
+    }
+  }
+  std::copy(hit->cos.begin(), hit->cos.end(), cos_out);
+  std::copy(hit->sin.begin(), hit->sin.end(), sin_out);
+}
+
 // Rotates rows of x in place. A row at position p turns by -|p| theta when p < 0 (cos is even,
 // sin odd), so that every table angle is at most ~|p| theta and the rounding error stays
 // ~|p theta| u_d on both sides of 0. Keeps cos/sin (times the magnitude) of the current block
@@ -593,10 +631,11 @@ class Rotator {
       if (!top_valid_ || top != top_) {
         // Every run from position 0 to B^3 - 1 (32768 or 4096 rows) stays at top = 0: no libm
         // calls there (r/2 sincos per call were ~5% of rotate_rows at 4096 rows of 64).
-        for (Index k = 0; k < half_; ++k) {
-          const double angle = double(top) * theta_[k];
-          top_cos_[k] = top == 0 ? 1.0 : std::cos(angle);
-          top_sin_[k] = top == 0 ? 0.0 : std::sin(angle);
+        if (top == 0) {
+          std::fill(top_cos_, top_cos_ + half_, 1.0);
+          std::fill(top_sin_, top_sin_ + half_, 0.0);
+        } else {
+          top_angles(theta_, top, top_cos_, top_sin_);
         }
         top_ = top;
         top_valid_ = true;

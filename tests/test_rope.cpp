@@ -387,6 +387,32 @@ TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both direction
       }
 }
 
+TEST_CASE_TEMPLATE("ropes and table tops interleaved: each call gets its own angles", T, float,
+                   double) {
+  // src/rope.cpp remembers cos/sin(top theta) per thread for the last 4 (frequencies, top), top
+  // being |p| rounded down to a multiple of B^3 (4096 for r/2 = 128). Short calls alternate here
+  // between four ropes of the same width but different frequencies (and one narrower) and between
+  // tops 4096, 8192, 65536 and 2^20, on both signs, so that entries are hit, missed and evicted; a
+  // cache that mixed up ropes or tops would rotate by another rope's angles.
+  const std::vector<RopeConfig> configs = {
+      {.dim = 256},
+      {.dim = 256, .base = 500.0},
+      {.dim = 256, .scaling = {.kind = RopeScalingKind::Linear, .factor = 4}},
+      {.dim = 256, .layout = RopeLayout::Half},
+      {.dim = 128}};
+  const std::vector<Index> firsts = {5000, 9000, 70000, -5000, 5001, (1 << 20) + 3};
+  std::uint64_t seed = 1500;
+  for (int round = 0; round < 2; ++round)
+    for (Index first : firsts)
+      for (std::size_t i = 0; i < configs.size(); ++i) {
+        CAPTURE(round);
+        CAPTURE(first);
+        CAPTURE(i);
+        check_against_matrices<T>(configs[i], input<T>(2, configs[i].dim, ++seed),
+                                  reference::consecutive(2, first), false, round == 1);
+      }
+}
+
 TEST_CASE_TEMPLATE("every r/2 from 1 to 41, and 57: float groups of 16, double 8s, scalar tails", T,
                    float, double) {
   // With AVX-512, src/rope.cpp rotates float rows 16 pairs at a time (angle additions in float),
