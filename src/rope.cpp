@@ -477,10 +477,10 @@ void top_angles(std::span<const double> theta, Index top, double* cos_out, doubl
   auto hit = std::find_if(cache.begin(), cache.end(),
                           [&](const Entry& e) { return e.top == top && same_theta(e); });
   if (hit == cache.end()) {
+    // The key (theta, top) is written last: an allocation that throws on the way leaves an entry
+    // with no frequencies, which matches nothing.
     hit = cache.begin() + next_victim;
-    next_victim = (next_victim + 1) % kEntries;
-    hit->top = top;
-    hit->theta.assign(theta.begin(), theta.end());
+    hit->theta.clear();
     hit->cos.resize(theta.size());
     hit->sin.resize(theta.size());
     for (std::size_t k = 0; k < theta.size(); ++k) {
@@ -488,6 +488,9 @@ void top_angles(std::span<const double> theta, Index top, double* cos_out, doubl
       hit->cos[k] = std::cos(angle);
       hit->sin[k] = std::sin(angle);
     }
+    hit->theta.assign(theta.begin(), theta.end());
+    hit->top = top;
+    next_victim = (next_victim + 1) % kEntries;
   }
   std::copy(hit->cos.begin(), hit->cos.end(), cos_out);
   std::copy(hit->sin.begin(), hit->sin.end(), sin_out);

@@ -392,7 +392,7 @@ TEST_CASE_TEMPLATE("ropes and table tops interleaved: each call gets its own ang
   // src/rope.cpp remembers cos/sin(top theta) per thread for the last 4 (frequencies, top), top
   // being |p| rounded down to a multiple of B^3 (4096 for r/2 = 128). Short calls alternate here
   // between four ropes of the same width but different frequencies (and one narrower) and between
-  // tops 4096, 8192, 65536 and 2^20, on both signs, so that entries are hit, missed and evicted; a
+  // tops 4096, 8192, 69632 and 2^20, on both signs, so that entries are hit, missed and evicted; a
   // cache that mixed up ropes or tops would rotate by another rope's angles.
   const std::vector<RopeConfig> configs = {
       {.dim = 256},
