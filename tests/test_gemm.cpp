@@ -84,7 +84,7 @@ void sweep_shapes() {
   // Around the register tile (8 x 32 for float AVX-512) and the K block (256); K = 0 is the
   // empty sum (c = 0, or c unchanged when accumulating).
   std::uint64_t seed = 100;
-  for (Index m : {1, 7, 8, 9, 13, 100})
+  for (Index m : {1, 2, 3, 6, 7, 8, 9, 13, 100})  // tiles of 8, and tails of every size
     for (Index n : {1, 16, 31, 33, 64, 65})
       for (Index k : {0, 1, 64, 257})
         for (int order = 0; order < 4; ++order)

@@ -409,9 +409,13 @@ TEST_CASE("offsets and cross attention: a block of new queries against a longer 
   // (a) decoding a block: 37 new queries at positions 64..100 against 101 cached keys 0..100;
   // (b) queries 0..19 against keys 10..24: rows 0..9 have no admissible key (zero rows);
   // (c) non-causal cross attention with unrelated offsets;
-  // (d) keys later than most queries, n < n_k.
-  const Layout layouts[] = {
-      {true, 37, 101, 64, 0}, {true, 20, 15, 0, 10}, {false, 13, 50, 7, 300}, {true, 9, 40, 30, 5}};
+  // (d) keys later than most queries, n < n_k;
+  // (e)-(g) at most 3 queries and 3 keys, which run the scan even when Chunked is asked for
+  // (linear_causal), with unrelated offsets: one query after its keys, a first query that sees
+  // no key, and keys at the queries' own positions.
+  const Layout layouts[] = {{true, 37, 101, 64, 0}, {true, 20, 15, 0, 10}, {false, 13, 50, 7, 300},
+                            {true, 9, 40, 30, 5},   {true, 1, 3, 5, 3},    {true, 3, 2, 0, 1},
+                            {true, 2, 3, 10, 9}};
   int counter = 0;
   for (const auto& layout : layouts)
     for (const auto kind : kMaps)

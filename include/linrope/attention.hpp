@@ -47,6 +47,7 @@ enum class RopePlacement { None, BeforeMap, NumeratorOnly, Full };
 
 // How a causal linear attention is computed; all agree to rounding.
 //   Chunked: quadratic (masked GEMMs) inside chunks of chunk_size rows, running state between them.
+//            A call of at most 3 queries and 3 keys (a stream's step) runs as Scan: it is faster.
 //   Scan:    the plain recurrence, one token at a time (the RNN view of Katharopoulos et al.).
 enum class CausalMethod { Chunked, Scan };
 
