@@ -456,6 +456,7 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
   const Index block = 64, d = setup.d, dv = setup.dv;
   const Index shift = q_pos0 - k_pos0;
   FeatureBlock<T> queries(setup, block), keys(setup, block);
+  Matrix<T> numerator(1, dv);  // one query's, reused: no allocation per token
   Index key_block_start = 0, next = 0;
   const auto admit = [&](Index j) {
     if (j >= key_block_start + keys.rows()) {
@@ -475,7 +476,7 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
     for (Index r = 0; r < rows; ++r) {
       for (; next < nk && next <= qs + r + shift; ++next) admit(next);
       const double den = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
-      const Matrix<T> numerator = queries.num().row(r) * state.S;
+      numerator.noalias() = queries.num().row(r) * state.S;
       write_output(out + (qs + r) * dv, numerator.data(), dv, den, queries.log_scale(r) + state.M,
                    setup.options.eps, tally);
     }
