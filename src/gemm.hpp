@@ -52,8 +52,8 @@ View<typename std::remove_reference_t<M>::Scalar> view(M&& m) {
 // cache line per two steps of the micro-kernel's inner loop, so a product [m x k] x [k x n] has
 // room for at least ceil(m / 8) ceil(n / 32) k / 2 lines (a 512-key block's state update at
 // d = 64: 4096 lines, exactly its next keys and values; rows past a multiple of 8 add up to
-// three more tiles); what does not fit is not fetched. The result is
-// unaffected. Only the AVX-512 float kernel fetches (Eigen's products ignore it).
+// three more tiles); what does not fit is not fetched. The result is unaffected. Only the AVX-512
+// float kernel fetches (Eigen's products ignore it).
 struct Prefetch {
   struct Range {
     const void* data = nullptr;
