@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <span>
+#include <type_traits>
+#include <utility>
 
 #include "feature_map_access.hpp"
 #include "gemm.hpp"
@@ -73,6 +75,7 @@ class FeatureBlock {
   }
 
   const LinearSetup& setup() const { return setup_; }
+  Index capacity() const { return capacity_; }
   Index rows() const { return rows_; }
   ConstRowMap<T> num() const { return ConstRowMap<T>(num_data(), rows_, setup_.m); }
   ConstRowMap<T> den() const { return ConstRowMap<T>(den_data(), rows_, setup_.m); }
@@ -134,6 +137,20 @@ void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Matr
     state.z.noalias() += keys.den().colwise().sum().transpose();
   else
     state.z.noalias() += keys.den().transpose() * weights;
+}
+
+// Adds keys [next, end) to the state, as many at a time as `keys` holds, and leaves next = end:
+// the keys that no query reads between (the causal forms' keys before a block of queries).
+template <class T>
+void absorb_through(LinearState<T>& state, FeatureBlock<T>& keys, const T* k, const T* v,
+                    Index k_pos0, Index& next, Index end, Matrix<T>& weighted, Vector<T>& weights) {
+  const Index d = keys.setup().d, dv = keys.setup().dv;
+  while (next < end) {
+    const Index rows = std::min(keys.capacity(), end - next);
+    keys.compute(k + next * d, rows, k_pos0 + next);
+    absorb(state, keys, v + next * dv, weighted, weights);
+    next += rows;
+  }
 }
 
 // o_i = num~_i / (den~_i + eps exp(-(a_i + M_i))); a zero row when nothing is attended to.
@@ -345,12 +362,7 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
   std::vector<T> key_weight(L);
   Index absorbed = 0;  // keys [0, absorbed) are in the state
   const auto absorb_until = [&](Index end) {
-    while (absorbed < end) {
-      const Index rows = std::min(L, end - absorbed);
-      keys.compute(k + absorbed * d, rows, k_pos0 + absorbed);
-      absorb(state, keys, v + absorbed * dv, weighted, weights);
-      absorbed += rows;
-    }
+    absorb_through(state, keys, k, v, k_pos0, absorbed, end, weighted, weights);
   };
   for (Index qs = 0; qs < n; qs += L) {
     const Index rows = std::min(L, n - qs);
@@ -447,51 +459,182 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
   if (absorb_all) absorb_until(nk);
 }
 
-// The plain recurrence (Katharopoulos et al.): S += psi_j v_j^T and z += psi_j one key at a time,
-// o_i = phi_i S / (phi_i z + eps). Features are still computed in blocks; the state is not.
+// What each query of a scan block does to the state before its read-out, worked out once per block
+// (scalars only) so that the pass over S can then go one strip of columns at a time.
+template <class T>
+struct ScanSteps {
+  std::vector<Index> key;  // the key the query admits (its own position), or -1
+  std::vector<T> factor;   // the state's rescaling before that key, exp(M_old - M_new); 1 if none
+  std::vector<T> weight;   // the key's weight exp(c_j - M)
+  std::vector<double> scale;  // the state's log scale M when the query reads it
+  std::vector<double> den;    // the query's stabilised denominator
+  explicit ScanSteps(Index rows) : key(rows), factor(rows), weight(rows), scale(rows), den(rows) {}
+};
+
+// Columns [j0, j0 + width) of S through one block's queries in order (Width: width at compile time,
+// or Eigen::Dynamic). Query r rescales the strip when the state's scale rose, adds its own key
+// (S += w psi_j v_j^T), and reads its numerator phi_r S into numerator row r. The strip is meant to
+// fit in L1 (the caller picks its width): every query of the block then reads it from there, where
+// the scan otherwise streams the whole m x d_v state from L2 once or twice per token.
+// Runs of kGroup queries that each add a key and need no rescaling share one pass over the strip,
+// each row loaded and stored once for all of them, so that the pass is bound by its FMAs rather
+// than by the stores. Every entry of S and every sum still sees the same operations in the same
+// order as one query at a time.
+template <int Width, class T>
+void scan_strip(T* S, Index m, Index dv, Index j0, Index width, const ScanSteps<T>& steps,
+                Index rows, const T* query_features, const T* key_features, const T* v,
+                T* numerator) {
+  // At most four vectors wide: a Dynamic strip lives on the stack too, never on the heap.
+  constexpr int kMaxWidth = Width == Eigen::Dynamic ? 256 / sizeof(T) : Width;
+  using Strip = Eigen::Array<T, 1, Width, Eigen::RowMajor, 1, kMaxWidth>;
+  using StripMap = Eigen::Map<Strip, Eigen::Unaligned>;
+  constexpr int kVectors = std::max<int>(1, kMaxWidth * sizeof(T) / 64);
+  constexpr int kGroup = std::max(1, 8 / kVectors);  // values and sums: 2 x 8 vector registers
+  const auto row_of = [&](Index l) { return StripMap(S + l * dv + j0, width); };
+  const auto value_of = [&](Index r) {
+    return Strip(steps.weight[r] * Eigen::Map<const Strip>(v + steps.key[r] * dv + j0, width));
+  };
+  const auto store = [&](Index r, const Strip& sum) {
+    StripMap(numerator + r * dv + j0, width) = sum;
+  };
+  for (Index r = 0; r < rows;) {
+    if (kGroup > 1 && r + kGroup <= rows &&
+        std::all_of(steps.key.begin() + r, steps.key.begin() + r + kGroup,
+                    [&](Index j) { return j >= 0; }) &&
+        std::all_of(steps.factor.begin() + r, steps.factor.begin() + r + kGroup,
+                    [](T f) { return f == T(1); })) {
+      const T* query[kGroup];
+      const T* key[kGroup];
+      Strip value[kGroup], sum[kGroup];
+      for (int t = 0; t < kGroup; ++t) {
+        query[t] = query_features + (r + t) * m;
+        key[t] = key_features + steps.key[r + t] * m;
+        value[t] = value_of(r + t);
+        sum[t] = Strip::Zero(width);
+      }
+      for (Index l = 0; l < m; ++l) {
+        StripMap row = row_of(l);
+        Strip x = row;
+        for (int t = 0; t < kGroup; ++t) {
+          x += key[t][l] * value[t];
+          sum[t] += query[t][l] * x;
+        }
+        row = x;
+      }
+      for (int t = 0; t < kGroup; ++t) store(r + t, sum[t]);
+      r += kGroup;
+      continue;
+    }
+    if (steps.factor[r] != T(1))
+      for (Index l = 0; l < m; ++l) row_of(l) *= steps.factor[r];
+    const T* query = query_features + r * m;
+    Strip sum = Strip::Zero(width);
+    if (steps.key[r] >= 0) {
+      const T* key = key_features + steps.key[r] * m;
+      const Strip value = value_of(r);
+      for (Index l = 0; l < m; ++l) {
+        StripMap row = row_of(l);
+        row += key[l] * value;
+        sum += query[l] * row;
+      }
+    } else {
+      for (Index l = 0; l < m; ++l) sum += query[l] * row_of(l);
+    }
+    store(r, sum);
+    ++r;
+  }
+}
+
+// Queries per block of the scan: their features are computed by one product, and their steps go
+// through each strip of the state together.
+constexpr Index kScanBlock = 64;
+
+// The recurrence (Katharopoulos et al.): S += psi_j v_j^T and z += psi_j one key at a time,
+// o_i = phi_i S / (phi_i z + eps). Queries go in blocks of kScanBlock: their features, and their
+// own keys', are computed by block, and the block's rank-one updates and read-outs by strips of S
+// (scan_strip). Keys that no query reads between (before a block's first query, and after the last
+// query when absorb_all) enter a block at a time, as in the chunked form (absorb).
 template <class T>
 void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                  Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
                  DenominatorTally* tally) {
-  const Index block = 64, d = setup.d, dv = setup.dv;
-  const Index shift = q_pos0 - k_pos0;
-  FeatureBlock<T> queries(setup, block), keys(setup, block);
-  Matrix<T> numerator(1, dv);  // one query's, reused: no allocation per token
-  Index key_block_start = 0, next = 0;
-  const auto admit = [&](Index j) {
-    if (j >= key_block_start + keys.rows()) {
-      key_block_start = j;
-      keys.compute(k + j * d, std::min(block, nk - j), k_pos0 + j);
-    }
-    const Index r = j - key_block_start;
-    check_input(setup, v + j * dv, 1, dv);
-    raise_scale(state, keys.log_scale(r));
-    const T w = T(std::exp(keys.log_scale(r) - state.M));
-    state.S.noalias() += (w * keys.num().row(r)).transpose() * ConstRowMap<T>(v + j * dv, 1, dv);
-    state.z += w * keys.den().row(r).transpose();
+  const Index d = setup.d, dv = setup.dv, m = setup.m;
+  const Index shift = q_pos0 - k_pos0;  // query i sees key j iff j <= i + shift
+  // Strip width: 4, 2 or 1 vectors of 64 bytes, the widest whose m x width slice of S fits in
+  // 32 KiB of L1 (FAVOR+ with m = 256: 2 vectors, 32 floats), and at most 4 so that a strip's
+  // values and sums stay in registers.
+  constexpr Index kVector = 64 / sizeof(T);
+  Index strip = 4 * kVector;
+  while (strip > kVector && m * strip * Index(sizeof(T)) > 32 * 1024) strip /= 2;
+  FeatureBlock<T> queries(setup, kScanBlock), keys(setup, kScanBlock);
+  ScanSteps<T> steps(kScanBlock);
+  Matrix<T> numerator, weighted;
+  Vector<T> weights;
+  Index next = 0;  // keys [0, next) are in the state
+  const auto absorb_until = [&](Index end) {
+    absorb_through(state, keys, k, v, k_pos0, next, end, weighted, weights);
   };
-  for (Index qs = 0; qs < n; qs += block) {
-    const Index rows = std::min(block, n - qs);
+  for (Index qs = 0; qs < n; qs += kScanBlock) {
+    const Index rows = std::min(kScanBlock, n - qs);
+    absorb_until(std::clamp(qs + shift, next, nk));
+    // Query r's own key qs + r + shift, when it exists: keys [first, last).
+    const Index first = next, last = std::clamp(qs + rows + shift, next, nk);
+    if (last > first) {
+      keys.compute(k + first * d, last - first, k_pos0 + first);
+      check_input(setup, v + first * dv, last - first, dv);
+    }
     queries.compute(q + qs * d, rows, q_pos0 + qs);
     for (Index r = 0; r < rows; ++r) {
-      for (; next < nk && next <= qs + r + shift; ++next) admit(next);
-      const double den = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
-      numerator.noalias() = queries.num().row(r) * state.S;
-      write_output(out + (qs + r) * dv, numerator.data(), dv, den, queries.log_scale(r) + state.M,
-                   setup.options.eps, tally);
+      const Index j = qs + r + shift - first;  // relative to first
+      steps.key[r] = j >= 0 && j < last - first ? j : -1;
+      steps.factor[r] = T(1);
+      if (steps.key[r] >= 0) {
+        const double c = keys.log_scale(j);
+        if (c > state.M) {
+          if (state.M != kEmpty) {
+            steps.factor[r] = T(std::exp(state.M - c));
+            state.z *= steps.factor[r];
+          }
+          state.M = c;
+        }
+        steps.weight[r] = T(std::exp(c - state.M));
+        state.z += steps.weight[r] * keys.den().row(j).transpose();
+      }
+      steps.scale[r] = state.M;
+      steps.den[r] = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
     }
+    numerator.resize(rows, dv);
+    for (Index j0 = 0; j0 < dv; j0 += strip) {
+      const Index width = std::min(strip, dv - j0);
+      const auto run = [&]<int Width>(std::integral_constant<int, Width>) {
+        scan_strip<Width>(state.S.data(), m, dv, j0, width, steps, rows, queries.num().data(),
+                          keys.num().data(), v + first * dv, numerator.data());
+      };
+      if (width == kVector)
+        run(std::integral_constant<int, int(kVector)>{});
+      else if (width == 2 * kVector)
+        run(std::integral_constant<int, int(2 * kVector)>{});
+      else if (width == 4 * kVector)
+        run(std::integral_constant<int, int(4 * kVector)>{});
+      else
+        run(std::integral_constant<int, Eigen::Dynamic>{});
+    }
+    for (Index r = 0; r < rows; ++r)
+      write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, steps.den[r],
+                   queries.log_scale(r) + steps.scale[r], setup.options.eps, tally);
+    next = last;
   }
-  if (absorb_all)
-    for (; next < nk; ++next) admit(next);
+  if (absorb_all) absorb_until(nk);
 }
 
 }  // namespace
 
-// Split across threads (chunked form, when allowed and long enough): the queries are cut into one
-// segment per thread at chunk boundaries. Pass 1: each thread absorbs the keys that separate its
-// segment's start from the next one's into a partial state. The partial states are summed as a
-// prefix (cheap: m x d_v each). Pass 2: each segment runs the chunked form from its prefix state.
-// The key features of pass 1 are computed again in pass 2: ~25% more work for 2x the threads.
+// Split across threads (when allowed and long enough): the queries are cut into one segment per
+// thread at chunk (or scan block) boundaries. Pass 1: each thread absorbs the keys that separate
+// its segment's start from the next one's into a partial state. The partial states are summed as a
+// prefix (cheap: m x d_v each). Pass 2: each segment runs the chunked form or the scan from its
+// prefix state. The key features of pass 1 are computed again in pass 2: ~25% more work for 2x
+// the threads.
 template <class T>
 void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                    Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
@@ -505,17 +648,28 @@ void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk
   // form's products pack the m x d_v state on every call, which the scan's rank-1 updates do not.
   // One-token steps, eq. 19: elu+1 1.15 -> 0.61 us, FAVOR+ 5.4 -> 3.0 us; at 4 tokens the two tie.
   constexpr Index kScanTokens = 3;
-  if (setup.options.method == CausalMethod::Scan || (n <= kScanTokens && nk <= kScanTokens)) {
-    causal_scan(q, k, v, out, n, nk, q_pos0, k_pos0, setup, state, absorb_all, tally);
-    return;
-  }
-  const Index L = std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));
+  const bool scan =
+      setup.options.method == CausalMethod::Scan || (n <= kScanTokens && nk <= kScanTokens);
+  const Index d = setup.d, dv = setup.dv, shift = q_pos0 - k_pos0;
+  // Queries [q0, q0 + rows) against the keys from k0 on, from the state `from`.
+  const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, bool absorb,
+                       DenominatorTally* part) {
+    const T *qs = q + q0 * d, *ks = k + k0 * d, *vs = v + k0 * dv;
+    T* os = out + q0 * dv;
+    if (scan)
+      causal_scan(qs, ks, vs, os, rows, nk - k0, q_pos0 + q0, k_pos0 + k0, setup, from, absorb,
+                  part);
+    else
+      causal_chunked(qs, ks, vs, os, rows, nk - k0, q_pos0 + q0, k_pos0 + k0, setup, from, absorb,
+                     part);
+  };
+  const Index L =
+      scan ? kScanBlock : std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));
   const Index segments = std::min<Index>(usable_threads(parallel), n / std::max<Index>(4 * L, 256));
   if (segments < 2) {
-    causal_chunked(q, k, v, out, n, nk, q_pos0, k_pos0, setup, state, absorb_all, tally);
+    run(0, 0, n, state, absorb_all, tally);
     return;
   }
-  const Index d = setup.d, dv = setup.dv, shift = q_pos0 - k_pos0;
   std::vector<Index> query_start(segments + 1), key_start(segments + 1);
   for (Index t = 0; t <= segments; ++t) {
     query_start[t] = split_point(n, segments, t, L);
@@ -523,8 +677,7 @@ void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk
   }
   std::vector<LinearState<T>> prefix(segments);
 #pragma omp parallel for num_threads(segments)
-  for (Index t = 0; t < segments;
-       ++t) {  // pass 1: prefix[t + 1] will hold keys [0, key_start[t + 1])
+  for (Index t = 0; t < segments; ++t) {  // pass 1: prefix[t + 1] holds keys [0, key_start[t + 1])
     if (t + 1 == segments) continue;
     prefix[t + 1].reset(setup.m, dv);
     absorb_keys(prefix[t + 1], k + key_start[t] * d, v + key_start[t] * dv,
@@ -540,9 +693,8 @@ void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk
 #pragma omp parallel for num_threads(segments)
   for (Index t = 0; t < segments; ++t) {  // pass 2
     const Index q0 = query_start[t], k0 = key_start[t];
-    causal_chunked(q + q0 * d, k + k0 * d, v + k0 * dv, out + q0 * dv, query_start[t + 1] - q0,
-                   nk - k0, q_pos0 + q0, k_pos0 + k0, setup, prefix[t],
-                   absorb_all && t + 1 == segments, tally ? &tallies[t] : nullptr);
+    run(q0, k0, query_start[t + 1] - q0, prefix[t], absorb_all && t + 1 == segments,
+        tally ? &tallies[t] : nullptr);
   }
   if (absorb_all) state = std::move(prefix[segments - 1]);
   if (tally)

@@ -59,11 +59,13 @@ bool is_favor(FeatureMapKind kind) {
 
 // Few random features so that m (f, or 2f for Trig and Hyperbolic) stays small: f = d + 4 is not a
 // multiple of d, so the last orthogonal block is cut, and d = 5 gives odd m for FavorPositive.
-std::unique_ptr<FeatureMap> make_map(FeatureMapKind kind, Index d, std::uint64_t seed = 7) {
+// FAVOR+ maps draw `features` random features (default d + 4).
+std::unique_ptr<FeatureMap> make_map(FeatureMapKind kind, Index d, std::uint64_t seed = 7,
+                                     Index features = -1) {
   FeatureMapConfig config;
   config.kind = kind;
   config.input_dim = d;
-  config.num_features = is_favor(kind) ? d + 4 : 0;
+  config.num_features = is_favor(kind) ? (features > 0 ? features : d + 4) : 0;
   config.seed = seed;
   return make_feature_map(config);
 }
@@ -171,6 +173,7 @@ struct Problem {
   RopePlacement placement = RopePlacement::None;
   bool causal = false;
   Index n = 1, n_k = -1 /* -1: = n */, d = 6, d_v = 3;
+  Index features = -1;  // FAVOR+'s random features; -1: d + 4
   Index q_offset = 0, k_offset = 0;
   double eps = 1e-6;
   CausalMethod method = CausalMethod::Chunked;
@@ -197,7 +200,7 @@ void vary(Problem& p, int counter) {
 template <class T>
 struct Fixture {
   explicit Fixture(const Problem& p) : problem(p) {
-    map = make_map(p.kind, p.d);
+    map = make_map(p.kind, p.d, 7, p.features);
     m = map->output_dim();
     const Index n_k = p.n_k < 0 ? p.n : p.n_k;
     if (p.placement != RopePlacement::None) {
@@ -561,6 +564,69 @@ TEST_CASE("causal methods agree: Chunked (chunk 1, 7, 64, 1000, 2^40) == Scan ==
       run_type(0.0f);
       run_type(0.0);
     }
+}
+
+TEST_CASE("Scan by strips of the state: wide d_v and m, queries in groups, rising scales") {
+  // causal_scan runs the state S [m x d_v] in strips of 4, 2 or 1 vectors (64 bytes) of columns,
+  // as m is at most 128, 256 or more (float: 64, 32, 16 columns; double: 32, 16, 8), with the last
+  // strip narrower when d_v is not a multiple; and it runs queries whose own key needs no rescaling
+  // in groups of 8 / (vectors per strip). The inputs' scale 1.5 makes FAVOR+'s key scales c_j
+  // vary, so the running maximum rises now and then inside a block (a rescaled step between
+  // grouped ones). Shifts of both signs: keys absorbed before a block, queries without a key.
+  struct Shape {
+    FeatureMapKind kind;
+    Index d, features;  // m: d for elu+1, `features` for FAVOR+
+  };
+  const Shape shapes[] = {{FeatureMapKind::EluPlusOne, 64, 0},
+                          {FeatureMapKind::FavorPositive, 12, 200},
+                          {FeatureMapKind::FavorPositive, 8, 300}};
+  int counter = 0;
+  for (const auto& shape : shapes)
+    for (const Index d_v : {Index(8), Index(16), Index(17), Index(32), Index(64), Index(100)})
+      for (const Index shift : {Index(0), Index(-21), Index(45)}) {
+        Problem p;
+        vary(p, counter);
+        p.kind = shape.kind;
+        p.d = shape.d;
+        p.features = shape.features;
+        p.d_v = d_v;
+        p.placement = kPlacements[std::size_t(counter) % std::size(kPlacements)];
+        p.causal = true;
+        p.method = CausalMethod::Scan;
+        p.n = 150;  // not a multiple of the block (64) nor of any group
+        p.n_k = counter % 2 == 0 ? 150 : 131;
+        p.q_offset = 50 + shift;
+        p.k_offset = 50;
+        p.scale = 1.5;
+        ++counter;
+        check_problem<float>(p);
+        check_problem<double>(p);
+      }
+}
+
+TEST_CASE("a long causal call split across threads: Chunked and Scan against the reference") {
+  // n = 700 runs as one segment per thread (linear_causal: at least 256 queries each), each from
+  // the prefix state of the keys before it, whichever the method; with a shift, the segments'
+  // first keys are not their first queries' positions.
+  int counter = 0;
+  for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
+    for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan})
+      for (const Index shift : {Index(0), Index(-40), Index(90)}) {
+        Problem p;
+        vary(p, counter);
+        p.kind = kind;
+        p.placement = counter % 2 == 0 ? RopePlacement::NumeratorOnly : RopePlacement::Full;
+        p.causal = true;
+        p.method = method;
+        p.n = 700;
+        p.n_k = 720;
+        p.d_v = 20;
+        p.q_offset = 100 + shift;
+        p.k_offset = 100;
+        ++counter;
+        check_problem<float>(p);
+        check_problem<double>(p);
+      }
 }
 
 TEST_CASE("LinearAttentionStream == one causal call: one token at a time and blocks of 5") {
