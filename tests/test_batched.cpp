@@ -131,9 +131,10 @@ std::unique_ptr<FeatureMap> make_map(FeatureMapKind kind, Index d) {
 // Batched linear attention against single-head calls on every slice (truncated to lengths[b] when
 // lengths are given), with statistics accumulated over the slices.
 template <class T>
-void check_linear(const LinearCase& c, Index batch, Index heads, Index n, Index n_k,
-                  const std::vector<Index>& lengths) {
+void check_linear_method(const LinearCase& c, CausalMethod method, Index batch, Index heads,
+                         Index n, Index n_k, const std::vector<Index>& lengths) {
   const std::string map_name = to_string(c.kind), placement = to_string(c.placement);
+  CAPTURE(int(method));
   const std::string type = sizeof(T) == 4 ? "float" : "double";
   CAPTURE(map_name);
   CAPTURE(placement);
@@ -163,6 +164,7 @@ void check_linear(const LinearCase& c, Index batch, Index heads, Index n, Index 
   options.rope = rope ? &*rope : nullptr;
   options.q_offset = n_k - n + 2;  // queries are the last n positions of the keys
   options.k_offset = 2;
+  options.method = method;
   options.chunk_size = 8;
 
   const Buffer<T> q(batch, heads, n, d, 1, 0.7), k(batch, heads, n_k, d, 2, 0.7),
@@ -235,6 +237,14 @@ void check_linear(const LinearCase& c, Index batch, Index heads, Index n, Index 
     CHECK(stats.below_threshold >= below_lo);
     CHECK(stats.below_threshold <= below_hi);
   }
+}
+
+// Causal cases run both methods (Chunked with chunks of 8, and Scan).
+template <class T>
+void check_linear(const LinearCase& c, Index batch, Index heads, Index n, Index n_k,
+                  const std::vector<Index>& lengths) {
+  check_linear_method<T>(c, CausalMethod::Chunked, batch, heads, n, n_k, lengths);
+  if (c.causal) check_linear_method<T>(c, CausalMethod::Scan, batch, heads, n, n_k, lengths);
 }
 
 // Batched softmax attention against single-head softmax_attention on every slice.

@@ -48,7 +48,10 @@ enum class RopePlacement { None, BeforeMap, NumeratorOnly, Full };
 // How a causal linear attention is computed; all agree to rounding.
 //   Chunked: quadratic (masked GEMMs) inside chunks of chunk_size rows, running state between them.
 //            A call of at most 3 queries and 3 keys (a stream's step) runs as Scan: it is faster.
-//   Scan:    the plain recurrence, one token at a time (the RNN view of Katharopoulos et al.).
+//   Scan:    the recurrence, one token at a time (the RNN view of Katharopoulos et al.), with the
+//            state swept in cache-sized strips by blocks of 64 queries. The default: it does no
+//            masked products and was the faster at every shape measured (bench/RESULTS.md item 21,
+//            0.7-0.9x Chunked's time with and without AVX-512).
 enum class CausalMethod { Chunked, Scan };
 
 struct LinearOptions {
@@ -57,8 +60,8 @@ struct LinearOptions {
   const Rope* rope = nullptr;
   double eps = 1e-6;  // o_i = num_i / (den_i + eps); eps >= 0
   Index q_offset = 0, k_offset = 0;
-  CausalMethod method = CausalMethod::Chunked;
-  Index chunk_size = 64;
+  CausalMethod method = CausalMethod::Scan;
+  Index chunk_size = 64;  // Chunked only
 };
 
 // Statistics of den_i over the query rows, on the unstabilised scale and without eps.
