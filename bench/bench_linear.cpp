@@ -9,8 +9,8 @@
 // Names ("favor" and "elu" rather than "favor+" and "elu+1", so that --benchmark_filter needs no
 // regex escapes):
 //   linear/<map>/<placement>/<noncausal|chunked|scan>/n:<n>  batched linear_attention
-//   linear/favor/numerator_only/chunked/m:<m>/n:<n>  the same with f = m = 64, 128, 192 features
-//   linear/<map>/numerator_only/<noncausal|chunked>/d:<d>/n:<n>  head width d = d_v = 32, 128
+//   linear/favor/numerator_only/<chunked|scan>/m:<m>/n:<n>  the same with f = m = 64, 128, 192
+//   linear/<map>/numerator_only/<noncausal|chunked|scan>/d:<d>/n:<n>  head width d = d_v = 32, 128
 //   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
 //   softmax/<noncausal|causal>/n:<n>    batched softmax_attention
 //   machine/peak_fma, machine/sgemm_1024, machine/copy   what this machine can do
@@ -150,12 +150,13 @@ void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement place
   time_linear(state, kind, default_features(kind), placement, mode, state.range(0));
 }
 
-// FAVOR+ eq. 19, causal chunked, with f = m features other than 256: where it overtakes causal
-// softmax as m varies (RESULTS.md's count of the useful FLOPs, masked tiles skipped, puts it near
-// n = 4.75 m + 48 at equal FLOP rates; this file's model, whole chunk blocks, near 5 m + 64).
-void BM_FavorFeatures(benchmark::State& state) {
+// FAVOR+ eq. 19, causal, with f = m features other than 256: where it overtakes causal softmax
+// as m varies. The scan does 8 m d FLOPs a token (d = d_v = 64), softmax 2 n d at the same
+// rate it would cross at n = 4 m; the chunked form adds its masked blocks (RESULTS.md's count of
+// the useful FLOPs puts it near n = 4.75 m + 48; this file's model, whole blocks, near 5 m + 64).
+void BM_FavorFeatures(benchmark::State& state, Mode mode) {
   time_linear(state, FeatureMapKind::FavorPositive, state.range(0), RopePlacement::NumeratorOnly,
-              Mode::Chunked, state.range(1));
+              mode, state.range(1));
 }
 
 // Eq. 19 at head widths d = d_v other than 64 (elu+1: m = d; FAVOR+: m = 256).
@@ -220,15 +221,13 @@ bool register_all() {
       for (const Mode mode : {Mode::NonCausal, Mode::Chunked, Mode::Scan}) {
         const std::string name = std::string("linear/") + map_name(kind) + "/" +
                                  linrope::to_string(placement) + "/" + mode_name(mode);
-        // The scan runs one rank-1 update per token: too slow to be worth timing past 4096.
         std::vector<std::int64_t> ns = sizes;
-        if (mode == Mode::Scan) ns = {1024, 4096};
         // On the flagship configuration (FAVOR+, eq. 19): the log-log slope of time against n
-        // (2k .. 32k) is fitted on the non-causal form, and both forms are timed at short n, to
-        // find where they overtake exact softmax (timed at the same short n below).
+        // (2k .. 32k) is fitted on the non-causal form, and every form is timed at short n, to
+        // find where it overtakes exact softmax (timed at the same short n below).
         if (kind == FeatureMapKind::FavorPositive && placement == RopePlacement::NumeratorOnly) {
           if (mode == Mode::NonCausal) ns = {256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
-          if (mode == Mode::Chunked) ns = {256, 512, 1024, 2048, 4096, 16384};
+          else ns = {256, 512, 1024, 2048, 4096, 16384};
         }
         benchmark::RegisterBenchmark(name.c_str(), BM_Linear, kind, placement, mode)
             ->ArgsProduct({ns})
@@ -237,7 +236,7 @@ bool register_all() {
             ->UseRealTime();
       }
   for (const FeatureMapKind kind : maps)
-    for (const Mode mode : {Mode::NonCausal, Mode::Chunked}) {
+    for (const Mode mode : {Mode::NonCausal, Mode::Chunked, Mode::Scan}) {
       const std::string name =
           std::string("linear/") + map_name(kind) + "/numerator_only/" + mode_name(mode);
       benchmark::RegisterBenchmark(name.c_str(), BM_HeadWidth, kind, mode)
@@ -246,11 +245,14 @@ bool register_all() {
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
-  benchmark::RegisterBenchmark("linear/favor/numerator_only/chunked", BM_FavorFeatures)
-      ->ArgsProduct({{64, 128, 192}, {256, 512, 1024, 2048}})
-      ->ArgNames({"m", "n"})
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
+  for (const Mode mode : {Mode::Chunked, Mode::Scan})
+    benchmark::RegisterBenchmark(
+        (std::string("linear/favor/numerator_only/") + mode_name(mode)).c_str(), BM_FavorFeatures,
+        mode)
+        ->ArgsProduct({{64, 128, 192}, {256, 512, 1024, 2048}})
+        ->ArgNames({"m", "n"})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   for (const bool causal : {false, true})
     benchmark::RegisterBenchmark(causal ? "softmax/causal" : "softmax/noncausal", BM_Softmax,
                                  causal)
