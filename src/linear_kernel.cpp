@@ -3,6 +3,7 @@
 #include "linear_kernel.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <span>
 #include <type_traits>
@@ -459,16 +460,20 @@ void causal_chunked(const T* q, const T* k, const T* v, T* out, Index n, Index n
   if (absorb_all) absorb_until(nk);
 }
 
+// Queries per block of the scan: their features are computed by one product, and their steps go
+// through each strip of the state together.
+constexpr Index kScanBlock = 64;
+
 // What each query of a scan block does to the state before its read-out, worked out once per block
-// (scalars only) so that the pass over S can then go one strip of columns at a time.
+// (scalars only) so that the pass over S can then go one strip of columns at a time. On the stack:
+// a stream's one-token step allocates nothing for it.
 template <class T>
 struct ScanSteps {
-  std::vector<Index> key;  // the key the query admits (its own position), or -1
-  std::vector<T> factor;   // the state's rescaling before that key, exp(M_old - M_new); 1 if none
-  std::vector<T> weight;   // the key's weight exp(c_j - M)
-  std::vector<double> scale;  // the state's log scale M when the query reads it
-  std::vector<double> den;    // the query's stabilised denominator
-  explicit ScanSteps(Index rows) : key(rows), factor(rows), weight(rows), scale(rows), den(rows) {}
+  std::array<Index, kScanBlock> key;  // the query's own key, as a row of the block's keys; or -1
+  std::array<T, kScanBlock> factor;   // the state's rescaling before that key, exp(M_old - M_new)
+  std::array<T, kScanBlock> weight;   // the key's weight exp(c_j - M)
+  std::array<double, kScanBlock> scale;  // the state's log scale M when the query reads it
+  std::array<double, kScanBlock> den;    // the query's stabilised denominator
 };
 
 // Columns [j0, j0 + width) of S through one block's queries in order (Width: width at compile time,
@@ -489,7 +494,9 @@ void scan_strip(T* S, Index m, Index dv, Index j0, Index width, const ScanSteps<
   using Strip = Eigen::Array<T, 1, Width, Eigen::RowMajor, 1, kMaxWidth>;
   using StripMap = Eigen::Map<Strip, Eigen::Unaligned>;
   constexpr int kVectors = std::max<int>(1, kMaxWidth * sizeof(T) / 64);
-  constexpr int kGroup = std::max(1, 8 / kVectors);  // values and sums: 2 x 8 vector registers
+  // Values and sums: 2 x 8 zmm registers (without AVX-512 twice or four times as many ymm or xmm
+  // registers, which then spill; the grouping still saves the loads and stores of S).
+  constexpr int kGroup = std::max(1, 8 / kVectors);
   const auto row_of = [&](Index l) { return StripMap(S + l * dv + j0, width); };
   const auto value_of = [&](Index r) {
     return Strip(steps.weight[r] * Eigen::Map<const Strip>(v + steps.key[r] * dv + j0, width));
@@ -545,15 +552,12 @@ void scan_strip(T* S, Index m, Index dv, Index j0, Index width, const ScanSteps<
   }
 }
 
-// Queries per block of the scan: their features are computed by one product, and their steps go
-// through each strip of the state together.
-constexpr Index kScanBlock = 64;
-
 // The recurrence (Katharopoulos et al.): S += psi_j v_j^T and z += psi_j one key at a time,
 // o_i = phi_i S / (phi_i z + eps). Queries go in blocks of kScanBlock: their features, and their
 // own keys', are computed by block, and the block's rank-one updates and read-outs by strips of S
-// (scan_strip). Keys that no query reads between (before a block's first query, and after the last
-// query when absorb_all) enter a block at a time, as in the chunked form (absorb).
+// (scan_strip). Keys that no query reads between enter a block at a time, as in the chunked form
+// (absorb): those before a block's first query (n_k ahead of n), and those after the last query
+// when absorb_all (which no caller has yet: the stream's queries and keys are the same tokens).
 template <class T>
 void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                  Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
@@ -567,8 +571,9 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
   Index strip = 4 * kVector;
   while (strip > kVector && m * strip * Index(sizeof(T)) > 32 * 1024) strip /= 2;
   FeatureBlock<T> queries(setup, kScanBlock), keys(setup, kScanBlock);
-  ScanSteps<T> steps(kScanBlock);
-  Matrix<T> numerator, weighted;
+  ScanSteps<T> steps;
+  Scratch<T> numerator(kScanBlock * dv);  // the block's numerators, row-major
+  Matrix<T> weighted;
   Vector<T> weights;
   Index next = 0;  // keys [0, next) are in the state
   const auto absorb_until = [&](Index end) {
@@ -603,7 +608,6 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
       steps.scale[r] = state.M;
       steps.den[r] = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
     }
-    numerator.resize(rows, dv);
     for (Index j0 = 0; j0 < dv; j0 += strip) {
       const Index width = std::min(strip, dv - j0);
       const auto run = [&]<int Width>(std::integral_constant<int, Width>) {
@@ -633,8 +637,8 @@ void causal_scan(const T* q, const T* k, const T* v, T* out, Index n, Index nk, 
 // thread at chunk (or scan block) boundaries. Pass 1: each thread absorbs the keys that separate
 // its segment's start from the next one's into a partial state. The partial states are summed as a
 // prefix (cheap: m x d_v each). Pass 2: each segment runs the chunked form or the scan from its
-// prefix state. The key features of pass 1 are computed again in pass 2: ~25% more work for 2x
-// the threads.
+// prefix state. The key features of pass 1 are computed again in pass 2 (for the chunked form,
+// measured when it was the only one split: ~25% more work for 2x the threads).
 template <class T>
 void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                    Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
@@ -652,16 +656,16 @@ void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk
       setup.options.method == CausalMethod::Scan || (n <= kScanTokens && nk <= kScanTokens);
   const Index d = setup.d, dv = setup.dv, shift = q_pos0 - k_pos0;
   // Queries [q0, q0 + rows) against the keys from k0 on, from the state `from`.
-  const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, bool absorb,
+  const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, bool absorb_rest,
                        DenominatorTally* part) {
-    const T *qs = q + q0 * d, *ks = k + k0 * d, *vs = v + k0 * dv;
-    T* os = out + q0 * dv;
+    const T *q_rows = q + q0 * d, *k_rows = k + k0 * d, *v_rows = v + k0 * dv;
+    T* out_rows = out + q0 * dv;
     if (scan)
-      causal_scan(qs, ks, vs, os, rows, nk - k0, q_pos0 + q0, k_pos0 + k0, setup, from, absorb,
-                  part);
+      causal_scan(q_rows, k_rows, v_rows, out_rows, rows, nk - k0, q_pos0 + q0, k_pos0 + k0, setup,
+                  from, absorb_rest, part);
     else
-      causal_chunked(qs, ks, vs, os, rows, nk - k0, q_pos0 + q0, k_pos0 + k0, setup, from, absorb,
-                     part);
+      causal_chunked(q_rows, k_rows, v_rows, out_rows, rows, nk - k0, q_pos0 + q0, k_pos0 + k0,
+                     setup, from, absorb_rest, part);
   };
   const Index L =
       scan ? kScanBlock : std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));

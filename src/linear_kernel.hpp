@@ -96,7 +96,8 @@ void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index
 // k_pos0 + j <= q_pos0 + i, plus everything already in `state`. If absorb_all, every key ends up in
 // `state` (the stream); otherwise `state` ends up holding only some of the keys, and is for the
 // caller to discard.
-// `parallel` as for linear_noncausal (the chunked form only; the scan is sequential by nature).
+// `parallel` as for linear_noncausal: a long call is split into one segment of queries per thread,
+// for either method.
 template <class T>
 void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                    Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,

@@ -24,6 +24,9 @@
 // relative in float at n_k = 1000 and ~1e-12 in double, while a wrong sign, pair, position or mask
 // changes outputs at O(1).
 #include <doctest/doctest.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -605,9 +608,9 @@ TEST_CASE("Scan by strips of the state: wide d_v and m, queries in groups, risin
 }
 
 TEST_CASE("a long causal call split across threads: Chunked and Scan against the reference") {
-  // n = 700 runs as one segment per thread (linear_causal: at least 256 queries each), each from
-  // the prefix state of the keys before it, whichever the method; with a shift, the segments'
-  // first keys are not their first queries' positions.
+  // n = 700 runs as two segments when OpenMP has >= 2 threads (linear_causal: at least 256
+  // queries each), each from the prefix state of the keys before it, whichever the method; with a
+  // shift, the segments' first keys are not their first queries' positions.
   int counter = 0;
   for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
     for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan})
@@ -971,6 +974,48 @@ TEST_CASE("large norms give finite outputs (float, non-causal), matching the ref
 
 // ---------------------------------------------------------------------------------------------
 // Bad input: std::invalid_argument naming the argument.
+
+TEST_CASE("LinearAttentionStream: a first step long enough to be split across threads") {
+  // A step of 600 tokens runs linear_causal's split (two segments when OpenMP has >= 2 threads),
+  // whose last segment must leave every key in the stream's state (absorb_all): the one-token
+  // steps after it read that state. Both methods.
+#ifdef _OPENMP
+  const bool split = omp_get_max_threads() >= 2;
+#else
+  const bool split = false;
+#endif
+  if (!split) MESSAGE("one thread: the long step is not split, only its result is checked");
+  int counter = 0;
+  for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
+    for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan}) {
+      Problem p;
+      vary(p, counter++);
+      p.kind = kind;
+      p.placement = RopePlacement::NumeratorOnly;
+      p.causal = true;
+      p.method = method;
+      p.n = 606;
+      p.q_offset = p.k_offset = 3;
+      const std::string map_name = to_string(kind);
+      CAPTURE(map_name);
+      CAPTURE(int(method));
+      auto run_type = [&](auto zero) {
+        using T = decltype(zero);
+        CAPTURE(sizeof(T));
+        Fixture<T> f(p);
+        const ref::LinearResult want = f.reference();
+        const VectorD tol = tolerances<T>(want, f.gamma(), p.eps);
+        LinearAttentionStream<T> stream(*f.map, p.d_v, f.options);
+        Matrix<T> out(p.n, p.d_v);
+        out.topRows(600) = stream.step(f.q.topRows(600), f.k.topRows(600), f.v.topRows(600));
+        for (Index t = 600; t < p.n; ++t)
+          out.row(t) = stream.step(f.q.row(t), f.k.row(t), f.v.row(t));
+        check_close(out, want.out, tol, "stream (600, then 1 x 6) vs reference");
+      };
+      run_type(0.0f);
+      run_type(0.0);
+    }
+}
 
 TEST_CASE("bad input throws std::invalid_argument naming the argument") {
   const Index d = 6;
