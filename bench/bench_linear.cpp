@@ -226,8 +226,10 @@ bool register_all() {
         // (2k .. 32k) is fitted on the non-causal form, and every form is timed at short n, to
         // find where it overtakes exact softmax (timed at the same short n below).
         if (kind == FeatureMapKind::FavorPositive && placement == RopePlacement::NumeratorOnly) {
-          if (mode == Mode::NonCausal) ns = {256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
-          else ns = {256, 512, 1024, 2048, 4096, 16384};
+          if (mode == Mode::NonCausal)
+            ns = {256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+          else
+            ns = {256, 512, 1024, 2048, 4096, 16384};
         }
         benchmark::RegisterBenchmark(name.c_str(), BM_Linear, kind, placement, mode)
             ->ArgsProduct({ns})

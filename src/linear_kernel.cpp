@@ -496,7 +496,7 @@ void scan_strip(T* S, Index m, Index dv, Index j0, Index width, const ScanSteps<
   constexpr int kVectors = std::max<int>(1, kMaxWidth * sizeof(T) / 64);
   // Values and sums: 2 x 8 zmm registers (without AVX-512 twice or four times as many ymm or xmm
   // registers, which then spill; the grouping still saves the loads and stores of S).
-  constexpr int kGroup = std::max(1, 8 / kVectors);
+  constexpr int kGroup = 8 / kVectors;  // 2 to 8: kVectors is at most 4
   const auto row_of = [&](Index l) { return StripMap(S + l * dv + j0, width); };
   const auto value_of = [&](Index r) {
     return Strip(steps.weight[r] * Eigen::Map<const Strip>(v + steps.key[r] * dv + j0, width));
@@ -505,7 +505,7 @@ void scan_strip(T* S, Index m, Index dv, Index j0, Index width, const ScanSteps<
     StripMap(numerator + r * dv + j0, width) = sum;
   };
   for (Index r = 0; r < rows;) {
-    if (kGroup > 1 && r + kGroup <= rows &&
+    if (r + kGroup <= rows &&
         std::all_of(steps.key.begin() + r, steps.key.begin() + r + kGroup,
                     [&](Index j) { return j >= 0; }) &&
         std::all_of(steps.factor.begin() + r, steps.factor.begin() + r + kGroup,
