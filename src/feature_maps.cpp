@@ -19,6 +19,7 @@
 
 #include "check.hpp"
 #include "gemm.hpp"
+#include "packet_map.hpp"
 #include "parallel.hpp"
 
 #if defined(__AVX512F__)
@@ -80,26 +81,15 @@ inline __m512 pexp_nonpositive(const __m512& x) {
 // elu(x) + 1 over n contiguous values. elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise, written as
 // max(x, 0) + exp(min(x, 0)): the same roundings (x + 1, or exp(x) + 0), no overflow, and no
 // select on a comparison (which made Eigen fall back to scalar code, 8 ns per element). Every
-// element goes through the same packet exp (pexp_nonpositive), the tail too (padded), so that a
-// value's features do not depend on where it sits: a strided block gives bitwise what a
-// contiguous one gives.
+// element goes through the same packet exp (pexp_nonpositive), the tail too (map_packets), so
+// that a value's features do not depend on where it sits.
 template <class T>
 void elu_plus_one(const T* x, T* out, Index n) {
   namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<T>::type;
-  constexpr Index kLanes = ei::packet_traits<T>::size;
-  const auto map = [](const Packet& v) {
-    const Packet zero = ei::pzero(v);
+  detail::map_packets(x, out, n, [](const detail::Packet<T>& v) {
+    const detail::Packet<T> zero = ei::pzero(v);
     return ei::padd(ei::pmax(v, zero), pexp_nonpositive(ei::pmin(v, zero)));
-  };
-  Index i = 0;
-  for (; i + kLanes <= n; i += kLanes) ei::pstoreu(out + i, map(ei::ploadu<Packet>(x + i)));
-  if (i < n) {
-    T tail[kLanes] = {};
-    std::copy(x + i, x + n, tail);
-    ei::pstoreu(tail, map(ei::ploadu<Packet>(tail)));
-    std::copy(tail, tail + (n - i), out + i);
-  }
+  });
 }
 
 // sum_j p[j]^2 in double. Eight independent accumulators let the compiler vectorise the loop (a
@@ -389,6 +379,8 @@ class FavorMap final : public FeatureMap {
   }
 
   // row[0, f) holds u on entry; on exit row[0, m) holds the features of one row. Returns log_scale.
+  // The exponentials, sines and cosines go through detail::exp_shifted, sin_of and cos_of, so that
+  // a row's features are the same bits wherever the row sits (packet_map.hpp).
   template <class T>
   double finish_row(T* row, double h, bool stabilized) const {
     using Array = Eigen::Array<T, 1, Eigen::Dynamic>;
@@ -398,35 +390,27 @@ class FavorMap final : public FeatureMap {
     switch (kind()) {
       case FeatureMapKind::FavorPositive: {
         if (!stabilized) {
-          u = (u - T(h + half_log_f)).exp();
+          detail::exp_shifted(row, row, f, T(h + half_log_f));
           return 0;
         }
         const T top = u.maxCoeff();
-        u = (u - top).exp();
+        detail::exp_shifted(row, row, f, top);
         return double(top) - h - half_log_f;
       }
       case FeatureMapKind::FavorHyperbolic: {
         const double half_log_2f = 0.5 * std::log(2.0 * double(f));
-        Eigen::Map<Array> minus(row + f, f);
-        if (!stabilized) {
-          const T c = T(h + half_log_2f);
-          minus = (-u - c).exp();
-          u = (u - c).exp();
-          return 0;
-        }
-        const T c = u.abs().maxCoeff();
-        minus = (-u - c).exp();
-        u = (u - c).exp();
-        return double(c) - h - half_log_2f;
+        const T c = stabilized ? u.abs().maxCoeff() : T(h + half_log_2f);
+        Eigen::Map<Array>(row + f, f) = -u;  // exact
+        detail::exp_shifted(row + f, row + f, f, c);
+        detail::exp_shifted(row, row, f, c);
+        return stabilized ? double(c) - h - half_log_2f : 0;
       }
       default: {  // FavorTrig
-        Eigen::Map<Array> cosine(row + f, f);
-        cosine = u.cos();
-        u = u.sin();
+        detail::cos_of(row, row + f, f);
+        detail::sin_of(row, row, f);
         if (!stabilized) {
           const T scale = T(std::exp(h - half_log_f));
-          cosine *= scale;
-          u *= scale;
+          Eigen::Map<Array>(row, 2 * f) *= scale;  // one rounding per element, like the scalar path
           return 0;
         }
         return h - half_log_f;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -27,16 +28,24 @@ void with_eigen_map(ConstView<T> v, F&& use) {
   }
 }
 
+// Always Eigen's blocked GEMM (or its GEMV for a single row or column), never its
+// coefficient-based product: `out.noalias() += a * b` takes that path when rows + cols + depth
+// < 20, and there the output elements before the first 16/32/64-byte aligned address are summed
+// in another order than the rest, so the same product written at another address rounded
+// differently (causal softmax merges key-slice states kept in a buffer whose alignment depends on
+// the allocator). The blocked kernels load unaligned and sum every element of C in the same
+// order, wherever a, b and c sit.
 template <class T>
 void gemm_eigen(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
   Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> out(c.data, c.rows, c.cols,
                                                      Eigen::OuterStride<>(c.row_stride));
+  if (!accumulate) out.setZero();
   with_eigen_map(a, [&](const auto& am) {
     with_eigen_map(b, [&](const auto& bm) {
-      if (accumulate)
-        out.noalias() += am * bm;
-      else
-        out.noalias() = am * bm;
+      using Lhs = std::decay_t<decltype(am)>;
+      using Rhs = std::decay_t<decltype(bm)>;
+      Eigen::internal::generic_product_impl<Lhs, Rhs, Eigen::DenseShape, Eigen::DenseShape,
+                                            Eigen::GemmProduct>::scaleAndAddTo(out, am, bm, T(1));
     });
   });
 }

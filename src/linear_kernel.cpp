@@ -217,9 +217,17 @@ namespace {
 // m = 256: 256 KiB, twice that for eq. 19).
 Index block_rows(Index m) { return m <= 64 ? 512 : 256; }
 
-// A thread's share of the rows, when the non-causal form splits a sequence: at least this many,
-// in multiples of it.
-constexpr Index kSplitRows = 256;
+// The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at
+// most kMaxParts of them, each absorbed into its own state and the states merged in order; and its
+// queries likewise, at multiples of the feature block. The cuts depend on the lengths only, never
+// on the thread count, so the result is the same bits for any number of threads (a different cut
+// would sum the state in another order). With fewer threads a thread simply takes several parts:
+// the merges cost m x d_v each, nothing next to a part's m x d_v x 512 x 2.
+constexpr Index kPartRows = 512;
+constexpr Index kMaxParts = 8;
+Index part_count(Index rows, Index unit) {
+  return std::clamp<Index>(rows / std::max(unit, kPartRows), 1, kMaxParts);
+}
 
 int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_threads() : 1; }
 
@@ -297,8 +305,9 @@ void DenominatorTally::merge(const DenominatorTally& other) {
   count_ += other.count_;
 }
 
-// Split across threads (when allowed and long enough): each thread absorbs a slice of the keys into
-// its own state, the states are merged, then each thread reads out a slice of the queries.
+// Keys cut into parts (part_count), each absorbed into its own state, the states merged in order;
+// then the queries read out in parts. Parts run on the OpenMP threads when `parallel`, else in
+// turn: the same arithmetic either way.
 template <class T>
 void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
                       Index k_pos0, const LinearSetup& setup, DenominatorTally* tally,
@@ -307,28 +316,31 @@ void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index
   const int threads = usable_threads(parallel);
   LinearState<T> state;
   state.reset(setup.m, dv);
-  const Index key_parts = std::min<Index>(threads, nk / kSplitRows);
+  const Index key_parts = part_count(nk, kPartRows);
   if (key_parts > 1) {
     std::vector<LinearState<T>> parts(key_parts);
-#pragma omp parallel for num_threads(key_parts)
+    for (auto& part : parts) part.reset(setup.m, dv);
+#pragma omp parallel for num_threads(std::min <Index>(threads, key_parts)) if (threads > 1)
     for (Index t = 0; t < key_parts; ++t) {
-      const Index begin = split_point(nk, key_parts, t, kSplitRows);
-      const Index end = split_point(nk, key_parts, t + 1, kSplitRows);
-      parts[t].reset(setup.m, dv);
+      const Index begin = split_point(nk, key_parts, t, kPartRows);
+      const Index end = split_point(nk, key_parts, t + 1, kPartRows);
       absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
     }
     for (const auto& part : parts) merge(state, part);
   } else {
     absorb_keys(state, k, v, nk, k_pos0, setup);
   }
-  const Index query_parts = std::min<Index>(threads, n / kSplitRows);
+  // Query parts at multiples of read_out's block, so that every block of rows, and so every
+  // product's shape, is the same whatever the cut.
+  const Index block = block_rows(setup.m);
+  const Index query_parts = part_count(n, block);
   if (query_parts > 1) {
     std::vector<DenominatorTally> tallies(query_parts,
                                           tally ? tally->empty() : DenominatorTally(0));
-#pragma omp parallel for num_threads(query_parts)
+#pragma omp parallel for num_threads(std::min <Index>(threads, query_parts)) if (threads > 1)
     for (Index t = 0; t < query_parts; ++t) {
-      const Index begin = split_point(n, query_parts, t, kSplitRows);
-      const Index end = split_point(n, query_parts, t + 1, kSplitRows);
+      const Index begin = split_point(n, query_parts, t, block);
+      const Index end = split_point(n, query_parts, t + 1, block);
       read_out(state, q + begin * d, out + begin * dv, end - begin, q_pos0 + begin, setup,
                tally ? &tallies[t] : nullptr);
     }

@@ -193,8 +193,12 @@ void merge_slices(const std::vector<BlockState<T>>& slices, Index i0, Index rows
     for (const BlockState<T>& s : slices) {
       if (s.row_sum[i] == T(0)) continue;  // nothing admissible in this slice
       const T w = std::exp(s.row_max[i] - m);
-      total += w * s.row_sum[i];
-      o += w * ConstRowMap<T>(s.acc + i * d_v, 1, d_v);
+      total = std::fma(w, s.row_sum[i], total);
+      // One rounding per element, spelt out: written as an Eigen expression on `out` (the
+      // caller's memory, at any address), the elements before its first aligned address would
+      // take a scalar path that the compiler may contract differently from the vector one.
+      const T* acc = s.acc + i * d_v;
+      for (Index c = 0; c < d_v; ++c) o(0, c) = std::fma(w, acc[c], o(0, c));
     }
     o /= total;
   }

@@ -26,10 +26,11 @@ struct SoftmaxOptions {
 //   o_i = sum_j softmax_j(scale * <R_i q_i, R_j k_j>) v_j
 // Streams blocks of keys with an online softmax (running max and running sum): O(n n_k d) time,
 // O((n + n_k) d) memory; nothing n x n is ever stored. Parallel over blocks of queries.
-// Results are bitwise the same for any number of threads. d = 0 is accepted (every score is 0, so
-// each row is the mean of the admissible v rows).
-// Throws std::invalid_argument on shape mismatch, non-finite inputs, a rope of width other than d,
-// a non-finite or negative scale, block_size < 0, or positions beyond +-2^53.
+// Reproducible: the same inputs give the same bits for any number of threads, however the work
+// falls onto them, and wherever the buffers sit (see "Reproducibility" below). d = 0 is accepted
+// (every score is 0, so each row is the mean of the admissible v rows). Throws
+// std::invalid_argument on shape mismatch, non-finite inputs, a rope of width other than d, a
+// non-finite or negative scale, block_size < 0, or positions beyond +-2^53.
 MatrixF softmax_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
                           const SoftmaxOptions& options = {});
 MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
@@ -73,6 +74,18 @@ struct DenominatorStats {
   double threshold = 1e-3;
   Index count = 0;  // how many den_i were seen (query rows)
 };
+
+// Reproducibility. For a given build, the same inputs and options give the same bits run after
+// run: no result depends on thread timing, on which thread ran which task, or on the addresses of
+// the caller's buffers or of our own scratch (tests/test_determinism.cpp forces all three). Every
+// cut of the work into tasks depends on the shapes only, so softmax attention, non-causal linear
+// attention, the feature maps and RoPE also give the same bits for any number of threads. The one
+// exception: a causal linear attention on a single head long enough to split (n >= 4 x 64 for the
+// scan, 4 x chunk_size for the chunked form) runs one segment of the sequence per thread, each
+// from a prefix state summed by blocks, so its last bits depend on the thread count (never on
+// the timing). Cutting by length alone would cost the single-thread and batched paths a second
+// pass over the keys (about +50% work for FAVOR+ eq. 19), which is why it is not done. Results
+// differ between builds (AVX-512 or not, another compiler), as any floating-point code does.
 
 // Linear attention, O((n + n_k) m d_v) time and O(m d_v) extra memory besides the features;
 // never an n x n matrix:

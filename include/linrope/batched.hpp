@@ -1,6 +1,8 @@
 // linrope: multi-head attention over contiguous row-major [batch, heads, n, d] buffers (PyTorch's
 // layout, `x.contiguous()`), parallel across (batch, head) and, when there are fewer heads than
-// threads, along the sequence. Each (b, h) slice gives exactly what the single-head call gives.
+// threads, along the sequence. Each (b, h) slice gives exactly what the single-head call gives,
+// bit for bit, except causal linear attention on heads long enough to be split along the
+// sequence, which agrees to rounding ("Reproducibility" in attention.hpp).
 #pragma once
 
 #include <linrope/attention.hpp>

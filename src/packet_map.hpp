@@ -1,0 +1,61 @@
+// Private: element-wise functions whose result for a value never depends on where it sits.
+//
+// Eigen's vectorised assignment handles the elements before the first aligned address with scalar
+// code (std::exp, std::sin, ...), and the rest with its packet code, which rounds differently. So
+// `row = row.exp()` gives other bits for the same values at another address: a feature map's
+// output would depend on where the caller's buffer starts. map_packets sends every element through
+// the same packet code instead, the last partial packet padded, from the first element on.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <linrope/types.hpp>
+
+namespace linrope::detail {
+
+template <class T>
+using Packet = typename Eigen::internal::packet_traits<T>::type;
+template <class T>
+inline constexpr Index kPacketSize = Eigen::internal::packet_traits<T>::size;
+
+// out[i] = op(x[i]) for i in [0, n), op taking and returning a Packet<T>. x and out may be the
+// same array (not otherwise overlapping); no alignment is required of either.
+template <class T, class Op>
+void map_packets(const T* x, T* out, Index n, Op op) {
+  namespace ei = Eigen::internal;
+  constexpr Index kLanes = kPacketSize<T>;
+  Index i = 0;
+  for (; i + kLanes <= n; i += kLanes) ei::pstoreu(out + i, op(ei::ploadu<Packet<T>>(x + i)));
+  if (i < n) {
+    T tail[kLanes] = {};
+    std::copy(x + i, x + n, tail);
+    ei::pstoreu(tail, op(ei::ploadu<Packet<T>>(tail)));
+    std::copy(tail, tail + (n - i), out + i);
+  }
+}
+
+// exp(x - shift), sin(x), cos(x) over n values, element by element as map_packets does. Where
+// Eigen has no packet sin or cos for T (double, in Eigen 3.4), std::sin and std::cos serve every
+// element alike.
+template <class T>
+void exp_shifted(const T* x, T* out, Index n, T shift) {
+  namespace ei = Eigen::internal;
+  const Packet<T> s = ei::pset1<Packet<T>>(shift);
+  map_packets(x, out, n, [&](const Packet<T>& p) { return ei::pexp(ei::psub(p, s)); });
+}
+template <class T>
+void sin_of(const T* x, T* out, Index n) {
+  if constexpr (Eigen::internal::packet_traits<T>::HasSin)
+    map_packets(x, out, n, [](const Packet<T>& p) { return Eigen::internal::psin(p); });
+  else
+    std::transform(x, x + n, out, [](T v) { return T(std::sin(v)); });
+}
+template <class T>
+void cos_of(const T* x, T* out, Index n) {
+  if constexpr (Eigen::internal::packet_traits<T>::HasCos)
+    map_packets(x, out, n, [](const Packet<T>& p) { return Eigen::internal::pcos(p); });
+  else
+    std::transform(x, x + n, out, [](T v) { return T(std::cos(v)); });
+}
+
+}  // namespace linrope::detail
