@@ -16,7 +16,7 @@
 #include <Eigen/Core>
 #include <string>
 
-#include "../src/gemm.hpp"
+#include "common/gemm.hpp"
 #include "bench_common.hpp"
 
 #ifdef LINROPE_BENCH_OPENBLAS

@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../src/gemm.hpp"
+#include "common/gemm.hpp"
 #include "reference/matmul_reference.hpp"
 #include "reference/random.hpp"
 

@@ -15,6 +15,7 @@
 
 #include "reference/random.hpp"
 #include "reference/rope_reference.hpp"
+#include "rope/rope_access.hpp"
 
 namespace {
 
@@ -277,13 +278,13 @@ TEST_CASE("apply on a strided view rotates only the view, and rotate_rows takes 
   // The raw-pointer kernel entry point on the same layout, forward then inverse.
   MatrixF xf = x0.cast<float>();
   const MatrixF xf0 = xf;
-  rope.rotate_rows(xf.data() + 2 * 20, 5, 20, 61, false);
+  detail::RopeAccess::rotate_rows(rope, xf.data() + 2 * 20, 5, 20, 61, false);
   const MatrixD expected_f =
       reference::apply(c, xf0.block(2, 0, 5, 12).cast<double>(), reference::consecutive(5, 61));
   CHECK((xf.block(2, 0, 5, 12).cast<double>() - expected_f).cwiseAbs().maxCoeff() <=
         rope_tolerance<float>(c, x0.cwiseAbs().maxCoeff(), 66));
   CHECK(xf.rightCols(8) == xf0.rightCols(8));
-  rope.rotate_rows(xf.data() + 2 * 20, 5, 20, 61, true);
+  detail::RopeAccess::rotate_rows(rope, xf.data() + 2 * 20, 5, 20, 61, true);
   // Forward then inverse: two tolerances' worth.
   CHECK((xf - xf0).cast<double>().cwiseAbs().maxCoeff() <=
         2 * rope_tolerance<float>(c, x0.cwiseAbs().maxCoeff(), 66));
@@ -299,7 +300,7 @@ TEST_CASE("rotate_rows over a 16 MB span (the prefetching path) matches the matr
   const MatrixF x0 = input<float>(rows, dim, 900);
   for (Index i = 0; i < rows; ++i)
     for (Index j = 0; j < dim; ++j) buffer[std::size_t(i * stride + j)] = x0(i, j);
-  rope.rotate_rows(buffer.data(), rows, stride, -40, false);
+  detail::RopeAccess::rotate_rows(rope, buffer.data(), rows, stride, -40, false);
   MatrixD got(rows, dim);
   for (Index i = 0; i < rows; ++i)
     for (Index j = 0; j < dim; ++j) got(i, j) = buffer[std::size_t(i * stride + j)];
@@ -330,9 +331,10 @@ TEST_CASE_TEMPLATE("out-of-place rotate_rows is bitwise the in-place rotation of
           from.leftCols(dim) = input<T>(rows, dim, 1000 + std::uint64_t(dim));
           const Matrix<T> original = from;
           Matrix<T> expected = from;  // the copy, rotated in place
-          rope.rotate_rows(expected.data(), rows, stride, -18, inverse);
+          detail::RopeAccess::rotate_rows(rope, expected.data(), rows, stride, -18, inverse);
           Matrix<T> to = Matrix<T>::Constant(rows, stride, T(7));
-          rope.rotate_rows<T>(from.data(), to.data(), rows, stride, -18, inverse);
+          detail::RopeAccess::rotate_rows<T>(rope, from.data(), to.data(), rows, stride, -18,
+                                             inverse);
           CHECK(to.leftCols(dim) == expected.leftCols(dim));
           CHECK((to.rightCols(3).array() == T(7)).all());
           CHECK(from == original);

@@ -15,7 +15,7 @@
 #include <omp.h>
 #endif
 
-#include "../src/softmax_kernel.hpp"  // the per-head kernel that batched.cpp calls
+#include "softmax/softmax_kernel.hpp"  // the per-head kernel that batched.cpp calls
 #include "reference/random.hpp"
 #include "reference/softmax_reference.hpp"
 

@@ -13,10 +13,16 @@
 #pragma once
 
 #include <linrope/types.hpp>
+#include <memory>
 #include <span>
 #include <vector>
 
 namespace linrope {
+
+namespace detail {
+struct RopeAccess;
+struct RopeTables;
+}  // namespace detail
 
 enum class RopeLayout { Interleaved, Half };
 
@@ -89,37 +95,20 @@ class Rope {
   void apply_inverse(Eigen::Ref<MatrixF> x, std::span<const Index> positions) const;
   void apply_inverse(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
 
-  // Raw-pointer form for kernels: rotates `rows` rows of width dim() spaced `stride` elements
-  // apart, row i at position first_position + i (|position| <= 2^53). No checks beyond debug
-  // asserts.
-  template <class T>
-  void rotate_rows(T* x, Index rows, Index stride, Index first_position, bool inverse) const;
-  // The same out of place: `to` = the rotation of `from` (both with row stride `stride`, not
-  // overlapping), columns past the rotary width copied unchanged. Bitwise what copying `from` to
-  // `to` and rotating `to` in place gives, in one pass.
-  template <class T>
-  void rotate_rows(const T* from, T* to, Index rows, Index stride, Index first_position,
-                   bool inverse) const;
-
  private:
   template <class T>
   void apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, bool inverse) const;
   template <class T>
   void apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positions, bool inverse) const;
 
+  friend struct detail::RopeAccess;  // the attention kernels' unchecked rotations
+
   RopeConfig config_;
   Index rotary_dim_ = 0;
   double magnitude_ = 1.0;
   std::vector<double> theta_;
-  // Angle tables for the kernel (src/rope.cpp), with B = table_block_ (16 or 32) rows per block:
-  // cos/sin(l * theta_i) for l = -B/2 .. B/2, row-major [B + 1 x r/2], and cos/sin(B l theta_i)
-  // then cos/sin(B^2 l theta_i), l = 0 .. B-1, row-major [2B x r/2].
-  Index table_block_ = 16;
-  std::vector<double> table_cos_, table_sin_;
-  std::vector<double> block_cos_, block_sin_;
-  // table_cos_/sin_ rounded to float, pairs 0 .. r/2 - r/2 % 16 only, in the order the AVX-512
-  // float kernel loads them: row-major [B + 1 x (r/2 - r/2 % 16)].
-  std::vector<float> table_cos_f_, table_sin_f_;
+  // The kernel's angle tables (src/rope/rope_tables.hpp), built once, immutable, shared by copies.
+  std::shared_ptr<const detail::RopeTables> tables_;
 };
 
 // The long-term decay of RoPE (RoFormer sec. 3.4.3, and the kexue.fm derivation):

@@ -17,10 +17,10 @@
 #include <string>
 #include <type_traits>
 
-#include "check.hpp"
-#include "gemm.hpp"
-#include "packet_map.hpp"
-#include "parallel.hpp"
+#include "common/check.hpp"
+#include "common/gemm.hpp"
+#include "common/packet_map.hpp"
+#include "common/parallel.hpp"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

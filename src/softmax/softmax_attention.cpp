@@ -9,10 +9,11 @@
 #include <new>
 #include <vector>
 
-#include "check.hpp"
-#include "gemm.hpp"
-#include "parallel.hpp"
-#include "softmax_kernel.hpp"
+#include "common/check.hpp"
+#include "common/gemm.hpp"
+#include "common/parallel.hpp"
+#include "rope/rope_access.hpp"
+#include "softmax/softmax_kernel.hpp"
 
 namespace linrope {
 namespace detail {
@@ -130,7 +131,7 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
   RowMap<T> qb(ws.q.get(), rows, d);
   qb = scale * ConstRowMap<T>(q + i0 * d, rows, d);
   if (options.rope != nullptr)
-    options.rope->rotate_rows(qb.data(), rows, d, options.q_offset + i0, false);
+    RopeAccess::rotate_rows(*options.rope, qb.data(), rows, d, options.q_offset + i0, false);
 
   for (Index j0 = j_begin; j0 < j_end; j0 += bk) {
     const Index cols = std::min(bk, j_end - j0);
@@ -256,7 +257,7 @@ void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k
   std::vector<T> k_rotated;
   if (options.rope != nullptr) {
     k_rotated.assign(k, k + n_k * d);
-    options.rope->rotate_rows(k_rotated.data(), n_k, d, options.k_offset, false);
+    RopeAccess::rotate_rows(*options.rope, k_rotated.data(), n_k, d, options.k_offset, false);
     k = k_rotated.data();
   }
 

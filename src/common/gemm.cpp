@@ -1,5 +1,5 @@
 // The products of gemm.hpp: a packed AVX-512 micro-kernel for float, Eigen for everything else.
-#include "gemm.hpp"
+#include "common/gemm.hpp"
 
 #include <algorithm>
 #include <cassert>

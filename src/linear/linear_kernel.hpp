@@ -19,7 +19,7 @@
 #include <linrope/attention.hpp>
 #include <vector>
 
-#include "check.hpp"
+#include "common/check.hpp"
 
 namespace linrope::detail {
 

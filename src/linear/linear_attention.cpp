@@ -3,8 +3,8 @@
 #include <cmath>
 #include <linrope/attention.hpp>
 
-#include "check.hpp"
-#include "linear_kernel.hpp"
+#include "common/check.hpp"
+#include "linear/linear_kernel.hpp"
 
 namespace linrope {
 namespace detail {

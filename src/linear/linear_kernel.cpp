@@ -1,6 +1,6 @@
 // Linear attention kernels: stabilised features, the non-causal form, the chunked causal form and
 // the plain recurrent scan. See linear_kernel.hpp for the stabilisation algebra.
-#include "linear_kernel.hpp"
+#include "linear/linear_kernel.hpp"
 
 #include <algorithm>
 #include <array>
@@ -9,10 +9,11 @@
 #include <type_traits>
 #include <utility>
 
-#include "feature_map_access.hpp"
-#include "gemm.hpp"
-#include "parallel.hpp"
-#include "scratch.hpp"
+#include "common/gemm.hpp"
+#include "common/parallel.hpp"
+#include "common/scratch.hpp"
+#include "feature_maps/feature_map_access.hpp"
+#include "rope/rope_access.hpp"
 
 namespace linrope::detail {
 namespace {
@@ -60,17 +61,17 @@ class FeatureBlock {
       case RopePlacement::BeforeMap: {
         RowMap<T> rotated(num_data() + capacity_ * m, rows, d);
         rotated = input;
-        rope->rotate_rows(rotated.data(), rows, d, first_position, false);
+        RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, false);
         map_rows(rotated, num_data());
         break;
       }
       case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
         map_rows(input, den_data());
-        rope->rotate_rows<T>(den_data(), num_data(), rows, m, first_position, false);
+        RopeAccess::rotate_rows<T>(*rope, den_data(), num_data(), rows, m, first_position, false);
         break;
       case RopePlacement::Full:
         map_rows(input, num_data());
-        rope->rotate_rows(num_data(), rows, m, first_position, false);
+        RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, false);
         break;
     }
   }

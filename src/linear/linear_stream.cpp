@@ -1,8 +1,8 @@
 // LinearAttentionStream: causal linear attention one token (or block) at a time, O(m d_v) memory.
 #include <linrope/attention.hpp>
 
-#include "check.hpp"
-#include "linear_kernel.hpp"
+#include "common/check.hpp"
+#include "linear/linear_kernel.hpp"
 
 namespace linrope {
 

@@ -1,0 +1,132 @@
+// Private: what both batched attentions share over [batch, heads, n, d] buffers: shape checks,
+// the slices of a view, the finiteness checks, and the loop that spreads the slices over threads.
+#pragma once
+
+#include <exception>
+#include <linrope/batched.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/parallel.hpp"
+
+namespace linrope::detail {
+
+// "[B, H, n, d]". (A stream, not std::string concatenation: GCC 12 raises a false -Wrestrict on
+// the latter, GCC bug 105329.)
+template <class T>
+std::string describe(const Heads<T>& h) {
+  std::ostringstream s;
+  s << '[' << h.batch << ", " << h.heads << ", " << h.n << ", " << h.d << ']';
+  return s.str();
+}
+
+// Valid rows of batch b (the padding mask).
+template <class T>
+Index valid_rows(const Heads<T>& h, Index b) {
+  return h.lengths ? h.lengths[b] : h.n;
+}
+
+template <class T>
+const T* slice(const Heads<T>& h, Index b, Index head) {
+  return h.data + (b * h.heads + head) * h.n * h.d;
+}
+template <class T>
+T* slice_out(const Heads<T>& h, Index b, Index head) {
+  return h.data + (b * h.heads + head) * h.n * h.d;
+}
+
+template <class T>
+void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
+  if (h.batch < 0 || h.heads < 0 || h.n < 0 || h.d < 0)
+    throw_invalid(fn, name, " is ", describe(h), " but expected non-negative sizes");
+  if (h.data == nullptr && h.batch * h.heads * h.n * h.d > 0)
+    throw_invalid(fn, name, ".data is null but ", name, " is ", describe(h));
+  if (h.lengths)
+    for (Index b = 0; b < h.batch; ++b)
+      if (h.lengths[b] < 0 || h.lengths[b] > h.n)
+        throw_invalid(fn, name, ".lengths[", b, "] is ", h.lengths[b],
+                      " but expected a length in [0, ", h.n, "]");
+}
+
+// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v], out [B,H,n,d_v].
+template <class T>
+void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                 const Heads<const T>& v, const Heads<T>& out) {
+  check_view(fn, "q", q);
+  check_view(fn, "k", k);
+  check_view(fn, "v", v);
+  check_view(fn, "out", out);
+  const auto same_batch_heads = [&](std::string_view name, Index batch, Index heads,
+                                    const std::string& shape) {
+    if (batch != q.batch || heads != q.heads)
+      throw_invalid(fn, name, " is ", shape, " but q has batch = ", q.batch, ", heads = ", q.heads);
+  };
+  same_batch_heads("k", k.batch, k.heads, describe(k));
+  same_batch_heads("v", v.batch, v.heads, describe(v));
+  same_batch_heads("out", out.batch, out.heads, describe(out));
+  if (k.d != q.d) throw_invalid(fn, "k is ", describe(k), " but q has d = ", q.d);
+  if (v.n != k.n) throw_invalid(fn, "v is ", describe(v), " but k has n = ", k.n);
+  if (out.n != q.n || out.d != v.d)
+    throw_invalid(fn, "out is ", describe(out), " but expected [", q.batch, ", ", q.heads, ", ",
+                  q.n, ", ", v.d, "]");
+}
+
+// The rows of slice s of q, k or v within the lengths (v's are k's).
+template <class T>
+Eigen::Map<const Matrix<T>> valid_slice(const Heads<const T>& h, Index s,
+                                        const Heads<const T>& lengths_from) {
+  const Index b = s / h.heads;
+  return Eigen::Map<const Matrix<T>>(slice(h, b, s % h.heads), valid_rows(lengths_from, b), h.d);
+}
+
+// Throws naming the first non-finite value of slice s (q, then k, then v), if there is one.
+template <class T>
+void require_finite_slice(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                          const Heads<const T>& v, Index s) {
+  const auto name = [&](char tensor) {
+    std::ostringstream out;
+    out << tensor << '[' << s / q.heads << ", " << s % q.heads << ']';
+    return out.str();
+  };
+  require_finite(fn, name('q'), valid_slice(q, s, q));
+  require_finite(fn, name('k'), valid_slice(k, s, k));
+  require_finite(fn, name('v'), valid_slice(v, s, k));
+}
+
+// Every valid row finite, checked before softmax runs (the linear kernels check as they read).
+// The scan reads every input once, so the slices are scanned on all threads; the first offending
+// slice in order is then reported (the same message whatever the thread count).
+template <class T>
+void require_finite_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                          const Heads<const T>& v) {
+  const Index slices = q.batch * q.heads;
+  std::vector<char> finite(slices);
+#pragma omp parallel for schedule(dynamic)
+  for (Index s = 0; s < slices; ++s)
+    finite[s] = all_finite(valid_slice(q, s, q)) && all_finite(valid_slice(k, s, k)) &&
+                all_finite(valid_slice(v, s, k));
+  for (Index s = 0; s < slices; ++s)
+    if (!finite[s]) require_finite_slice(fn, q, k, v, s);
+}
+
+// Runs body(b, h) for every slice on the OpenMP threads; the first exception (only bad_alloc can
+// occur after the checks) is rethrown outside the parallel region.
+template <class Body>
+void for_each_slice(Index batch, Index heads, Body body) {
+  const Index slices = batch * heads;
+  std::exception_ptr failure;
+#pragma omp parallel for schedule(dynamic)
+  for (Index s = 0; s < slices; ++s) {
+    try {
+      body(s / heads, s % heads);
+    } catch (...) {
+#pragma omp critical(linrope_batched_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace linrope::detail

@@ -1,0 +1,78 @@
+// Linear attention over [batch, heads, n, d] buffers: checks, then one single-head kernel per
+// (batch, head) slice, the slices spread over the OpenMP threads.
+#include <linrope/batched.hpp>
+
+#include "common/heads.hpp"
+#include "linear/linear_kernel.hpp"
+
+namespace linrope {
+namespace {
+
+using detail::check_heads;
+using detail::for_each_slice;
+using detail::max_threads;
+using detail::slice;
+using detail::slice_out;
+using detail::valid_rows;
+
+template <class T>
+void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<T> out,
+                    const FeatureMap& map, const LinearOptions& options, DenominatorStats* stats) {
+  constexpr std::string_view fn = "linear_attention";
+  check_heads(fn, q, k, v, out);
+  detail::check_linear_setup(fn, map, options, q.d);
+  detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
+  detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
+  const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
+  const double threshold = stats ? stats->threshold : 0.0;
+  const Index slices = q.batch * q.heads;
+  std::vector<detail::DenominatorTally> tallies(slices, detail::DenominatorTally(threshold));
+  // Non-finite inputs are found by the kernels as they read them (see NonFiniteFlag).
+  std::vector<detail::NonFiniteFlag> nonfinite(slices);
+  const auto run = [&](Index b, Index h, bool parallel) {
+    const Index s = b * q.heads + h;
+    detail::DenominatorTally* tally = stats ? &tallies[s] : nullptr;
+    detail::LinearSetup setup_of_slice = setup;
+    setup_of_slice.nonfinite = &nonfinite[s];
+    const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+    if (options.causal) {
+      detail::LinearState<T> state;
+      state.reset(setup.m, setup.dv);
+      detail::linear_causal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h), n,
+                            nk, options.q_offset, options.k_offset, setup_of_slice, state, false,
+                            tally, parallel);
+    } else {
+      detail::linear_noncausal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
+                               n, nk, options.q_offset, options.k_offset, setup_of_slice, tally,
+                               parallel);
+    }
+  };
+  // As for softmax: one slice per thread when there are enough, else each slice on all threads.
+  if (q.batch * q.heads >= max_threads()) {
+    for_each_slice(q.batch, q.heads, [&](Index b, Index h) { run(b, h, false); });
+  } else {
+    for (Index b = 0; b < q.batch; ++b)
+      for (Index h = 0; h < q.heads; ++h) run(b, h, true);
+  }
+  for (Index s = 0; s < slices; ++s)
+    if (nonfinite[s].raised()) detail::require_finite_slice(fn, q, k, v, s);
+  if (stats) {
+    detail::DenominatorTally(threshold).store(*stats);
+    for (const auto& tally : tallies) tally.merge_into(*stats);
+  }
+}
+
+}  // namespace
+
+void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                      Heads<float> out, const FeatureMap& map, const LinearOptions& options,
+                      DenominatorStats* stats) {
+  linear_batched(q, k, v, out, map, options, stats);
+}
+void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                      Heads<double> out, const FeatureMap& map, const LinearOptions& options,
+                      DenominatorStats* stats) {
+  linear_batched(q, k, v, out, map, options, stats);
+}
+
+}  // namespace linrope
