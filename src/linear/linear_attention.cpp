@@ -51,14 +51,14 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
   Matrix<T> out(q.rows(), v.cols());
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
   detail::DenominatorTally* tally_ptr = stats ? &tally : nullptr;
+  const detail::LinearHead<T> head{q.data(), k.data(), v.data(),         out.data(),
+                                   q.rows(), k.rows(), options.q_offset, options.k_offset};
   if (options.causal) {
     detail::LinearState<T> state;
     state.reset(setup.m, setup.dv);
-    detail::linear_causal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
-                          options.q_offset, options.k_offset, setup, state, false, tally_ptr, true);
+    detail::linear_causal(head, setup, state, false, tally_ptr, true);
   } else {
-    detail::linear_noncausal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
-                             options.q_offset, options.k_offset, setup, tally_ptr, true);
+    detail::linear_noncausal(head, setup, tally_ptr, true);
   }
   if (nonfinite.raised()) {
     detail::require_finite(fn, "q", q);

@@ -35,16 +35,15 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[s];
     const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+    const detail::LinearHead<T> head{
+        slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, nk,
+        options.q_offset, options.k_offset};
     if (options.causal) {
       detail::LinearState<T> state;
       state.reset(setup.m, setup.dv);
-      detail::linear_causal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h), n,
-                            nk, options.q_offset, options.k_offset, setup_of_slice, state, false,
-                            tally, parallel);
+      detail::linear_causal(head, setup_of_slice, state, false, tally, parallel);
     } else {
-      detail::linear_noncausal(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
-                               n, nk, options.q_offset, options.k_offset, setup_of_slice, tally,
-                               parallel);
+      detail::linear_noncausal(head, setup_of_slice, tally, parallel);
     }
   };
   // As for softmax: one slice per thread when there are enough, else each slice on all threads.

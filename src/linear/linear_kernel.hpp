@@ -84,24 +84,35 @@ struct LinearSetup {
   NonFiniteFlag* nonfinite = nullptr;
 };
 
-// Non-causal: every query sees every key; positions (for RoPE) start at q_pos0 and k_pos0.
-// `parallel`: split the sequence across the OpenMP threads (pass false when already inside a
-// parallel region, e.g. one head per thread). Never throws but std::bad_alloc.
+// One head's rows: q [n x d], k [nk x d], v [nk x dv] -> out [n x dv], row-major and contiguous;
+// row i of q at position q_pos0 + i, row j of k and v at k_pos0 + j.
 template <class T>
-void linear_noncausal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
-                      Index k_pos0, const LinearSetup& setup, DenominatorTally* tally,
+struct LinearHead {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  Index n, nk;
+  Index q_pos0, k_pos0;
+};
+
+// Non-causal: every query sees every key.
+// `parallel`: spread the work over the OpenMP threads (pass false when already inside a parallel
+// region, e.g. one head per thread); the result is the same bits either way. Never throws but
+// std::bad_alloc.
+template <class T>
+void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, DenominatorTally* tally,
                       bool parallel);
 
 // Causal, chunked or scan by setup.options.method: query i sees key j iff
 // k_pos0 + j <= q_pos0 + i, plus everything already in `state`. If absorb_all, every key ends up in
 // `state` (the stream); otherwise `state` ends up holding only some of the keys, and is for the
 // caller to discard.
-// `parallel` as for linear_noncausal: a long call is split into one segment of queries per thread,
-// for either method.
+// `parallel`: a long call is split into one segment of queries per thread, for either method (its
+// last bits then depend on the thread count; see attention.hpp, "Reproducibility").
 template <class T>
-void linear_causal(const T* q, const T* k, const T* v, T* out, Index n, Index nk, Index q_pos0,
-                   Index k_pos0, const LinearSetup& setup, LinearState<T>& state, bool absorb_all,
-                   DenominatorTally* tally, bool parallel);
+void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
+                   bool absorb_all, DenominatorTally* tally, bool parallel);
 
 // Argument checks shared by every linear entry point (throws std::invalid_argument).
 void check_linear_setup(std::string_view fn, const FeatureMap& map, const LinearOptions& options,

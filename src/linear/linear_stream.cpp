@@ -67,9 +67,9 @@ Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k,
   detail::require_finite(fn, "v", v);
   Matrix<T> out(q.rows(), setup.dv);
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
-  detail::linear_causal(q.data(), k.data(), v.data(), out.data(), q.rows(), k.rows(),
-                        state_->position, state_->position, setup, state_->running, true,
-                        stats ? &tally : nullptr, true);
+  const detail::LinearHead<T> head{q.data(), k.data(), v.data(),         out.data(),
+                                   q.rows(), k.rows(), state_->position, state_->position};
+  detail::linear_causal(head, setup, state_->running, true, stats ? &tally : nullptr, true);
   state_->position += q.rows();
   if (stats) tally.store(*stats);
   return out;

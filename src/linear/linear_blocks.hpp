@@ -1,0 +1,235 @@
+// Private: the pieces every linear-attention form is built from: the stabilised feature rows of a
+// block of tokens (FeatureBlock), the state updates (absorb, merge, rescale) and the output row.
+// The algebra is in linear_kernel.hpp.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/gemm.hpp"
+#include "common/parallel.hpp"
+#include "common/scratch.hpp"
+#include "feature_maps/feature_map_access.hpp"
+#include "linear/linear_kernel.hpp"
+#include "rope/rope_access.hpp"
+
+namespace linrope::detail {
+
+inline constexpr double kEmpty = -std::numeric_limits<double>::infinity();
+
+// x, a [rows x cols] block of q, k or v: raises setup.nonfinite if it holds a non-finite value
+// (when the caller asked for checks).
+template <class T>
+void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
+  if (setup.nonfinite) setup.nonfinite->check(x, rows, cols);
+}
+
+// Stabilised feature rows of one block of tokens, in the form the placement needs:
+//   num(): features on the numerator side (rotated by R_i for NumeratorOnly and Full),
+//   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
+//   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features.
+// Its memory is per-thread scratch (scratch.hpp): no allocation after a thread's first call.
+template <class T>
+class FeatureBlock {
+ public:
+  FeatureBlock(const LinearSetup& setup, Index capacity)
+      : setup_(setup),
+        capacity_(capacity),
+        separate_den_(setup.options.placement == RopePlacement::NumeratorOnly),
+        features_(capacity * ((separate_den_ ? 2 : 1) * setup.m +
+                              (setup.options.placement == RopePlacement::BeforeMap ? setup.d : 0))),
+        log_scale_(capacity) {}
+
+  // Features of rows x [rows x d] at positions first_position, first_position + 1, ...
+  void compute(const T* x, Index rows, Index first_position) {
+    rows_ = rows;
+    check_input(setup_, x, rows, setup_.d);
+    const FeatureMap& map = *setup_.map;
+    const Rope* rope = setup_.options.rope;
+    const Index m = setup_.m, d = setup_.d;
+    ConstRowMap<T> input(x, rows, d);
+    const auto map_rows = [&](const auto& from, T* to) {
+      FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale_.data());
+    };
+    switch (setup_.options.placement) {
+      case RopePlacement::None:
+        map_rows(input, num_data());
+        break;
+      case RopePlacement::BeforeMap: {
+        RowMap<T> rotated(num_data() + capacity_ * m, rows, d);
+        rotated = input;
+        RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, false);
+        map_rows(rotated, num_data());
+        break;
+      }
+      case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
+        map_rows(input, den_data());
+        RopeAccess::rotate_rows<T>(*rope, den_data(), num_data(), rows, m, first_position, false);
+        break;
+      case RopePlacement::Full:
+        map_rows(input, num_data());
+        RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, false);
+        break;
+    }
+  }
+
+  const LinearSetup& setup() const { return setup_; }
+  Index capacity() const { return capacity_; }
+  Index rows() const { return rows_; }
+  ConstRowMap<T> num() const { return ConstRowMap<T>(num_data(), rows_, setup_.m); }
+  ConstRowMap<T> den() const { return ConstRowMap<T>(den_data(), rows_, setup_.m); }
+  double log_scale(Index i) const { return log_scale_.data()[i]; }
+  double max_log_scale() const {
+    return rows_ ? *std::max_element(log_scale_.data(), log_scale_.data() + rows_) : kEmpty;
+  }
+
+ private:
+  // [num | den (NumeratorOnly) | rotated input (BeforeMap)], each capacity rows.
+  T* num_data() const { return features_.data(); }
+  T* den_data() const {
+    return separate_den_ ? features_.data() + capacity_ * setup_.m : features_.data();
+  }
+
+  const LinearSetup& setup_;
+  Index capacity_;
+  bool separate_den_;
+  Scratch<T> features_;
+  Scratch<double> log_scale_;
+  Index rows_ = 0;
+};
+
+// Rescales the state to log scale new_max (>= state.M).
+template <class T>
+void raise_scale(LinearState<T>& state, double new_max) {
+  if (new_max <= state.M) return;
+  if (state.M != kEmpty) {
+    const T factor = T(std::exp(state.M - new_max));
+    state.S *= factor;
+    state.z *= factor;
+  }
+  state.M = new_max;
+}
+
+// Adds the keys of `keys` (features) with values v [rows x d_v] to the state:
+// S += num^T diag(w) V, z += den^T w, with w_j = exp(c_j - M). The weights scale the rows of V
+// (d_v wide) rather than those of the features (m wide), and are skipped when every w_j is 1
+// (maps that need no stabilisation, elu+1, relu and 1+cos, have c_j = 0 = M throughout).
+// `next`: what the caller reads next, fetched during the product (gemm.hpp).
+template <class T>
+void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Matrix<T>& weighted_v,
+            Vector<T>& weights, const Prefetch& next = {}) {
+  const Index rows = keys.rows(), dv = keys.setup().dv;
+  if (rows == 0) return;
+  check_input(keys.setup(), v, rows, dv);
+  raise_scale(state, keys.max_log_scale());
+  const ConstRowMap<T> values(v, rows, dv);
+  bool unit = true;
+  for (Index j = 0; j < rows && unit; ++j) unit = keys.log_scale(j) == state.M;
+  if (!unit) {
+    weights.resize(rows);
+    for (Index j = 0; j < rows; ++j) weights[j] = T(std::exp(keys.log_scale(j) - state.M));
+    weighted_v.noalias() = weights.asDiagonal() * values;
+  }
+  gemm(const_view(keys.num()).transposed(), unit ? const_view(values) : const_view(weighted_v),
+       view(state.S), true, next);
+  if (unit)
+    state.z.noalias() += keys.den().colwise().sum().transpose();
+  else
+    state.z.noalias() += keys.den().transpose() * weights;
+}
+
+// Adds keys [next, end) to the state, as many at a time as `keys` holds, and leaves next = end:
+// the keys that no query reads between (the causal forms' keys before a block of queries).
+template <class T>
+void absorb_through(LinearState<T>& state, FeatureBlock<T>& keys, const T* k, const T* v,
+                    Index k_pos0, Index& next, Index end, Matrix<T>& weighted, Vector<T>& weights) {
+  const Index d = keys.setup().d, dv = keys.setup().dv;
+  while (next < end) {
+    const Index rows = std::min(keys.capacity(), end - next);
+    keys.compute(k + next * d, rows, k_pos0 + next);
+    absorb(state, keys, v + next * dv, weighted, weights);
+    next += rows;
+  }
+}
+
+// o_i = num~_i / (den~_i + eps exp(-(a_i + M_i))); a zero row when nothing is attended to.
+// numerator: d_v contiguous values. Multiplying by the reciprocal in double (one rounding more
+// than dividing, far below float's) lets the loop vectorise.
+template <class T>
+void write_output(T* out, const T* numerator, Index dv, double den, double log_scale, double eps,
+                  DenominatorTally* tally) {
+  if (log_scale == kEmpty) {  // no admissible key
+    std::fill(out, out + dv, T(0));
+    if (tally) tally->add(0.0, 0.0);
+    return;
+  }
+  if (tally) tally->add(den, log_scale);
+  // Maps without a stabiliser (elu+1, relu, 1+cos) have log_scale 0 on every row: exp(-0) = 1
+  // exactly, without the libm call.
+  const double total = den + (eps > 0 ? eps * (log_scale == 0 ? 1.0 : std::exp(-log_scale)) : 0.0);
+  if (total == 0 || !std::isfinite(total)) {  // 0 / 0 (eps = 0), or num / inf
+    std::fill(out, out + dv, T(0));
+    return;
+  }
+  const double inverse = 1.0 / total;
+  if (!std::isfinite(inverse)) {  // a subnormal total (double, eps = 0): 1 / total overflows
+    for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) / total);
+    return;
+  }
+  for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) * inverse);
+}
+
+// Rows per feature block of the non-causal form: large enough for efficient GEMMs, small enough for
+// the block's features to stay in L2. 512 when m <= 64 (elu+1, relu, 1+cos: 128 KiB of float
+// features, 256 KiB for eq. 19's two copies; double twice that, not measured), which spreads the
+// per-block work (packing the state, the calls) over more of their cheap rows; else 256 (FAVOR+,
+// m = 256: 256 KiB, twice that for eq. 19).
+inline Index block_rows(Index m) { return m <= 64 ? 512 : 256; }
+
+inline int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_threads() : 1; }
+
+// Rows [first, first + rows) of a row-major [* x cols] buffer, as a range to prefetch (empty when
+// rows is 0).
+template <class T>
+Prefetch::Range rows_of(const T* x, Index cols, Index first, Index rows) {
+  return {x + first * cols, Index(sizeof(T)) * cols * rows};
+}
+
+// Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time: the non-causal form,
+// and the first pass of the causal form split across threads. Each block's state update fetches
+// the next block's keys and values (gemm.hpp's Prefetch): elu+1's rows are cheap enough to map
+// that waiting for them, not the arithmetic, was much of its time. With read_out's fetches,
+// elu+1 non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
+template <class T>
+void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+                 const LinearSetup& setup) {
+  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(nk, 1));
+  FeatureBlock<T> keys(setup, block);
+  Matrix<T> weighted;
+  Vector<T> weights;
+  for (Index js = 0; js < nk; js += block) {
+    const Index rows = std::min(block, nk - js), next_rows = std::min(block, nk - js - rows);
+    keys.compute(k + js * setup.d, rows, k_pos0 + js);
+    absorb(state, keys, v + js * setup.dv, weighted, weights,
+           Prefetch{{rows_of(k, setup.d, js + rows, next_rows),
+                     rows_of(v, setup.dv, js + rows, next_rows)}});
+  }
+}
+
+// state += other, both brought to the larger of their two scales.
+template <class T>
+void merge(LinearState<T>& state, const LinearState<T>& other) {
+  if (other.M == kEmpty) return;
+  raise_scale(state, other.M);
+  const T factor = T(std::exp(other.M - state.M));
+  state.S += factor * other.S;
+  state.z += factor * other.z;
+}
+
+// [begin, end) of part t when `count` rows are split into `parts` pieces aligned to `align`.
+inline Index split_point(Index count, Index parts, Index t, Index align) {
+  return t >= parts ? count : std::min(count, (count * t / parts) / align * align);
+}
+
+}  // namespace linrope::detail

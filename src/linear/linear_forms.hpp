@@ -1,0 +1,24 @@
+// Private: the two causal forms behind linear_causal (linear_kernel.hpp), one head, no thread
+// split: query i sees key j iff k_pos0 + j <= q_pos0 + i, plus everything already in `state`.
+// If absorb_all, every key ends up in `state`. Never throw but std::bad_alloc.
+#pragma once
+
+#include "linear/linear_kernel.hpp"
+
+namespace linrope::detail {
+
+// Queries per block of the scan: their features are computed by one product, and their steps go
+// through each strip of the state together.
+constexpr Index kScanBlock = 64;
+
+// Quadratic (masked GEMMs) inside chunks of setup.options.chunk_size queries, the state between.
+template <class T>
+void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
+                    bool absorb_all, DenominatorTally* tally);
+
+// The recurrence, a block of 64 queries at a time, the state swept in strips.
+template <class T>
+void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
+                 bool absorb_all, DenominatorTally* tally);
+
+}  // namespace linrope::detail

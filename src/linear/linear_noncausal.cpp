@@ -1,0 +1,99 @@
+// Non-causal linear attention: every query sees every key. The keys are absorbed into the state
+// S, z in parts, then the queries read it out.
+#include <vector>
+
+#include "linear/linear_blocks.hpp"
+
+namespace linrope::detail {
+namespace {
+
+// The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at
+// most kMaxParts of them, each absorbed into its own state and the states merged in order; and its
+// queries likewise, at multiples of the feature block. The cuts depend on the lengths only, never
+// on the thread count, so the result is the same bits for any number of threads (a different cut
+// would sum the state in another order). With fewer threads a thread simply takes several parts:
+// the merges cost m x d_v each, nothing next to a part's m x d_v x 512 x 2.
+constexpr Index kPartRows = 512;
+constexpr Index kMaxParts = 8;
+Index part_count(Index rows, Index unit) {
+  return std::clamp<Index>(rows / std::max(unit, kPartRows), 1, kMaxParts);
+}
+
+// Non-causal read-out of n queries against a complete state. Each block's product fetches the
+// output rows it is about to write and the next block's queries (as absorb_keys does).
+template <class T>
+void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_pos0,
+              const LinearSetup& setup, DenominatorTally* tally) {
+  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n, 1));
+  FeatureBlock<T> queries(setup, block);
+  Matrix<T> numerator;
+  Vector<T> den;
+  for (Index qs = 0; qs < n; qs += block) {
+    const Index rows = std::min(block, n - qs), next_rows = std::min(block, n - qs - rows);
+    queries.compute(q + qs * setup.d, rows, q_pos0 + qs);
+    numerator.resize(rows, setup.dv);
+    gemm(const_view(queries.num()), const_view(state.S), view(numerator), false,
+         Prefetch{{rows_of(out, setup.dv, qs, rows), rows_of(q, setup.d, qs + rows, next_rows)}});
+    den.noalias() = queries.den() * state.z;
+    for (Index r = 0; r < rows; ++r)
+      write_output(out + (qs + r) * setup.dv, numerator.data() + r * setup.dv, setup.dv,
+                   double(den[r]), queries.log_scale(r) + state.M, setup.options.eps, tally);
+  }
+}
+
+}  // namespace
+
+// Keys cut into parts (part_count), each absorbed into its own state, the states merged in order;
+// then the queries read out in parts. Parts run on the OpenMP threads when `parallel`, else in
+// turn: the same arithmetic either way.
+template <class T>
+void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, DenominatorTally* tally,
+                      bool parallel) {
+  const T *q = head.q, *k = head.k, *v = head.v;
+  T* out = head.out;
+  const Index n = head.n, nk = head.nk, q_pos0 = head.q_pos0, k_pos0 = head.k_pos0;
+  const Index d = setup.d, dv = setup.dv;
+  const int threads = usable_threads(parallel);
+  LinearState<T> state;
+  state.reset(setup.m, dv);
+  const Index key_parts = part_count(nk, kPartRows);
+  if (key_parts > 1) {
+    std::vector<LinearState<T>> parts(key_parts);
+    for (auto& part : parts) part.reset(setup.m, dv);
+#pragma omp parallel for num_threads(std::min <Index>(threads, key_parts)) if (threads > 1)
+    for (Index t = 0; t < key_parts; ++t) {
+      const Index begin = split_point(nk, key_parts, t, kPartRows);
+      const Index end = split_point(nk, key_parts, t + 1, kPartRows);
+      absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
+    }
+    for (const auto& part : parts) merge(state, part);
+  } else {
+    absorb_keys(state, k, v, nk, k_pos0, setup);
+  }
+  // Query parts at multiples of read_out's block, so that every block of rows, and so every
+  // product's shape, is the same whatever the cut.
+  const Index block = block_rows(setup.m);
+  const Index query_parts = part_count(n, block);
+  if (query_parts > 1) {
+    std::vector<DenominatorTally> tallies(query_parts,
+                                          tally ? tally->empty() : DenominatorTally(0));
+#pragma omp parallel for num_threads(std::min <Index>(threads, query_parts)) if (threads > 1)
+    for (Index t = 0; t < query_parts; ++t) {
+      const Index begin = split_point(n, query_parts, t, block);
+      const Index end = split_point(n, query_parts, t + 1, block);
+      read_out(state, q + begin * d, out + begin * dv, end - begin, q_pos0 + begin, setup,
+               tally ? &tallies[t] : nullptr);
+    }
+    if (tally)
+      for (const auto& part : tallies) tally->merge(part);
+  } else {
+    read_out(state, q, out, n, q_pos0, setup, tally);
+  }
+}
+
+template void linear_noncausal<float>(const LinearHead<float>&, const LinearSetup&,
+                                      DenominatorTally*, bool);
+template void linear_noncausal<double>(const LinearHead<double>&, const LinearSetup&,
+                                       DenominatorTally*, bool);
+
+}  // namespace linrope::detail
