@@ -46,20 +46,22 @@ Outcome run_favor_error(Context& context) {
   const Options& o = context.options;
   // One thread unless --threads says otherwise: many small single-head calls (see ScopedThreads).
   const ScopedThreads threads(o.threads > 0 ? o.threads : 1);
-  const Index L = o.favor_length, d = o.favor_dim, P = o.favor_pairs;
+  const Index L = o.favor_error.length, d = o.favor_error.dim, P = o.favor_error.pairs;
   std::vector<std::uint64_t> seeds;
-  for (Index s = 0; s < o.favor_seeds; ++s) seeds.push_back(o.seed + std::uint64_t(s));
+  for (Index s = 0; s < o.favor_error.seeds; ++s) seeds.push_back(o.seed + std::uint64_t(s));
   double total_work = 0;
-  for (const Index m : o.favor_features)
-    total_work += double(m) * double(std::size(kVariants) * seeds.size() * o.favor_scales.size());
+  for (const Index m : o.favor_error.features)
+    total_work +=
+        double(m) * double(std::size(kVariants) * seeds.size() * o.favor_error.scales.size());
   Sweep sweep(context, "favor_error",
               {"features", "sampling", "m", "seed", "n", "d", "scale", "pairs", "output_dim",
                "kernel_mse", "kernel_rel_mse", "attn_rel_error"},
               7,
-              seeds.size() * std::size(kVariants) * o.favor_features.size() * o.favor_scales.size(),
+              seeds.size() * std::size(kVariants) * o.favor_error.features.size() *
+                  o.favor_error.scales.size(),
               total_work);
 
-  for (const double scale : o.favor_scales)
+  for (const double scale : o.favor_error.scales)
     for (const std::uint64_t seed : seeds) {
       auto key = [&](const Variant& v, Index m) {
         Row row;
@@ -69,11 +71,11 @@ Outcome run_favor_error(Context& context) {
       };
       bool needed = false;
       for (const auto& v : kVariants)
-        for (const Index m : o.favor_features)
+        for (const Index m : o.favor_error.features)
           needed = needed || !sweep.table().contains(sweep.table().key_of(key(v, m)));
       if (!needed) {
         for (const auto& v : kVariants)
-          for (const Index m : o.favor_features) sweep.begin(key(v, m), "", double(m));
+          for (const Index m : o.favor_error.features) sweep.begin(key(v, m), "", double(m));
         continue;
       }
       // The same q, k, v and pairs for every scale (scaled copies), so that scales compare alike.
@@ -92,7 +94,7 @@ Outcome run_favor_error(Context& context) {
       }
       const double mean_square = exact.squaredNorm() / double(P);
       for (const auto& variant : kVariants)
-        for (const Index m : o.favor_features) {
+        for (const Index m : o.favor_error.features) {
           const Row row_key = key(variant, m);
           const std::string label = std::string(variant.features) + " " + variant.sampling +
                                     " m=" + std::to_string(m) + " scale=" + format_number(scale) +
@@ -136,7 +138,7 @@ Outcome run_favor_error(Context& context) {
   outcome.seeds = seeds;
   nlohmann::json curves = nlohmann::json::array();
   std::map<std::tuple<std::string, std::string, std::string>, LogLogFit> mse_fit;
-  for (const double scale_value : o.favor_scales) {
+  for (const double scale_value : o.favor_error.scales) {
     const std::string scale = format_number(scale_value);
     for (const auto& v : kVariants) {
       std::vector<double> ms, mses;
@@ -182,14 +184,16 @@ Outcome run_favor_error(Context& context) {
                          std::to_string(seeds.size()) +
                          " seeds (each redraws the inputs and W); m counts random "
                          "projections (trig features output 2m values).");
-  const Index m_lo = *std::min_element(o.favor_features.begin(), o.favor_features.end());
-  const Index m_hi = *std::max_element(o.favor_features.begin(), o.favor_features.end());
+  const Index m_lo =
+      *std::min_element(o.favor_error.features.begin(), o.favor_error.features.end());
+  const Index m_hi =
+      *std::max_element(o.favor_error.features.begin(), o.favor_error.features.end());
   auto cell = [&](const char* f, const char* sampling, Index m,
                   const std::string& scale) -> const Cell* {
     const auto found = cells.find({f, sampling, m, scale});
     return found == cells.end() ? nullptr : &found->second;
   };
-  for (const double scale_value : o.favor_scales) {
+  for (const double scale_value : o.favor_error.scales) {
     const std::string scale = format_number(scale_value);
     std::string p = "Scale s = " + scale + ". Kernel MSE from m = " + std::to_string(m_lo) +
                     " to m = " + std::to_string(m_hi) +

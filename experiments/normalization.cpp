@@ -47,12 +47,12 @@ Outcome run_normalization(Context& context) {
   const Options& o = context.options;
   // One thread unless --threads says otherwise: many small single-head calls (see ScopedThreads).
   const ScopedThreads threads(o.threads > 0 ? o.threads : 1);
-  const Index d = o.norm_dim;
-  std::vector<Index> lengths = o.norm_lengths;
+  const Index d = o.normalization.dim;
+  std::vector<Index> lengths = o.normalization.lengths;
   std::sort(lengths.begin(), lengths.end());
   lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());
   std::vector<std::uint64_t> seeds;
-  for (Index s = 0; s < o.norm_seeds; ++s) seeds.push_back(o.seed + std::uint64_t(s));
+  for (Index s = 0; s < o.normalization.seeds; ++s) seeds.push_back(o.seed + std::uint64_t(s));
 
   const std::size_t per_group = std::size(kMaps) * std::size(kPlacements);
   const std::size_t groups = lengths.size() * seeds.size() * all_input_kinds().size() * 2;
@@ -74,7 +74,7 @@ Outcome run_normalization(Context& context) {
       for (const FeatureMapKind kind : kMaps)
         maps.push_back(make_feature_map({.kind = kind,
                                          .input_dim = d,
-                                         .num_features = o.norm_features,
+                                         .num_features = o.normalization.features,
                                          .orthogonal = true,
                                          .seed = seed}));
       for (const InputKind input : all_input_kinds())
@@ -114,7 +114,7 @@ Outcome run_normalization(Context& context) {
                                  : placement == RopePlacement::BeforeMap ? &rope_d
                                                                          : &rope_m;
               DenominatorStats stats;
-              stats.threshold = o.norm_threshold;
+              stats.threshold = o.normalization.threshold;
               const MatrixD out = linear_attention(
                   x.q, x.k, x.v, *map, {.causal = causal, .placement = placement, .rope = rope},
                   &stats);
@@ -123,7 +123,7 @@ Outcome run_normalization(Context& context) {
               row.set("d", d).set("m", map->output_dim()).set("den_min", stats.min);
               row.set("den_nonpositive_frac", double(stats.nonpositive) / count);
               row.set("den_below_frac", double(stats.below_threshold) / count);
-              row.set("den_threshold", o.norm_threshold);
+              row.set("den_threshold", o.normalization.threshold);
               row.set("out_row_norm_mean", mean_row_norm(out));
               row.set("exact_row_norm_mean", exact_norm);
               row.set("rel_error", relative_error(out, exact));
@@ -186,7 +186,7 @@ Outcome run_normalization(Context& context) {
   const std::string setup =
       "Single head, d = " + std::to_string(d) + ", double precision, " +
       std::to_string(seeds.size()) +
-      " seeds; maps elu+1 (m = d), favor+ (m = " + std::to_string(o.norm_features) +
+      " seeds; maps elu+1 (m = d), favor+ (m = " + std::to_string(o.normalization.features) +
       " orthogonal positive features) and "
       "1+cos (m = d + 1); numerator_only and full put RoPE of width m on the "
       "features, before_map RoPE of width d on q and k. Inputs: gaussian (q, "

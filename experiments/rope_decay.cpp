@@ -38,7 +38,7 @@ std::string name_of(const DecayCurve& c) {
 
 Outcome run_rope_decay(Context& context) {
   const Options& o = context.options;
-  const Index dim = o.decay_dim, D = o.decay_distance;
+  const Index dim = o.rope_decay.dim, D = o.rope_decay.distance;
   const std::vector<DecayCurve> curves = {
       {500, RopeScalingKind::None, 1, "none"},    {10000, RopeScalingKind::None, 1, "none"},
       {500000, RopeScalingKind::None, 1, "none"}, {10000, RopeScalingKind::Linear, 4, "linear"},

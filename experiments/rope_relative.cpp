@@ -54,15 +54,16 @@ Deviation measure(const Rope& rope, Index dim, Index max_position, Index samples
 
 Outcome run_rope_relative(Context& context) {
   const Options& o = context.options;
-  const Index dim = o.relative_dim, S = o.relative_samples;
+  const Index dim = o.rope_relative.dim, S = o.rope_relative.samples;
   const Rope rope(RopeConfig{.dim = dim});
   Sweep sweep(context, "rope_relative",
               {"precision", "dim", "max_position", "samples", "seed", "max_abs_dev", "max_rel_dev",
                "mean_rel_dev"},
-              4, 2 * o.relative_positions.size(), double(2 * o.relative_positions.size()));
+              4, 2 * o.rope_relative.positions.size(),
+              double(2 * o.rope_relative.positions.size()));
   Outcome outcome;
-  for (std::size_t r = 0; r < o.relative_positions.size(); ++r) {
-    const Index max_position = o.relative_positions[r];
+  for (std::size_t r = 0; r < o.rope_relative.positions.size(); ++r) {
+    const Index max_position = o.rope_relative.positions[r];
     const std::uint64_t seed = o.seed + r;  // same vectors and positions for both precisions
     outcome.seeds.push_back(seed);
     for (const char* precision : {"float", "double"}) {

@@ -81,7 +81,7 @@ Context run_experiment(const Experiment& experiment, const Options& options,
     meta["experiment"] = experiment.name;
     meta["status"] = status;  // "complete", or "interrupted": the CSV holds only part of the sweep
     meta["command_line"] = options.command_line;
-    meta["options"] = to_json(options);
+    meta["options"] = to_json(options, stem);
     meta["duration_s"] = seconds;
     meta["load_average_before"] = load_before;
     meta["points_measured"] = context.measured;

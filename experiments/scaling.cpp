@@ -126,7 +126,7 @@ std::string curve_name(const CurveKey& key) {
 
 Outcome run_scaling(Context& context) {
   const Options& o = context.options;
-  const Index H = o.heads, d = o.dim, mf = o.scaling_features;
+  const Index H = o.scaling.heads, d = o.scaling.dim, mf = o.scaling.features;
   // Large blocks always from mmap (a fixed threshold also turns off glibc's dynamic one), so that
   // freed buffers leave the resident set at once and do not hide the next point's allocations.
   mallopt(M_MMAP_THRESHOLD, 256 * 1024);
@@ -135,7 +135,7 @@ Outcome run_scaling(Context& context) {
     std::cerr << "linrope-experiments: warning: this kernel cannot reset the peak-RSS mark "
                  "(/proc/self/clear_refs); memory columns will be nan\n";
 
-  std::vector<Index> lengths = o.lengths;
+  std::vector<Index> lengths = o.scaling.lengths;
   std::sort(lengths.begin(), lengths.end());
   lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());
 
@@ -149,16 +149,17 @@ Outcome run_scaling(Context& context) {
   };
   for (const Index n : lengths) {
     for (const bool causal : {false, true}) {
-      if (n <= o.naive_max) points.push_back({"softmax_naive", "none", "rope", causal, H, n, d, d});
-      if (n <= o.softmax_max)
+      if (n <= o.scaling.naive_max)
+        points.push_back({"softmax_naive", "none", "rope", causal, H, n, d, d});
+      if (n <= o.scaling.softmax_max)
         points.push_back({"softmax_streaming", "none", "rope", causal, H, n, d, d});
     }
     add_linear(H, n);
   }
-  if (o.one_head_n > 0) add_linear(1, o.one_head_n);
+  if (o.scaling.one_head_n > 0) add_linear(1, o.scaling.one_head_n);
 
   double total_work = 0;
-  for (const auto& p : points) total_work += work_of(p, o.reps);
+  for (const auto& p : points) total_work += work_of(p, o.scaling.reps);
   Sweep sweep(context, "scaling",
               {"method", "map", "placement", "causal", "heads", "n", "d", "m", "reps", "time_ms",
                "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib", "extra_mib",
@@ -180,7 +181,7 @@ Outcome run_scaling(Context& context) {
   std::vector<std::string> skipped;
   const double available = available_memory_mib();
   for (const auto& p : points) {
-    const double work = work_of(p, o.reps);
+    const double work = work_of(p, o.scaling.reps);
     if (!sweep.begin(key_row(p), label(p), work)) continue;
     const double io = mib(4.0 * double(p.heads * p.n * p.d) * sizeof(float));
     const double scores =
@@ -200,11 +201,11 @@ Outcome run_scaling(Context& context) {
     const Heads<float> out{buffers.out.data(), 1, p.heads, p.n, p.d};
     Measurement result;
     if (p.method == "softmax_naive") {
-      result = measure([&] { naive_softmax_attention(q, k, v, out, p.causal, &rope_d); }, o.reps,
-                       memory);
+      result = measure([&] { naive_softmax_attention(q, k, v, out, p.causal, &rope_d); },
+                       o.scaling.reps, memory);
     } else if (p.method == "softmax_streaming") {
       const SoftmaxOptions options{.causal = p.causal, .rope = &rope_d};
-      result = measure([&] { softmax_attention(q, k, v, out, options); }, o.reps, memory);
+      result = measure([&] { softmax_attention(q, k, v, out, options); }, o.scaling.reps, memory);
     } else {
       const RopePlacement placement = rope_placement_from_string(p.placement);
       const FeatureMap& map = p.map == "favor+" ? *favor : *elu;
@@ -213,10 +214,11 @@ Outcome run_scaling(Context& context) {
                          : p.map == "favor+"                     ? &rope_m
                                                                  : &rope_d;
       const LinearOptions options{.causal = p.causal, .placement = placement, .rope = rope};
-      result = measure([&] { linear_attention(q, k, v, out, map, options); }, o.reps, memory);
+      result =
+          measure([&] { linear_attention(q, k, v, out, map, options); }, o.scaling.reps, memory);
     }
     Row row = key_row(p);
-    row.set("reps", o.reps)
+    row.set("reps", o.scaling.reps)
         .set("time_ms", median(result.times_ms))
         .set("time_min_ms", minimum(result.times_ms))
         .set("time_max_ms", maximum(result.times_ms))
@@ -265,14 +267,14 @@ Outcome run_scaling(Context& context) {
   outcome.seeds = {o.seed};
   nlohmann::json& summary = outcome.summary;
   summary["memory_method"] = memory ? "clear_refs + VmHWM (per point, in process)" : "unavailable";
-  summary["fit_min_n"] = o.fit_min_n;
+  summary["fit_min_n"] = o.scaling.fit_min_n;
   summary["skipped_points"] = skipped;
   summary["load_average_start"] = load_start;
   summary["load_average_end"] = load_end;
   nlohmann::json fits = nlohmann::json::array();
   std::map<CurveKey, LogLogFit> fit_of;
   for (const auto& [key, c] : curves) {
-    const LogLogFit fit = fit_loglog(c.n, c.time_ms, o.fit_min_n);
+    const LogLogFit fit = fit_loglog(c.n, c.time_ms, o.scaling.fit_min_n);
     fit_of[key] = fit;
     const auto& [method, map, placement, causal, heads] = key;
     fits.push_back({{"method", method},
@@ -314,7 +316,7 @@ Outcome run_scaling(Context& context) {
             ts.push_back(found->second.time_ms[j]);
           }
       if (n.empty()) continue;
-      const Crossover x = crossover(n, tl, ts, o.fit_min_n);
+      const Crossover x = crossover(n, tl, ts, o.scaling.fit_min_n);
       cross_list.push_back({key, baseline, x});
       crossings.push_back(
           {{"map", std::get<1>(key)},
@@ -354,12 +356,12 @@ Outcome run_scaling(Context& context) {
     return found == fit_of.end() ? std::string("n/a") : fmt(found->second.slope, 3);
   };
   std::string p1 = "Setup: " + std::to_string(H) + " heads, d = " + std::to_string(d) +
-                   ", batch 1, float, median of " + std::to_string(o.reps) + " repetitions on " +
-                   std::to_string(max_threads()) +
+                   ", batch 1, float, median of " + std::to_string(o.scaling.reps) +
+                   " repetitions on " + std::to_string(max_threads()) +
                    " threads; FAVOR+ with m = " + std::to_string(mf) +
                    " orthogonal features; softmax with RoPE of width d. "
                    "Log-log slopes fitted over n >= " +
-                   fmt(o.fit_min_n, 6) + ": ";
+                   fmt(o.scaling.fit_min_n, 6) + ": ";
   std::vector<std::string> parts;
   for (const bool causal : {false, true}) {
     for (const char* method : {"softmax_naive", "softmax_streaming"}) {
@@ -428,7 +430,7 @@ Outcome run_scaling(Context& context) {
       }
     }
     for (std::size_t i = 0; i < parts.size(); ++i) p3 += (i ? "; " : "") + parts[i];
-    const Index naive_n = std::min(o.naive_max, lengths.back());
+    const Index naive_n = std::min(o.scaling.naive_max, lengths.back());
     const int threads = std::min<int>(max_threads(), int(H));
     p3 += ". (The naive kernel holds one n x n float matrix per thread: " +
           fmt(mib(4.0 * double(naive_n) * double(naive_n)), 4) +

@@ -11,46 +11,15 @@
 #include "csv.hpp"
 #include "experiment.hpp"
 #include "scratch_dir.hpp"
+#include "small_options.hpp"
 
 using namespace linrope::experiments;
 using linrope::Index;
 using linrope::experiments::testing::count_temporaries;
 using linrope::experiments::testing::ScratchDir;
+using linrope::experiments::testing::small_options;
 
 namespace {
-
-// Tiny sizes: the whole file runs in about a second, and under the sanitizers in a few.
-Options small_options(const std::filesystem::path& out) {
-  Options o;
-  o.out = out;
-  o.quiet = true;
-  o.plots = false;
-  o.lengths = {16, 32};
-  o.heads = 2;
-  o.dim = 8;
-  o.reps = 1;
-  o.naive_max = 32;
-  o.softmax_max = 32;
-  o.scaling_features = 8;
-  o.one_head_n = 64;
-  o.fit_min_n = 16;
-  o.norm_lengths = {8, 16};
-  o.norm_seeds = 2;
-  o.norm_dim = 8;
-  o.norm_features = 8;
-  o.favor_length = 32;
-  o.favor_dim = 4;
-  o.favor_features = {4, 8};
-  o.favor_seeds = 2;
-  o.favor_pairs = 64;
-  o.decay_dim = 16;
-  o.decay_distance = 8;
-  o.relative_positions = {10, 1000, 1000000};
-  o.relative_dim = 8;
-  o.relative_samples = 16;
-  resolve_presets(o);
-  return o;
-}
 
 std::vector<std::string> header_of(const std::filesystem::path& csv) {
   std::istringstream in(read_file(csv));
