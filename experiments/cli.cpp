@@ -72,6 +72,10 @@ void add_scaling_options(CLI::App& sub, ScalingOptions& s) {
       ->check(
           stating(CLI::Range(Index(-1), std::numeric_limits<Index>::max()).description("INT>=-1"),
                   "an integer >= -1"));
+  sub.add_option("--causal-methods", s.causal_methods,
+                 "how causal linear attention is computed: scan (the default), chunked, or both")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"scan", "chunked"}));
   sub.add_option("--fit-min-n", s.fit_min_n, "slopes fitted over n >= this")
       ->check(kPositive)
       ->capture_default_str();

@@ -37,6 +37,7 @@ void resolve_presets(Options& o) {
   preset<Index>(s.softmax_max, 16384, 65536, f);
   preset<Index>(s.features, 256, 256, f);
   preset<Index>(s.one_head_n, 65536, Index(1) << 20, f);
+  preset(s.causal_methods, {"scan"}, {"scan"}, f);
   NormalizationOptions& n = o.normalization;
   preset(n.lengths, {256, 1024, 4096}, {256, 1024, 4096, 16384}, f);
   preset<Index>(n.seeds, 3, 10, f);
@@ -81,7 +82,8 @@ nlohmann::json to_json(const Options& o, const std::string& stem) {
                        {"softmax_max", s.softmax_max},
                        {"favor_features", s.features},
                        {"one_head_n", s.one_head_n},
-                       {"fit_min_n", s.fit_min_n}};
+                       {"fit_min_n", s.fit_min_n},
+                       {"causal_methods", s.causal_methods}};
   } else if (stem == "normalization") {
     const NormalizationOptions& n = o.normalization;
     json["normalization"] = {{"lengths", n.lengths},

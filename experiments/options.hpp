@@ -14,15 +14,16 @@
 namespace linrope::experiments {
 
 struct ScalingOptions {
-  std::vector<Index> lengths;  // quick 256..16384, full 256..2^20 (powers of 2)
-  Index heads = 0;             // 8
-  Index dim = 0;               // 64
-  Index reps = 0;              // quick 3, full 5
-  Index naive_max = 0;         // explicit n x n scores only up to here: 8192 / 16384
-  Index softmax_max = 0;       // streaming softmax up to here: quick 16384, full 65536
-  Index features = 0;          // FAVOR+ m: 256
-  Index one_head_n = 0;        // one-head linear memory point: 65536 / 2^20; -1 skips
-  double fit_min_n = 2048;     // slopes fitted over n >= this
+  std::vector<Index> lengths;               // quick 256..16384, full 256..2^20 (powers of 2)
+  Index heads = 0;                          // 8
+  Index dim = 0;                            // 64
+  Index reps = 0;                           // quick 3, full 5
+  Index naive_max = 0;                      // explicit n x n scores only up to here: 8192 / 16384
+  Index softmax_max = 0;                    // streaming softmax up to here: quick 16384, full 65536
+  Index features = 0;                       // FAVOR+ m: 256
+  Index one_head_n = 0;                     // one-head linear memory point: 65536 / 2^20; -1 skips
+  double fit_min_n = 2048;                  // slopes fitted over n >= this
+  std::vector<std::string> causal_methods;  // of causal linear attention: "scan", "chunked"
 };
 
 struct NormalizationOptions {

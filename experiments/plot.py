@@ -96,12 +96,12 @@ def plot_scaling(directory):
     heads = max(heads_count, key=heads_count.get)
     slopes = {}
     for f in summary.get("fits", []):
-        slopes[(f["method"], f["map"], f["placement"], bool(f["causal"]))] = f["slope"]
+        slopes[(f["method"], f["map"], f["placement"], bool(f["causal"]), f["causal_method"])] = f["slope"]
     curves = defaultdict(list)
     for r in rows:
         if r["heads"] != heads:
             continue
-        key = (r["method"], r["map"], r["placement"], r["causal"] == "1")
+        key = (r["method"], r["map"], r["placement"], r["causal"] == "1", r["causal_method"])
         curves[key].append((num(r, "n"), num(r, "time_ms"), num(r, "extra_mib")))
     fit_min = summary.get("fit_min_n", 2048)
 
@@ -120,12 +120,16 @@ def plot_scaling(directory):
                 if not ok.any():
                     continue
                 label = curve_label(*key[:3])
+                if key[4] != "none" and len({k[4] for k in curves if k[3]}) > 1:
+                    label += " " + key[4]
                 if column == 1:
                     slope = slopes.get(key)
                     if slope is not None and slope == slope:
                         label += " (slope %.2f)" % slope
-                ax.loglog(n[ok], y[ok], label=label, markersize=4, linewidth=1.2,
-                          **curve_style(*key[:3]))
+                style = curve_style(*key[:3])
+                if key[4] == "chunked":
+                    style["markerfacecolor"] = "none"
+                ax.loglog(n[ok], y[ok], label=label, markersize=4, linewidth=1.2, **style)
             if column == 1:
                 ax.axvline(fit_min, color="grey", linewidth=0.6, alpha=0.5)
             ax.set_title("%s, %s, H = %s" % (title, "causal" if causal else "non-causal", heads))

@@ -91,12 +91,14 @@ Context run_experiment(const Experiment& experiment, const Options& options,
   auto provenance = [&](double seconds) {
     const std::string commit = meta["git_commit"].get<std::string>();
     return "Run " + meta["date"].get<std::string>() + ", " + (options.full ? "--full" : "--quick") +
-           " mode, commit " + commit.substr(0, 12) + ", " + cpu_model() + " (" +
+           " mode, commit " + commit.substr(0, 12) +
+           (meta["git_dirty"] == true ? " with local changes" : "") + ", " + cpu_model() + " (" +
            std::to_string(meta["machine"]["cores"].get<unsigned>()) + " cores, " +
-           std::to_string(max_threads()) + " threads, load average " + fmt(load_before, 3) +
-           " before the run), " + Progress::format_duration(seconds) + "; " +
-           std::to_string(context.measured) + " points measured, " +
-           std::to_string(context.resumed) + " resumed.";
+           std::to_string(max_threads()) + " threads, built for " +
+           (meta["isa"].empty() ? std::string("baseline") : meta["isa"][0].get<std::string>()) +
+           ", load average " + fmt(load_before, 3) + " before the run), " +
+           Progress::format_duration(seconds) + "; " + std::to_string(context.measured) +
+           " points measured, " + std::to_string(context.resumed) + " resumed.";
   };
   std::vector<std::string> stems;
   for (const auto& e : all_experiments()) stems.push_back(stem_of(e.name));

@@ -34,21 +34,27 @@ struct Point {
   std::string map;        // "none" for softmax, else the feature map
   std::string placement;  // "rope" for softmax (RoPE of width d on q, k), else the placement
   bool causal;
-  Index heads, n, d, m;  // m: feature dimension (d for softmax)
+  std::string causal_method;  // causal linear: "scan" or "chunked"; otherwise "none"
+  Index heads, n, d, m;       // m: feature dimension (d for softmax)
 };
 
 Row key_row(const Point& p) {
   Row row;
   row.set("method", p.method).set("map", p.map).set("placement", p.placement);
-  row.set("causal", p.causal).set("heads", p.heads).set("n", p.n).set("d", p.d).set("m", p.m);
+  row.set("causal", p.causal)
+      .set("causal_method", p.causal_method)
+      .set("heads", p.heads)
+      .set("n", p.n)
+      .set("d", p.d)
+      .set("m", p.m);
   return row;
 }
 
 std::string label(const Point& p) {
   std::string text = p.method + " ";
   if (p.method == "linear") text += p.map + " " + p.placement + " ";
-  return text + (p.causal ? "causal " : "") + "H=" + std::to_string(p.heads) +
-         " n=" + std::to_string(p.n);
+  if (p.causal) text += p.causal_method == "none" ? "causal " : "causal (" + p.causal_method + ") ";
+  return text + "H=" + std::to_string(p.heads) + " n=" + std::to_string(p.n);
 }
 
 // Rough FLOPs, for the progress estimate only.
@@ -114,12 +120,14 @@ Measurement measure(F&& run, Index reps, bool memory) {
 struct Curve {
   std::vector<double> n, time_ms, extra_mib;
 };
-using CurveKey = std::tuple<std::string, std::string, std::string, bool, Index>;
+// method, map, placement, causal, causal method, heads
+using CurveKey = std::tuple<std::string, std::string, std::string, bool, std::string, Index>;
 
 std::string curve_name(const CurveKey& key) {
-  const auto& [method, map, placement, causal, heads] = key;
+  const auto& [method, map, placement, causal, causal_method, heads] = key;
   std::string name = method == "linear" ? "linear " + map + " " + placement : method;
-  return name + (causal ? " (causal)" : "");
+  if (!causal) return name;
+  return name + (causal_method == "none" ? " (causal)" : " (causal, " + causal_method + ")");
 }
 
 }  // namespace
@@ -144,15 +152,17 @@ Outcome run_scaling(Context& context) {
     for (const char* map : {"elu+1", "favor+"})
       for (const RopePlacement placement : kPlacements)
         for (const bool causal : {false, true})
-          points.push_back({"linear", map, to_string(placement), causal, heads, n, d,
-                            std::string(map) == "favor+" ? mf : d});
+          for (const std::string& method :
+               causal ? o.scaling.causal_methods : std::vector<std::string>{"none"})
+            points.push_back({"linear", map, to_string(placement), causal, method, heads, n, d,
+                              std::string(map) == "favor+" ? mf : d});
   };
   for (const Index n : lengths) {
     for (const bool causal : {false, true}) {
       if (n <= o.scaling.naive_max)
-        points.push_back({"softmax_naive", "none", "rope", causal, H, n, d, d});
+        points.push_back({"softmax_naive", "none", "rope", causal, "none", H, n, d, d});
       if (n <= o.scaling.softmax_max)
-        points.push_back({"softmax_streaming", "none", "rope", causal, H, n, d, d});
+        points.push_back({"softmax_streaming", "none", "rope", causal, "none", H, n, d, d});
     }
     add_linear(H, n);
   }
@@ -161,10 +171,10 @@ Outcome run_scaling(Context& context) {
   double total_work = 0;
   for (const auto& p : points) total_work += work_of(p, o.scaling.reps);
   Sweep sweep(context, "scaling",
-              {"method", "map", "placement", "causal", "heads", "n", "d", "m", "reps", "time_ms",
-               "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib", "extra_mib",
-               "io_mib", "threads"},
-              8, points.size(), total_work);
+              {"method", "map", "placement", "causal", "causal_method", "heads", "n", "d", "m",
+               "reps", "time_ms", "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib",
+               "extra_mib", "io_mib", "threads"},
+              9, points.size(), total_work);
 
   // One feature map and rope per width, shared by all lengths (seeded: the same W every run).
   const auto elu = make_feature_map({.kind = FeatureMapKind::EluPlusOne, .input_dim = d});
@@ -213,7 +223,11 @@ Outcome run_scaling(Context& context) {
                          : placement == RopePlacement::BeforeMap ? &rope_d
                          : p.map == "favor+"                     ? &rope_m
                                                                  : &rope_d;
-      const LinearOptions options{.causal = p.causal, .placement = placement, .rope = rope};
+      const LinearOptions options{
+          .causal = p.causal,
+          .placement = placement,
+          .rope = rope,
+          .method = p.causal_method == "chunked" ? CausalMethod::Chunked : CausalMethod::Scan};
       result =
           measure([&] { linear_attention(q, k, v, out, map, options); }, o.scaling.reps, memory);
     }
@@ -243,7 +257,7 @@ Outcome run_scaling(Context& context) {
       continue;
     }
     Curve& c = curves[{table.text(r, "method"), table.text(r, "map"), table.text(r, "placement"),
-                       table.text(r, "causal") == "1", H}];
+                       table.text(r, "causal") == "1", table.text(r, "causal_method"), H}];
     c.n.push_back(table.number(r, "n"));
     c.time_ms.push_back(table.number(r, "time_ms"));
     c.extra_mib.push_back(table.number(r, "extra_mib"));
@@ -276,11 +290,12 @@ Outcome run_scaling(Context& context) {
   for (const auto& [key, c] : curves) {
     const LogLogFit fit = fit_loglog(c.n, c.time_ms, o.scaling.fit_min_n);
     fit_of[key] = fit;
-    const auto& [method, map, placement, causal, heads] = key;
+    const auto& [method, map, placement, causal, causal_method, heads] = key;
     fits.push_back({{"method", method},
                     {"map", map},
                     {"placement", placement},
                     {"causal", causal},
+                    {"causal_method", causal_method},
                     {"heads", heads},
                     {"slope", fit.slope},
                     {"intercept", fit.intercept},
@@ -304,7 +319,7 @@ Outcome run_scaling(Context& context) {
   for (const auto& [key, c] : curves) {
     if (std::get<0>(key) != "linear") continue;
     for (const char* baseline : {"softmax_streaming", "softmax_naive"}) {
-      const CurveKey other{baseline, "none", "rope", std::get<3>(key), H};
+      const CurveKey other{baseline, "none", "rope", std::get<3>(key), "none", H};
       const auto found = curves.find(other);
       if (found == curves.end()) continue;
       std::vector<double> n, tl, ts;
@@ -322,6 +337,7 @@ Outcome run_scaling(Context& context) {
           {{"map", std::get<1>(key)},
            {"placement", std::get<2>(key)},
            {"causal", std::get<3>(key)},
+           {"causal_method", std::get<4>(key)},
            {"against", baseline},
            {"kind", x.kind == Crossover::Kind::Interpolated       ? "interpolated"
                     : x.kind == Crossover::Kind::FasterThroughout ? "faster_throughout"
@@ -337,6 +353,7 @@ Outcome run_scaling(Context& context) {
     one_head.push_back({{"map", table.text(r, "map")},
                         {"placement", table.text(r, "placement")},
                         {"causal", table.text(r, "causal") == "1"},
+                        {"causal_method", table.text(r, "causal_method")},
                         {"n", table.number(r, "n")},
                         {"time_ms", table.number(r, "time_ms")},
                         {"peak_rss_mib", table.number(r, "peak_rss_mib")},
@@ -351,6 +368,10 @@ Outcome run_scaling(Context& context) {
                 "Median time per call against n (log-log), H = " + std::to_string(H) +
                     ", d = " + std::to_string(d) + "; the legend gives each curve's fitted slope"},
                {"scaling_memory.png", "Peak resident memory beyond the inputs and outputs"}};
+  // The report quotes the first causal method asked for.
+  auto linear_method = [&](bool causal) {
+    return causal ? o.scaling.causal_methods.front() : std::string("none");
+  };
   auto slope_text = [&](const CurveKey& key) {
     const auto found = fit_of.find(key);
     return found == fit_of.end() ? std::string("n/a") : fmt(found->second.slope, 3);
@@ -365,11 +386,11 @@ Outcome run_scaling(Context& context) {
   std::vector<std::string> parts;
   for (const bool causal : {false, true}) {
     for (const char* method : {"softmax_naive", "softmax_streaming"}) {
-      const CurveKey key{method, "none", "rope", causal, H};
+      const CurveKey key{method, "none", "rope", causal, "none", H};
       if (curves.count(key)) parts.push_back(curve_name(key) + " " + slope_text(key));
     }
     for (const char* map : {"elu+1", "favor+"}) {
-      const CurveKey key{"linear", map, "numerator_only", causal, H};
+      const CurveKey key{"linear", map, "numerator_only", causal, linear_method(causal), H};
       if (curves.count(key)) parts.push_back(curve_name(key) + " " + slope_text(key));
     }
   }
@@ -417,13 +438,13 @@ Outcome run_scaling(Context& context) {
     parts.clear();
     for (const bool causal : {false, true}) {
       for (const char* method : {"softmax_naive", "softmax_streaming"}) {
-        const CurveKey key{method, "none", "rope", causal, H};
+        const CurveKey key{method, "none", "rope", causal, "none", H};
         if (const auto c = curves.find(key); c != curves.end())
           parts.push_back(curve_name(key) + " " + fmt(c->second.extra_mib.back(), 3) +
                           " MiB at n = " + fmt(c->second.n.back(), 7));
       }
       for (const char* map : {"elu+1", "favor+"}) {
-        const CurveKey key{"linear", map, "numerator_only", causal, H};
+        const CurveKey key{"linear", map, "numerator_only", causal, linear_method(causal), H};
         if (const auto c = curves.find(key); c != curves.end())
           parts.push_back(curve_name(key) + " " + fmt(c->second.extra_mib.back(), 3) +
                           " MiB at n = " + fmt(c->second.n.back(), 7));
@@ -446,7 +467,9 @@ Outcome run_scaling(Context& context) {
       for (const auto r : one_head_rows)
         if (table.text(r, "placement") == "numerator_only" || table.text(r, "placement") == "full")
           parts.push_back(table.text(r, "map") + " " + table.text(r, "placement") +
-                          (table.text(r, "causal") == "1" ? " causal " : " ") +
+                          (table.text(r, "causal") == "1"
+                               ? " causal (" + table.text(r, "causal_method") + ") "
+                               : " ") +
                           fmt(table.number(r, "peak_rss_mib"), 4) + " / " +
                           fmt(table.number(r, "extra_mib"), 3) + " MiB");
       for (std::size_t i = 0; i < parts.size(); ++i) p4 += (i ? "; " : "") + parts[i];

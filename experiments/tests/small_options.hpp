@@ -21,7 +21,8 @@ inline Options small_options(const std::filesystem::path& out) {
                .softmax_max = 32,
                .features = 8,
                .one_head_n = 64,
-               .fit_min_n = 16};
+               .fit_min_n = 16,
+               .causal_methods = {"scan"}};
   o.normalization = {.lengths = {8, 16}, .seeds = 2, .dim = 8, .features = 8};
   o.favor_error = {
       .length = 32, .dim = 4, .features = {4, 8}, .seeds = 2, .pairs = 64, .scales = {0.5, 1}};

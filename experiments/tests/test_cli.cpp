@@ -39,6 +39,8 @@ TEST_CASE("bad command lines: status 2, one line on stderr naming the problem") 
       {{"favor-error", "--favor-scales", "0.5,-1"}, "--favor-scales: '-1' is not a number > 0"},
       {{"normalization", "--norm-threshold", "-1e-3"},
        "--norm-threshold: '-1e-3' is not a number >= 0"},
+      {{"scaling", "--causal-methods", "scan,fast"},
+       "--causal-methods: fast not in {scan,chunked}"},
       {{"rope-decay", "--out"}, "--out"},
       {{"rope-decay", "scaling"}, "scaling"},
       // Options belong to their subcommand: one of another is an error, not ignored.

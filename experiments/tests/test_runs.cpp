@@ -2,14 +2,17 @@
 // metadata, the report, resuming after an interruption, and no temporary file left behind.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "atomic_file.hpp"
 #include "csv.hpp"
 #include "experiment.hpp"
+#include "metadata.hpp"
 #include "scratch_dir.hpp"
 #include "small_options.hpp"
 
@@ -45,9 +48,9 @@ struct Schema {
 const std::vector<Schema>& schemas() {
   static const std::vector<Schema> list = {
       {"scaling",
-       {"method", "map", "placement", "causal", "heads", "n", "d", "m", "reps", "time_ms",
-        "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib", "extra_mib", "io_mib",
-        "threads"},
+       {"method", "map", "placement", "causal", "causal_method", "heads", "n", "d", "m", "reps",
+        "time_ms", "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib", "extra_mib",
+        "io_mib", "threads"},
        // per n: 2 naive + 2 streaming + 2 maps x 4 placements x 2 causal; one-head: 16
        2 * (4 + 16) + 16},
       {"normalization",
@@ -95,6 +98,21 @@ TEST_CASE("every experiment writes its CSV schema, JSON metadata and report sect
     CHECK(!meta["machine"]["cpu"].get<std::string>().empty());
     CHECK(meta["machine"]["cores"].get<unsigned>() >= 1);
     CHECK(meta["compiler"].get<std::string>().find(__VERSION__) != std::string::npos);
+    // The build's instruction set and OpenMP (this file is compiled with the same flags).
+#ifdef __AVX2__
+    CHECK(std::count(meta["isa"].begin(), meta["isa"].end(), "avx2") == 1);
+#endif
+#ifdef __AVX512F__
+    CHECK(meta["isa"][0] == "avx512f");
+#endif
+#ifdef _OPENMP
+    CHECK(meta["openmp"]["enabled"] == true);
+    CHECK(meta["openmp"]["version"] == _OPENMP);
+    CHECK(meta["openmp"]["threads"].get<int>() >= 1);
+#else
+    CHECK(meta["openmp"]["enabled"] == false);
+#endif
+    CHECK(meta["git_dirty"].is_boolean());  // tests run in a git work tree
     CHECK(meta["seeds"].is_array());
     if (std::string(schema.experiment) != "rope-decay")  // the only one without randomness
       CHECK(!meta["seeds"].empty());
@@ -155,7 +173,7 @@ TEST_CASE("the numbers obey what the maths guarantees") {
   }
   SUBCASE("scaling: times positive; memory measured") {
     run_experiment(*find_experiment("scaling"), o);
-    CsvTable t(header_of(dir.path() / "scaling" / "scaling.csv"), 8);
+    CsvTable t(header_of(dir.path() / "scaling" / "scaling.csv"), 9);
     t.load(dir.path() / "scaling" / "scaling.csv");
     for (std::size_t r = 0; r < t.size(); ++r) {
       CHECK(t.number(r, "time_ms") > 0);
@@ -225,4 +243,52 @@ TEST_CASE("--resume refuses a CSV written with other columns") {
   write_file_atomic(dir.path() / "rope_decay" / "rope_decay.csv", "dim,base\n16,10000\n");
   CHECK_THROWS_WITH_AS(run_experiment(*find_experiment("rope-decay"), o),
                        doctest::Contains("header"), std::runtime_error);
+}
+
+TEST_CASE("scaling: the causal method is a column and part of the key, so --resume keeps apart") {
+  ScratchDir dir("causal-method");
+  Options o = small_options(dir.path());
+  const Experiment& e = *find_experiment("scaling");
+  const auto csv = dir.path() / "scaling" / "scaling.csv";
+  const std::size_t per_method = 2 * 16 + 16;  // causal linear points: 2 lengths + one head
+  REQUIRE(o.scaling.causal_methods == std::vector<std::string>{"scan"});
+  const std::size_t scan_only = run_experiment(e, o).measured;
+
+  // Chunked added with --resume: the scan rows are kept, and only the chunked points measured.
+  o.scaling.causal_methods = {"scan", "chunked"};
+  o.resume = true;
+  const Context c = run_experiment(e, o);
+  CHECK(c.resumed == scan_only);
+  CHECK(c.measured == per_method / 2);
+  CsvTable t(header_of(csv), 9);
+  t.load(csv);
+  REQUIRE(t.size() == scan_only + per_method / 2);
+  std::map<std::string, std::size_t> count;
+  for (std::size_t r = 0; r < t.size(); ++r) {
+    const bool causal_linear = t.text(r, "method") == "linear" && t.text(r, "causal") == "1";
+    CHECK((t.text(r, "causal_method") != "none") == causal_linear);
+    ++count[t.text(r, "causal_method")];
+  }
+  CHECK(count["scan"] == count["chunked"]);
+  CHECK(count["chunked"] == per_method / 2);
+}
+
+TEST_CASE("git_dirty: false for a clean work tree, true once a tracked file changes") {
+  ScratchDir dir("git");
+  const std::string git = "git -C " + shell_quote(dir.path().string()) +
+                          " -c user.name=t -c user.email=t@t -c commit.gpgsign=false ";
+  int status = 0;
+  run_command(git + "init -q", status);
+  REQUIRE(status == 0);
+  std::ofstream(dir.path() / "file") << "one\n";
+  run_command(git + "add file", status);
+  run_command(git + "commit -q -m one", status);
+  REQUIRE(status == 0);
+  CHECK(git_dirty(dir.path().string()) == false);
+  std::ofstream(dir.path() / "untracked") << "not tracked\n";
+  CHECK(git_dirty(dir.path().string()) == false);
+  std::ofstream(dir.path() / "file") << "two\n";
+  CHECK(git_dirty(dir.path().string()) == true);
+  ScratchDir plain("not-git");
+  CHECK_FALSE(git_dirty(plain.path().string()).has_value());
 }
