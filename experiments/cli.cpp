@@ -50,7 +50,6 @@ void add_global_options(CLI::App& app, Options& o, bool& quick, bool& no_plots) 
   app.add_flag("--no-plots", no_plots, "write CSV, JSON and REPORT.md but no PNG");
   app.add_flag("--quiet", o.quiet, "no progress bar");
   app.add_option("--python", o.python, "Python interpreter with matplotlib")->capture_default_str();
-  app.add_option("--plot-script", o.plot_script, "path of plot.py");
 }
 
 // Sizes: counts (>= 1) and lists of them.

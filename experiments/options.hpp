@@ -64,8 +64,7 @@ struct Options {
   bool plots = true;
   bool quiet = false;  // no progress bar
   std::string python = "/usr/bin/python3";
-  std::filesystem::path plot_script;  // empty: the plot.py beside the sources
-  std::string command_line;           // recorded in the metadata
+  std::string command_line;  // recorded in the metadata
 
   // Per experiment.
   ScalingOptions scaling;

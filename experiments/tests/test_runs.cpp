@@ -120,9 +120,14 @@ TEST_CASE("every experiment writes its CSV schema, JSON metadata and report sect
     CHECK(meta["date"].get<std::string>().size() == 20);  // 2024-05-01T12:00:00Z
     CHECK(meta["points_measured"] == schema.rows);
 
+    // The analysis (analysis/report.py): derived numbers, and the section quoting them.
+    CHECK(nlohmann::json::parse(read_file(dir.path() / stem / "summary.json")).is_object());
     const std::string report = read_file(dir.path() / "REPORT.md");
-    CHECK(report.find("## ") != std::string::npos);
+    CHECK(report.find("\n## ") != std::string::npos);
     CHECK(report.find(stem + "/" + stem + ".csv") != std::string::npos);
+    CHECK(report.find(stem + "/summary.json") != std::string::npos);
+    CHECK(report.find("not generated") != std::string::npos);  // plots off (--no-plots)
+    CHECK(report.find("run with --no-plots") != std::string::npos);
     CHECK(count_temporaries(dir.path()) == 0);
   }
 }
@@ -155,6 +160,11 @@ TEST_CASE("the numbers obey what the maths guarantees") {
     for (std::size_t r = 0; r < t.size(); ++r)
       if (t.number(r, "distance") == 0 && t.text(r, "scaling") != "yarn")
         CHECK(t.number(r, "decay") == doctest::Approx((16 / 2 + 1) / 2.0));
+    // The report quotes the CSV's numbers: every curve starts at 4.5.
+    const std::string report = read_file(dir.path() / "REPORT.md");
+    CHECK(report.find("d = 16, from distance 0 to 8") != std::string::npos);
+    CHECK(report.find("base 500: 4.5 -> ") != std::string::npos);
+    CHECK(report.find("base 10000, linear x4: 4.5 -> ") != std::string::npos);
   }
   SUBCASE("rope-relative: double keeps the identity far better than float") {
     run_experiment(*find_experiment("rope-relative"), o);
@@ -183,8 +193,13 @@ TEST_CASE("the numbers obey what the maths guarantees") {
                                                      t.number(r, "d") * 4 / (1024.0 * 1024.0)));
     }
     const auto meta = nlohmann::json::parse(read_file(dir.path() / "scaling" / "scaling.json"));
-    CHECK(meta["summary"]["fits"].size() == 2 * (2 + 8));
-    CHECK(meta["summary"]["one_head"].size() == 16);
+    CHECK(meta["run"]["memory_measured"] == true);
+    CHECK(meta["run"]["skipped_points"].empty());
+    // Curves of H = 2: 2 causal settings x (2 softmax + 2 maps x 4 placements); one-head points.
+    const auto summary = nlohmann::json::parse(read_file(dir.path() / "scaling" / "summary.json"));
+    CHECK(summary["curves"].size() == 2 * (2 + 8));
+    CHECK(summary["one_head"].size() == 16);
+    for (const auto& curve : summary["curves"]) CHECK(curve["n"] == nlohmann::json({16, 32}));
   }
 }
 
