@@ -1,11 +1,13 @@
 #include "cli.hpp"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <type_traits>
 
 #include "interrupt.hpp"
 #include "progress.hpp"

@@ -4,7 +4,6 @@
 // the MSE of phi(q).phi(k) on sampled pairs, and the relative error of the attention output
 // against exact softmax attention (no RoPE, placement None, non-causal). The input scale is swept
 // too: it decides which features win (the estimators' variances grow like exp(|q'|^2 + |k'|^2)).
-#include <algorithm>
 #include <cmath>
 #include <linrope/linrope.hpp>
 #include <linrope/random.hpp>

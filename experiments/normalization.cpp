@@ -4,9 +4,7 @@
 // map; none drops position. Measured: denominator statistics, output norm against n, and relative
 // error against exact RoPE softmax attention, over inputs, maps, causality, lengths and seeds.
 #include <algorithm>
-#include <cmath>
 #include <linrope/linrope.hpp>
-#include <map>
 #include <memory>
 
 #include "experiment.hpp"
