@@ -6,6 +6,9 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <iterator>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #ifdef _OPENMP
@@ -91,15 +94,31 @@ std::vector<std::string> compiled_isa() {
   isa.push_back("avx");
 #endif
 #ifdef __SSE4_2__
-  isa.push_back("sse4.2");
+  isa.push_back("sse4_2");
 #endif
 #ifdef __SSE2__
   isa.push_back("sse2");
 #endif
 #ifdef __ARM_NEON
-  isa.push_back("neon");
+  isa.push_back("asimd");
 #endif
   return isa;
+}
+
+std::vector<std::string> cpu_isa() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("flags", 0) == 0 || line.rfind("Features", 0) == 0) {
+      std::istringstream words(line.substr(line.find(':') + 1));
+      const std::set<std::string> flags(std::istream_iterator<std::string>(words), {});
+      std::vector<std::string> isa;
+      for (const char* name : {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "avx",
+                               "sse4_2", "sse2", "asimd"})
+        if (flags.count(name)) isa.push_back(name);
+      return isa;
+    }
+  return {};
 }
 
 std::string cpu_model() {
@@ -171,6 +190,7 @@ nlohmann::json run_metadata() {
           {"machine",
            {{"cpu", cpu_model()},
             {"cores", std::thread::hardware_concurrency()},
+            {"isa", cpu_isa()},
             {"threads", max_threads()}}},
           {"compiler", compiler()},
           {"build_type", LINROPE_BUILD_TYPE},

@@ -24,6 +24,9 @@ PLOTS_FAILED = 3
 def provenance(meta):
     commit = meta["git_commit"][:12] + (" with local changes" if meta.get("git_dirty") else "")
     isa = meta["isa"][0] if meta["isa"] else "baseline"
+    widest = meta["machine"]["isa"][0] if meta["machine"]["isa"] else None
+    if widest and widest != isa:
+        isa += " on a CPU with " + widest
     return ("Run %s, --%s mode, commit %s, %s (%d cores, %d threads, built for %s, load average "
             "%s before the run), %s; %d points measured, %d resumed." % (
                 meta["date"], meta["options"]["mode"], commit, meta["machine"]["cpu"],

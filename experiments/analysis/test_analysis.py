@@ -105,7 +105,7 @@ class RopeDecaySection(unittest.TestCase):
                 f.write("\n".join(rows) + "\n")
             meta = {"status": "complete", "experiment": "rope-decay", "git_commit": "0" * 40,
                     "git_dirty": False, "isa": ["avx2"], "date": "2024-05-01T12:00:00Z",
-                    "machine": {"cpu": "cpu", "cores": 2}, "openmp": {"threads": 2},
+                    "machine": {"cpu": "cpu", "cores": 2, "isa": ["avx512f", "avx2"]}, "openmp": {"threads": 2},
                     "load_average_before": 0.5, "duration_s": 1.0, "points_measured": 15,
                     "points_resumed": 0, "run": {"yarn_original_max_position": 4096},
                     "options": {"mode": "quick", "rope_decay": {"dim": 8, "max_distance": 4}}}
@@ -114,6 +114,7 @@ class RopeDecaySection(unittest.TestCase):
             with open(os.path.join(directory, "report_section.md")) as f:
                 section = f.read()
             self.assertIn("## " + rope_decay.TITLE, section)
+            self.assertIn("(2 cores, 2 threads, built for avx2 on a CPU with avx512f,", section)
             self.assertIn("base 500: 4.5 -> 1 (22.2%), half reached at distance 2", section)
             self.assertIn("base 10000: 4.5 -> 2 (44.4%), half reached at distance 4", section)
             self.assertIn("base 500 is lowest on average over distances 1 to 4", section)

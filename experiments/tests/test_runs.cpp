@@ -112,6 +112,12 @@ TEST_CASE("every experiment writes its CSV schema, JSON metadata and report sect
 #else
     CHECK(meta["openmp"]["enabled"] == false);
 #endif
+    // A build runs only on a CPU with the extensions it was compiled for.
+    for (const auto& extension : meta["isa"]) {
+      CAPTURE(extension);
+      CHECK(std::count(meta["machine"]["isa"].begin(), meta["machine"]["isa"].end(), extension) ==
+            1);
+    }
     CHECK(meta["git_dirty"].is_boolean());  // tests run in a git work tree
     CHECK(meta["seeds"].is_array());
     if (std::string(schema.experiment) != "rope-decay")  // the only one without randomness
