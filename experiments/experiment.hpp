@@ -1,5 +1,6 @@
-// The experiments and what they share: a Context in, an Outcome (summary numbers and a report
-// section) out. The runner (runner.cpp) adds the JSON metadata, the plots and REPORT.md.
+// The experiments and what they share: a Context in, the CSV of measurements and an Outcome (what
+// the run used that the CSV does not say) out. The runner (runner.cpp) adds the JSON metadata and
+// runs the analysis (analysis/report.py: derived numbers, plots, report section), then REPORT.md.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +11,6 @@
 #include <vector>
 
 #include "options.hpp"
-#include "report.hpp"
 
 namespace linrope::experiments {
 
@@ -24,9 +24,8 @@ struct Context {
 };
 
 struct Outcome {
-  std::vector<std::uint64_t> seeds;                   // every seed the run used
-  nlohmann::json summary = nlohmann::json::object();  // derived numbers (fits, means, ...)
-  Section section;
+  std::vector<std::uint64_t> seeds;               // every seed the run used
+  nlohmann::json run = nlohmann::json::object();  // facts of the run, e.g. points skipped
 };
 
 struct Experiment {
@@ -48,11 +47,12 @@ std::string stem_of(const std::string& name);
 const std::vector<Experiment>& all_experiments();
 const Experiment* find_experiment(const std::string& name);
 
-// Runs one experiment into options.out/<name>: CSV (by the experiment), <name>.json, plots,
-// report_section.md, then rebuilds options.out/REPORT.md. Returns the context (counters) for tests.
-// Throws on failure (std::runtime_error, std::invalid_argument). After SIGINT or SIGTERM (see
-// interrupt.hpp) throws Interrupted once the sweep has saved its CSV, having written <name>.json
-// with "status": "interrupted", no plots, and a report section saying the sweep is incomplete.
+// Runs one experiment into options.out/<name>: CSV (by the experiment), <name>.json, then the
+// analysis (summary.json, plots, report_section.md), then rebuilds options.out/REPORT.md. Returns
+// the context (counters) for tests. Throws on failure (std::runtime_error, std::invalid_argument).
+// After SIGINT or SIGTERM (see interrupt.hpp) throws Interrupted once the sweep has saved its CSV,
+// having written <name>.json with "status": "interrupted" and a report section saying the sweep
+// is incomplete, without plots.
 Context run_experiment(const Experiment& experiment, const Options& options,
                        std::function<void(const std::vector<std::string>&)> on_measure = {});
 

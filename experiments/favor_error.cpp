@@ -4,17 +4,13 @@
 // the MSE of phi(q).phi(k) on sampled pairs, and the relative error of the attention output
 // against exact softmax attention (no RoPE, placement None, non-causal). The input scale is swept
 // too: it decides which features win (the estimators' variances grow like exp(|q'|^2 + |k'|^2)).
-#include <algorithm>
 #include <cmath>
 #include <linrope/linrope.hpp>
 #include <linrope/random.hpp>
-#include <map>
 
 #include "experiment.hpp"
-#include "fit.hpp"
 #include "inputs.hpp"
 #include "metadata.hpp"
-#include "stats.hpp"
 #include "sweep.hpp"
 
 namespace linrope::experiments {
@@ -34,32 +30,28 @@ constexpr Variant kVariants[] = {
     {"trig", "iid", FeatureMapKind::FavorTrig, false},
 };
 
-struct Cell {
-  std::vector<double> mse, rel_mse, attn;
-};
-using CellKey =
-    std::tuple<std::string, std::string, Index, std::string>;  // features sampling m scale
-
 }  // namespace
 
 Outcome run_favor_error(Context& context) {
   const Options& o = context.options;
   // One thread unless --threads says otherwise: many small single-head calls (see ScopedThreads).
   const ScopedThreads threads(o.threads > 0 ? o.threads : 1);
-  const Index L = o.favor_length, d = o.favor_dim, P = o.favor_pairs;
+  const Index L = o.favor_error.length, d = o.favor_error.dim, P = o.favor_error.pairs;
   std::vector<std::uint64_t> seeds;
-  for (Index s = 0; s < o.favor_seeds; ++s) seeds.push_back(o.seed + std::uint64_t(s));
+  for (Index s = 0; s < o.favor_error.seeds; ++s) seeds.push_back(o.seed + std::uint64_t(s));
   double total_work = 0;
-  for (const Index m : o.favor_features)
-    total_work += double(m) * double(std::size(kVariants) * seeds.size() * o.favor_scales.size());
+  for (const Index m : o.favor_error.features)
+    total_work +=
+        double(m) * double(std::size(kVariants) * seeds.size() * o.favor_error.scales.size());
   Sweep sweep(context, "favor_error",
               {"features", "sampling", "m", "seed", "n", "d", "scale", "pairs", "output_dim",
                "kernel_mse", "kernel_rel_mse", "attn_rel_error"},
               7,
-              seeds.size() * std::size(kVariants) * o.favor_features.size() * o.favor_scales.size(),
+              seeds.size() * std::size(kVariants) * o.favor_error.features.size() *
+                  o.favor_error.scales.size(),
               total_work);
 
-  for (const double scale : o.favor_scales)
+  for (const double scale : o.favor_error.scales)
     for (const std::uint64_t seed : seeds) {
       auto key = [&](const Variant& v, Index m) {
         Row row;
@@ -69,11 +61,11 @@ Outcome run_favor_error(Context& context) {
       };
       bool needed = false;
       for (const auto& v : kVariants)
-        for (const Index m : o.favor_features)
+        for (const Index m : o.favor_error.features)
           needed = needed || !sweep.table().contains(sweep.table().key_of(key(v, m)));
       if (!needed) {
         for (const auto& v : kVariants)
-          for (const Index m : o.favor_features) sweep.begin(key(v, m), "", double(m));
+          for (const Index m : o.favor_error.features) sweep.begin(key(v, m), "", double(m));
         continue;
       }
       // The same q, k, v and pairs for every scale (scaled copies), so that scales compare alike.
@@ -92,7 +84,7 @@ Outcome run_favor_error(Context& context) {
       }
       const double mean_square = exact.squaredNorm() / double(P);
       for (const auto& variant : kVariants)
-        for (const Index m : o.favor_features) {
+        for (const Index m : o.favor_error.features) {
           const Row row_key = key(variant, m);
           const std::string label = std::string(variant.features) + " " + variant.sampling +
                                     " m=" + std::to_string(m) + " scale=" + format_number(scale) +
@@ -120,121 +112,8 @@ Outcome run_favor_error(Context& context) {
         }
     }
   sweep.finish();
-
-  // ---- Aggregate over seeds ---------------------------------------------------------------
-  const CsvTable& t = sweep.table();
-  std::map<CellKey, Cell> cells;
-  for (std::size_t r = 0; r < t.size(); ++r) {
-    if (t.number(r, "n") != double(L) || t.number(r, "d") != double(d)) continue;
-    Cell& c = cells[{t.text(r, "features"), t.text(r, "sampling"), Index(t.number(r, "m")),
-                     t.text(r, "scale")}];
-    c.mse.push_back(t.number(r, "kernel_mse"));
-    c.rel_mse.push_back(t.number(r, "kernel_rel_mse"));
-    c.attn.push_back(t.number(r, "attn_rel_error"));
-  }
   Outcome outcome;
   outcome.seeds = seeds;
-  nlohmann::json curves = nlohmann::json::array();
-  std::map<std::tuple<std::string, std::string, std::string>, LogLogFit> mse_fit;
-  for (const double scale_value : o.favor_scales) {
-    const std::string scale = format_number(scale_value);
-    for (const auto& v : kVariants) {
-      std::vector<double> ms, mses;
-      nlohmann::json points = nlohmann::json::array();
-      for (const auto& [key, c] : cells) {
-        if (std::get<0>(key) != v.features || std::get<1>(key) != v.sampling ||
-            std::get<3>(key) != scale)
-          continue;
-        ms.push_back(double(std::get<2>(key)));
-        mses.push_back(mean(c.mse));
-        points.push_back({{"m", std::get<2>(key)},
-                          {"kernel_mse_mean", mean(c.mse)},
-                          {"kernel_mse_std", std_dev(c.mse)},
-                          {"kernel_rel_mse_mean", mean(c.rel_mse)},
-                          {"attn_rel_error_mean", mean(c.attn)},
-                          {"attn_rel_error_std", std_dev(c.attn)},
-                          {"seeds", c.mse.size()}});
-      }
-      const LogLogFit fit = fit_loglog(ms, mses);
-      mse_fit[{v.features, v.sampling, scale}] = fit;
-      curves.push_back({{"features", v.features},
-                        {"sampling", v.sampling},
-                        {"scale", scale_value},
-                        {"mse_slope_vs_m", fit.slope},
-                        {"points", points}});
-    }
-  }
-  outcome.summary["curves"] = curves;
-
-  // ---- Report -------------------------------------------------------------------------------
-  Section& s = outcome.section;
-  s.title = "3. FAVOR+ approximation error against the number of features";
-  s.figures = {{"favor_kernel_mse.png",
-                "MSE of phi(q).phi(k) against exp(q.k/sqrt(d)) on sampled "
-                "pairs (mean +- std over seeds), one panel per input scale"},
-               {"favor_attention_error.png",
-                "Relative error of the attention output against exact "
-                "softmax attention (mean +- std over seeds)"}};
-  s.paragraphs.push_back("L = " + std::to_string(L) + ", d = " + std::to_string(d) +
-                         ", q and k entries N(0, s^2) for "
-                         "each scale s, v entries N(0, 1); " +
-                         std::to_string(P) + " sampled (q, k) pairs; " +
-                         std::to_string(seeds.size()) +
-                         " seeds (each redraws the inputs and W); m counts random "
-                         "projections (trig features output 2m values).");
-  const Index m_lo = *std::min_element(o.favor_features.begin(), o.favor_features.end());
-  const Index m_hi = *std::max_element(o.favor_features.begin(), o.favor_features.end());
-  auto cell = [&](const char* f, const char* sampling, Index m,
-                  const std::string& scale) -> const Cell* {
-    const auto found = cells.find({f, sampling, m, scale});
-    return found == cells.end() ? nullptr : &found->second;
-  };
-  for (const double scale_value : o.favor_scales) {
-    const std::string scale = format_number(scale_value);
-    std::string p = "Scale s = " + scale + ". Kernel MSE from m = " + std::to_string(m_lo) +
-                    " to m = " + std::to_string(m_hi) +
-                    " (log-log slope against m; -1 is the "
-                    "Monte Carlo rate): ";
-    std::vector<std::string> parts;
-    for (const auto& v : kVariants) {
-      const Cell* a = cell(v.features, v.sampling, m_lo, scale);
-      const Cell* b = cell(v.features, v.sampling, m_hi, scale);
-      if (!a || !b) continue;
-      const double slope = mse_fit[{v.features, v.sampling, scale}].slope;
-      parts.push_back(std::string(v.features) + " " + v.sampling + " " + fmt(mean(a->mse), 3) +
-                      " -> " + fmt(mean(b->mse), 3) + " +- " + fmt(std_dev(b->mse), 2) +
-                      " (slope " + fmt(slope, 3) +
-                      (slope > -0.5 ? ", not falling as 1/m over this range: the squared errors of "
-                                      "a few pairs dominate, see the std"
-                                    : "") +
-                      ")");
-    }
-    for (std::size_t i = 0; i < parts.size(); ++i) p += (i ? "; " : "") + parts[i];
-    p += ". At m = " + std::to_string(m_hi) + ": ";
-    parts.clear();
-    for (const char* f : {"positive", "trig"}) {
-      const Cell* orth = cell(f, "orthogonal", m_hi, scale);
-      const Cell* iid = cell(f, "iid", m_hi, scale);
-      if (!orth || !iid) continue;
-      const double ratio = mean(iid->mse) / mean(orth->mse);
-      parts.push_back(std::string(f) + " features, orthogonal kernel MSE " +
-                      (ratio >= 1 ? fmt(ratio, 3) + "x lower than iid"
-                                  : fmt(1 / ratio, 3) + "x higher than iid") +
-                      ", attention error " + fmt(mean(orth->attn), 3) + " (orthogonal) vs " +
-                      fmt(mean(iid->attn), 3) + " (iid)");
-    }
-    const Cell* pos = cell("positive", "orthogonal", m_hi, scale);
-    const Cell* trig = cell("trig", "orthogonal", m_hi, scale);
-    if (pos && trig) {
-      const bool positive_wins = mean(pos->attn) < mean(trig->attn);
-      parts.push_back(
-          std::string(positive_wins ? "positive" : "trig") +
-          " features give the smaller attention error (orthogonal: " + fmt(mean(pos->attn), 3) +
-          " positive vs " + fmt(mean(trig->attn), 3) + " trig)");
-    }
-    for (std::size_t i = 0; i < parts.size(); ++i) p += (i ? "; " : "") + parts[i];
-    s.paragraphs.push_back(p + ".");
-  }
   return outcome;
 }
 

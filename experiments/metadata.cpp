@@ -6,6 +6,9 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <iterator>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #ifdef _OPENMP
@@ -55,6 +58,67 @@ std::string git_commit() {
   while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
   if (status != 0 || out.size() != 40) return "unknown";
   return out;
+}
+
+std::optional<bool> git_dirty(const std::string& dir) {
+  int status = 0;
+  const std::string out =
+      run_command("git -C " + shell_quote(dir.empty() ? LINROPE_SOURCE_DIR : dir) +
+                      " status --porcelain --untracked-files=no",
+                  status);
+  if (status != 0) return std::nullopt;
+  return !out.empty();
+}
+
+std::vector<std::string> compiled_isa() {
+  std::vector<std::string> isa;
+#ifdef __AVX512F__
+  isa.push_back("avx512f");
+#endif
+#ifdef __AVX512BW__
+  isa.push_back("avx512bw");
+#endif
+#ifdef __AVX512DQ__
+  isa.push_back("avx512dq");
+#endif
+#ifdef __AVX512VL__
+  isa.push_back("avx512vl");
+#endif
+#ifdef __AVX2__
+  isa.push_back("avx2");
+#endif
+#ifdef __FMA__
+  isa.push_back("fma");
+#endif
+#ifdef __AVX__
+  isa.push_back("avx");
+#endif
+#ifdef __SSE4_2__
+  isa.push_back("sse4_2");
+#endif
+#ifdef __SSE2__
+  isa.push_back("sse2");
+#endif
+#ifdef __ARM_NEON
+  isa.push_back("asimd");
+#endif
+  return isa;
+}
+
+std::vector<std::string> cpu_isa() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("flags", 0) == 0 || line.rfind("Features", 0) == 0) {
+      std::istringstream words(line.substr(line.find(':') + 1));
+      const std::set<std::string> flags(std::istream_iterator<std::string>(words), {});
+      std::vector<std::string> isa;
+      for (const char* name : {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "avx",
+                               "sse4_2", "sse2", "asimd"})
+        if (flags.count(name)) isa.push_back(name);
+      return isa;
+    }
+  return {};
 }
 
 std::string cpu_model() {
@@ -114,13 +178,24 @@ ScopedThreads::ScopedThreads(int threads) : previous_(max_threads()) { set_threa
 ScopedThreads::~ScopedThreads() { set_threads(previous_); }
 
 nlohmann::json run_metadata() {
+  const std::optional<bool> dirty = git_dirty();
+#ifdef _OPENMP
+  const nlohmann::json openmp = {
+      {"enabled", true}, {"version", _OPENMP}, {"threads", max_threads()}};
+#else
+  const nlohmann::json openmp = {{"enabled", false}, {"version", nullptr}, {"threads", 1}};
+#endif
   return {{"git_commit", git_commit()},
+          {"git_dirty", dirty ? nlohmann::json(*dirty) : nlohmann::json(nullptr)},
           {"machine",
            {{"cpu", cpu_model()},
             {"cores", std::thread::hardware_concurrency()},
+            {"isa", cpu_isa()},
             {"threads", max_threads()}}},
           {"compiler", compiler()},
           {"build_type", LINROPE_BUILD_TYPE},
+          {"isa", compiled_isa()},
+          {"openmp", openmp},
           {"date", utc_timestamp()},
           {"load_average", load_average()}};
 }

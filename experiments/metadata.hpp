@@ -1,12 +1,22 @@
-// Where and how a result was produced: commit, machine, compiler, date. Written into every JSON.
+// Where and how a result was produced: commit (and whether the tree had local changes), machine,
+// compiler, instruction set, OpenMP, date. Written into every JSON.
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace linrope::experiments {
 
-std::string git_commit();       // `git rev-parse HEAD` in the source tree, or "unknown"
+std::string git_commit();  // `git rev-parse HEAD` in the source tree, or "unknown"
+// Whether the git work tree at `dir` (default: the source tree) has uncommitted changes to tracked
+// files; nullopt if that is not a git work tree or git is missing.
+std::optional<bool> git_dirty(const std::string& dir = "");
+// The vector extensions this build was compiled for (its -march), e.g. {"avx512f", "avx2", "fma"},
+// and those of the CPU it runs on, both by their names in /proc/cpuinfo's flags.
+std::vector<std::string> compiled_isa();
+std::vector<std::string> cpu_isa();
 std::string cpu_model();        // first "model name" of /proc/cpuinfo, or "unknown"
 std::string compiler();         // e.g. "GCC 12.2.0"
 std::string utc_timestamp();    // ISO 8601, e.g. "2024-05-01T12:00:00Z"
@@ -32,8 +42,9 @@ class ScopedThreads {
   int previous_;
 };
 
-// {"git_commit", "machine": {"cpu", "cores", "threads"}, "compiler", "build_type", "date",
-//  "load_average"}
+// {"git_commit", "git_dirty", "machine": {"cpu", "cores", "isa", "threads"}, "compiler",
+// "build_type",
+//  "isa", "openmp": {"enabled", "version", "threads"}, "date", "load_average"}
 nlohmann::json run_metadata();
 
 // Runs a shell command and returns its standard output (and, when merge_stderr, its standard

@@ -54,15 +54,16 @@ Deviation measure(const Rope& rope, Index dim, Index max_position, Index samples
 
 Outcome run_rope_relative(Context& context) {
   const Options& o = context.options;
-  const Index dim = o.relative_dim, S = o.relative_samples;
+  const Index dim = o.rope_relative.dim, S = o.rope_relative.samples;
   const Rope rope(RopeConfig{.dim = dim});
   Sweep sweep(context, "rope_relative",
               {"precision", "dim", "max_position", "samples", "seed", "max_abs_dev", "max_rel_dev",
                "mean_rel_dev"},
-              4, 2 * o.relative_positions.size(), double(2 * o.relative_positions.size()));
+              4, 2 * o.rope_relative.positions.size(),
+              double(2 * o.rope_relative.positions.size()));
   Outcome outcome;
-  for (std::size_t r = 0; r < o.relative_positions.size(); ++r) {
-    const Index max_position = o.relative_positions[r];
+  for (std::size_t r = 0; r < o.rope_relative.positions.size(); ++r) {
+    const Index max_position = o.rope_relative.positions[r];
     const std::uint64_t seed = o.seed + r;  // same vectors and positions for both precisions
     outcome.seeds.push_back(seed);
     for (const char* precision : {"float", "double"}) {
@@ -80,53 +81,6 @@ Outcome run_rope_relative(Context& context) {
     }
   }
   sweep.finish();
-
-  // Summary per precision from the table (resumed rows included).
-  const CsvTable& t = sweep.table();
-  Section& s = outcome.section;
-  s.title = "5. RoPE relative-position identity";
-  s.figures = {{"rope_relative.png",
-                "Largest deviation |<R_m q, R_n k> - <q, R_(n-m) k>| / "
-                "(|q||k|) over random pairs, against the largest position"}};
-  std::string p = "Over " + std::to_string(S) +
-                  " random pairs per range (d = " + std::to_string(dim) +
-                  ", positions uniform up to the largest), the identity held "
-                  "to (largest deviation relative to |q||k|): ";
-  std::vector<std::string> parts;
-  for (const char* precision : {"float", "double"}) {
-    // Deviation at the smallest and at the largest position range, and the worst overall.
-    double worst = -1, worst_abs = 0, first_rel = NAN, last_rel = NAN;
-    Index worst_at = 0, first = 0, last = 0;
-    for (std::size_t r = 0; r < t.size(); ++r) {
-      if (t.text(r, "precision") != precision || t.number(r, "dim") != double(dim)) continue;
-      const double rel = t.number(r, "max_rel_dev");
-      const Index range = Index(t.number(r, "max_position"));
-      if (rel > worst) worst = rel, worst_at = range;
-      worst_abs = std::max(worst_abs, t.number(r, "max_abs_dev"));
-      if (first == 0 || range < first) first = range, first_rel = rel;
-      if (range > last) last = range, last_rel = rel;
-    }
-    if (worst < 0) continue;
-    outcome.summary[precision] = {{"max_rel_dev", worst},
-                                  {"max_abs_dev", worst_abs},
-                                  {"at_max_position", worst_at},
-                                  {"rel_dev_smallest_range", first_rel},
-                                  {"rel_dev_largest_range", last_rel}};
-    const double growth = last_rel / first_rel;
-    std::string trend = !(std::isfinite(growth) && first_rel > 0) ? ""
-                        : growth > 10
-                            ? ", growing " + fmt(growth, 2) + "x from the smallest range"
-                            : ", within a factor " + fmt(std::max(growth, 1 / growth), 2) +
-                                  " of the smallest range";
-    parts.push_back(std::string(precision) + ": " + fmt(first_rel, 3) + " for positions up to " +
-                    std::to_string(first) + " and " + fmt(last_rel, 3) + " up to " +
-                    std::to_string(last) + trend + " (worst " + fmt(worst, 3) + ", absolute " +
-                    fmt(worst_abs, 3) + ")");
-  }
-  for (std::size_t i = 0; i < parts.size(); ++i) p += (i ? "; " : "") + parts[i];
-  s.paragraphs.push_back(p +
-                         ". For scale, one rounding is 2^-24 = 6.0e-8 in float and 2^-53 = "
-                         "1.1e-16 in double.");
   return outcome;
 }
 

@@ -8,4 +8,6 @@ build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON 
   -DLINROPE_BUILD_BENCHMARKS=ON
 cd "$ROOT"
 if [ $# -eq 0 ]; then set -- all --quick; fi
+# Only global options (e.g. --full): every experiment.
+if [ "${1#-}" != "$1" ]; then set -- all "$@"; fi
 exec "$ROOT/build/release/experiments/linrope-experiments" "$@" --out "$ROOT/results"

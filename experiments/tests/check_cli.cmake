@@ -4,9 +4,15 @@
 #   run     exit status 0; REPORT.md, a CSV, a JSON and a PNG under results/; no temporary file left
 #   noplot  exit status 0 with an unusable Python: one stderr line saying the plots were not
 #           generated; CSV, JSON and REPORT.md still written; no PNG, no temporary file
+#   nomatplotlib  the same with a Python that cannot import matplotlib (WORK_DIR/
+#           python-without-site-packages runs /usr/bin/python3 -S); REPORT.md has the findings
 string(REPLACE "|" ";" args "${ARGS}")
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
+if(EXPECTED STREQUAL "nomatplotlib")
+  file(WRITE "${WORK_DIR}/python-without-site-packages" "#!/bin/sh\nexec /usr/bin/python3 -S \"$@\"\n")
+  file(CHMOD "${WORK_DIR}/python-without-site-packages" PERMISSIONS OWNER_READ OWNER_EXECUTE)
+endif()
 execute_process(COMMAND "${PROGRAM}" ${args} WORKING_DIRECTORY "${WORK_DIR}"
                 RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
 
@@ -43,7 +49,7 @@ elseif(EXPECTED STREQUAL "help")
   if(NOT status EQUAL 0 OR NOT out MATCHES "Usage" OR NOT err STREQUAL "")
     fail("expected usage text on stdout, status 0 and an empty stderr")
   endif()
-elseif(EXPECTED STREQUAL "run" OR EXPECTED STREQUAL "noplot")
+elseif(EXPECTED STREQUAL "run" OR EXPECTED STREQUAL "noplot" OR EXPECTED STREQUAL "nomatplotlib")
   if(NOT status EQUAL 0)
     fail("expected exit status 0")
   endif()
@@ -67,6 +73,14 @@ elseif(EXPECTED STREQUAL "run" OR EXPECTED STREQUAL "noplot")
     endif()
     if(NOT report MATCHES "plots were not generated")
       fail("expected REPORT.md to say that the plots were not generated")
+    endif()
+    if(EXPECTED STREQUAL "nomatplotlib")
+      if(NOT err MATCHES "^linrope-experiments: plots for [a-z-]+ not generated: .*matplotlib")
+        fail("expected the stderr line to name matplotlib")
+      endif()
+      if(NOT report MATCHES "the identity held to" OR NOT EXISTS "${WORK_DIR}/results/rope_relative/summary.json")
+        fail("expected the findings and summary.json without matplotlib")
+      endif()
     endif()
   endif()
 else()

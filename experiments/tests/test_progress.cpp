@@ -18,15 +18,11 @@ TEST_CASE("durations for the progress bar") {
   CHECK(Progress::format_duration(-1) == "?");
 }
 
-TEST_CASE("summary statistics") {
+TEST_CASE("statistics of repeated timings") {
   const std::vector<double> x = {3, 1, 2, 10};
-  CHECK(mean(x) == 4);
   CHECK(median(x) == 2.5);
   CHECK(median(std::vector<double>{5, 1, 3}) == 3);
   CHECK(minimum(x) == 1);
   CHECK(maximum(x) == 10);
-  // Sample std: sum of squares about 4 = 1 + 9 + 4 + 36 = 50, over n - 1 = 3.
-  CHECK(std_dev(x) == doctest::Approx(std::sqrt(50.0 / 3)));
-  CHECK(std_dev(std::vector<double>{7}) == 0);
-  CHECK(std::isnan(mean(std::vector<double>{})));
+  CHECK(std::isnan(median(std::vector<double>{})));
 }

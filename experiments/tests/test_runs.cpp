@@ -2,55 +2,27 @@
 // metadata, the report, resuming after an interruption, and no temporary file left behind.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "atomic_file.hpp"
 #include "csv.hpp"
 #include "experiment.hpp"
+#include "metadata.hpp"
 #include "scratch_dir.hpp"
+#include "small_options.hpp"
 
 using namespace linrope::experiments;
 using linrope::Index;
 using linrope::experiments::testing::count_temporaries;
 using linrope::experiments::testing::ScratchDir;
+using linrope::experiments::testing::small_options;
 
 namespace {
-
-// Tiny sizes: the whole file runs in about a second, and under the sanitizers in a few.
-Options small_options(const std::filesystem::path& out) {
-  Options o;
-  o.out = out;
-  o.quiet = true;
-  o.plots = false;
-  o.lengths = {16, 32};
-  o.heads = 2;
-  o.dim = 8;
-  o.reps = 1;
-  o.naive_max = 32;
-  o.softmax_max = 32;
-  o.scaling_features = 8;
-  o.one_head_n = 64;
-  o.fit_min_n = 16;
-  o.norm_lengths = {8, 16};
-  o.norm_seeds = 2;
-  o.norm_dim = 8;
-  o.norm_features = 8;
-  o.favor_length = 32;
-  o.favor_dim = 4;
-  o.favor_features = {4, 8};
-  o.favor_seeds = 2;
-  o.favor_pairs = 64;
-  o.decay_dim = 16;
-  o.decay_distance = 8;
-  o.relative_positions = {10, 1000, 1000000};
-  o.relative_dim = 8;
-  o.relative_samples = 16;
-  resolve_presets(o);
-  return o;
-}
 
 std::vector<std::string> header_of(const std::filesystem::path& csv) {
   std::istringstream in(read_file(csv));
@@ -76,9 +48,9 @@ struct Schema {
 const std::vector<Schema>& schemas() {
   static const std::vector<Schema> list = {
       {"scaling",
-       {"method", "map", "placement", "causal", "heads", "n", "d", "m", "reps", "time_ms",
-        "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib", "extra_mib", "io_mib",
-        "threads"},
+       {"method", "map", "placement", "causal", "causal_method", "heads", "n", "d", "m", "reps",
+        "time_ms", "time_min_ms", "time_max_ms", "peak_rss_mib", "rss_before_mib", "extra_mib",
+        "io_mib", "threads"},
        // per n: 2 naive + 2 streaming + 2 maps x 4 placements x 2 causal; one-head: 16
        2 * (4 + 16) + 16},
       {"normalization",
@@ -126,6 +98,27 @@ TEST_CASE("every experiment writes its CSV schema, JSON metadata and report sect
     CHECK(!meta["machine"]["cpu"].get<std::string>().empty());
     CHECK(meta["machine"]["cores"].get<unsigned>() >= 1);
     CHECK(meta["compiler"].get<std::string>().find(__VERSION__) != std::string::npos);
+    // The build's instruction set and OpenMP (this file is compiled with the same flags).
+#ifdef __AVX2__
+    CHECK(std::count(meta["isa"].begin(), meta["isa"].end(), "avx2") == 1);
+#endif
+#ifdef __AVX512F__
+    CHECK(meta["isa"][0] == "avx512f");
+#endif
+#ifdef _OPENMP
+    CHECK(meta["openmp"]["enabled"] == true);
+    CHECK(meta["openmp"]["version"] == _OPENMP);
+    CHECK(meta["openmp"]["threads"].get<int>() >= 1);
+#else
+    CHECK(meta["openmp"]["enabled"] == false);
+#endif
+    // A build runs only on a CPU with the extensions it was compiled for.
+    for (const auto& extension : meta["isa"]) {
+      CAPTURE(extension);
+      CHECK(std::count(meta["machine"]["isa"].begin(), meta["machine"]["isa"].end(), extension) ==
+            1);
+    }
+    CHECK(meta["git_dirty"].is_boolean());  // tests run in a git work tree
     CHECK(meta["seeds"].is_array());
     if (std::string(schema.experiment) != "rope-decay")  // the only one without randomness
       CHECK(!meta["seeds"].empty());
@@ -133,9 +126,14 @@ TEST_CASE("every experiment writes its CSV schema, JSON metadata and report sect
     CHECK(meta["date"].get<std::string>().size() == 20);  // 2024-05-01T12:00:00Z
     CHECK(meta["points_measured"] == schema.rows);
 
+    // The analysis (analysis/report.py): derived numbers, and the section quoting them.
+    CHECK(nlohmann::json::parse(read_file(dir.path() / stem / "summary.json")).is_object());
     const std::string report = read_file(dir.path() / "REPORT.md");
-    CHECK(report.find("## ") != std::string::npos);
+    CHECK(report.find("\n## ") != std::string::npos);
     CHECK(report.find(stem + "/" + stem + ".csv") != std::string::npos);
+    CHECK(report.find(stem + "/summary.json") != std::string::npos);
+    CHECK(report.find("not generated") != std::string::npos);  // plots off (--no-plots)
+    CHECK(report.find("run with --no-plots") != std::string::npos);
     CHECK(count_temporaries(dir.path()) == 0);
   }
 }
@@ -168,6 +166,11 @@ TEST_CASE("the numbers obey what the maths guarantees") {
     for (std::size_t r = 0; r < t.size(); ++r)
       if (t.number(r, "distance") == 0 && t.text(r, "scaling") != "yarn")
         CHECK(t.number(r, "decay") == doctest::Approx((16 / 2 + 1) / 2.0));
+    // The report quotes the CSV's numbers: every curve starts at 4.5.
+    const std::string report = read_file(dir.path() / "REPORT.md");
+    CHECK(report.find("d = 16, from distance 0 to 8") != std::string::npos);
+    CHECK(report.find("base 500: 4.5 -> ") != std::string::npos);
+    CHECK(report.find("base 10000, linear x4: 4.5 -> ") != std::string::npos);
   }
   SUBCASE("rope-relative: double keeps the identity far better than float") {
     run_experiment(*find_experiment("rope-relative"), o);
@@ -186,7 +189,7 @@ TEST_CASE("the numbers obey what the maths guarantees") {
   }
   SUBCASE("scaling: times positive; memory measured") {
     run_experiment(*find_experiment("scaling"), o);
-    CsvTable t(header_of(dir.path() / "scaling" / "scaling.csv"), 8);
+    CsvTable t(header_of(dir.path() / "scaling" / "scaling.csv"), 9);
     t.load(dir.path() / "scaling" / "scaling.csv");
     for (std::size_t r = 0; r < t.size(); ++r) {
       CHECK(t.number(r, "time_ms") > 0);
@@ -196,8 +199,13 @@ TEST_CASE("the numbers obey what the maths guarantees") {
                                                      t.number(r, "d") * 4 / (1024.0 * 1024.0)));
     }
     const auto meta = nlohmann::json::parse(read_file(dir.path() / "scaling" / "scaling.json"));
-    CHECK(meta["summary"]["fits"].size() == 2 * (2 + 8));
-    CHECK(meta["summary"]["one_head"].size() == 16);
+    CHECK(meta["run"]["memory_measured"] == true);
+    CHECK(meta["run"]["skipped_points"].empty());
+    // Curves of H = 2: 2 causal settings x (2 softmax + 2 maps x 4 placements); one-head points.
+    const auto summary = nlohmann::json::parse(read_file(dir.path() / "scaling" / "summary.json"));
+    CHECK(summary["curves"].size() == 2 * (2 + 8));
+    CHECK(summary["one_head"].size() == 16);
+    for (const auto& curve : summary["curves"]) CHECK(curve["n"] == nlohmann::json({16, 32}));
   }
 }
 
@@ -256,4 +264,52 @@ TEST_CASE("--resume refuses a CSV written with other columns") {
   write_file_atomic(dir.path() / "rope_decay" / "rope_decay.csv", "dim,base\n16,10000\n");
   CHECK_THROWS_WITH_AS(run_experiment(*find_experiment("rope-decay"), o),
                        doctest::Contains("header"), std::runtime_error);
+}
+
+TEST_CASE("scaling: the causal method is a column and part of the key, so --resume keeps apart") {
+  ScratchDir dir("causal-method");
+  Options o = small_options(dir.path());
+  const Experiment& e = *find_experiment("scaling");
+  const auto csv = dir.path() / "scaling" / "scaling.csv";
+  const std::size_t per_method = 2 * 16 + 16;  // causal linear points: 2 lengths + one head
+  REQUIRE(o.scaling.causal_methods == std::vector<std::string>{"scan"});
+  const std::size_t scan_only = run_experiment(e, o).measured;
+
+  // Chunked added with --resume: the scan rows are kept, and only the chunked points measured.
+  o.scaling.causal_methods = {"scan", "chunked"};
+  o.resume = true;
+  const Context c = run_experiment(e, o);
+  CHECK(c.resumed == scan_only);
+  CHECK(c.measured == per_method / 2);
+  CsvTable t(header_of(csv), 9);
+  t.load(csv);
+  REQUIRE(t.size() == scan_only + per_method / 2);
+  std::map<std::string, std::size_t> count;
+  for (std::size_t r = 0; r < t.size(); ++r) {
+    const bool causal_linear = t.text(r, "method") == "linear" && t.text(r, "causal") == "1";
+    CHECK((t.text(r, "causal_method") != "none") == causal_linear);
+    ++count[t.text(r, "causal_method")];
+  }
+  CHECK(count["scan"] == count["chunked"]);
+  CHECK(count["chunked"] == per_method / 2);
+}
+
+TEST_CASE("git_dirty: false for a clean work tree, true once a tracked file changes") {
+  ScratchDir dir("git");
+  const std::string git = "git -C " + shell_quote(dir.path().string()) +
+                          " -c user.name=t -c user.email=t@t -c commit.gpgsign=false ";
+  int status = 0;
+  run_command(git + "init -q", status);
+  REQUIRE(status == 0);
+  std::ofstream(dir.path() / "file") << "one\n";
+  run_command(git + "add file", status);
+  run_command(git + "commit -q -m one", status);
+  REQUIRE(status == 0);
+  CHECK(git_dirty(dir.path().string()) == false);
+  std::ofstream(dir.path() / "untracked") << "not tracked\n";
+  CHECK(git_dirty(dir.path().string()) == false);
+  std::ofstream(dir.path() / "file") << "two\n";
+  CHECK(git_dirty(dir.path().string()) == true);
+  ScratchDir plain("not-git");
+  CHECK_FALSE(git_dirty(plain.path().string()).has_value());
 }

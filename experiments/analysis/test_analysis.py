@@ -1,0 +1,130 @@
+"""Unit tests of the analysis (CTest runs them: /usr/bin/python3 -m unittest in this directory).
+The whole path from the program's CSV and JSON to REPORT.md is tested by experiments/tests."""
+import math
+import os
+import tempfile
+import unittest
+
+import common
+import report
+import rope_decay
+
+
+def powers_of_two(lo, hi):
+    return [2.0 ** e for e in range(lo, hi + 1)]
+
+
+class FitLogLog(unittest.TestCase):
+    def test_recovers_the_exponent_of_a_power_law(self):
+        n = powers_of_two(8, 20)
+        for p in (1.0, 2.0, 1.5):
+            for c in (1e-6, 3.0):
+                fit = common.fit_loglog(n, [c * x ** p for x in n], 2048)
+                # Only rounding of log and pow (~1e-15 relative) over a log-range of 6.2.
+                self.assertAlmostEqual(fit["slope"], p, delta=1e-12 * p)
+                self.assertAlmostEqual(math.exp(fit["intercept"]), c, delta=1e-9 * c)
+                self.assertAlmostEqual(fit["r2"], 1.0, delta=1e-12)
+                self.assertEqual(fit["points"], 10)  # 2^11 .. 2^20
+
+    def test_ignores_points_below_min_n_and_non_positive_or_non_finite_values(self):
+        n = powers_of_two(8, 16)
+        t = [5.0 if x < 2048 else 1e-6 * x * x for x in n]  # overhead, then quadratic
+        t[0] = -1.0
+        self.assertAlmostEqual(common.fit_loglog(n, t, 2048)["slope"], 2.0, delta=1e-12)
+        self.assertLess(common.fit_loglog(n, t, 0)["slope"], 1.9)
+        t[-1] = float("nan")
+        self.assertEqual(common.fit_loglog(n, t, 2048)["points"], 5)  # 2^11 .. 2^15
+
+    def test_nan_with_fewer_than_two_distinct_lengths(self):
+        self.assertTrue(math.isnan(common.fit_loglog([4096, 4096], [1, 2])["slope"]))
+        self.assertTrue(math.isnan(common.fit_loglog([], [])["slope"]))
+        with self.assertRaises(ValueError):
+            common.fit_loglog([4096, 4096], [1])
+
+
+class Crossover(unittest.TestCase):
+    # t_fast = 1e-3 n and t_slow = 1e-6 n^2 cross at n = 1000; log(t_fast / t_slow) is linear in
+    # log n, so the log-log interpolation is exact.
+    n = powers_of_two(6, 14)
+    fast = [1e-3 * x for x in n]
+    slow = [1e-6 * x * x for x in n]
+
+    def test_interpolated(self):
+        c = common.crossover(self.n, self.fast, self.slow)
+        self.assertEqual(c["kind"], "interpolated")
+        self.assertAlmostEqual(c["n"], 1000, delta=1e-6)
+        self.assertEqual(common.describe_crossover(c), "n ~ 1000")
+
+    def test_faster_throughout(self):
+        c = common.crossover(self.n[5:], self.fast[5:], self.slow[5:])  # from 2048
+        self.assertEqual((c["kind"], c["n"]), ("faster_throughout", 2048))
+
+    def test_not_reached_extrapolates_the_fits(self):
+        c = common.crossover(self.n[:4], self.fast[:4], self.slow[:4])  # up to 512
+        self.assertEqual(c["kind"], "not_reached")
+        self.assertAlmostEqual(c["n"], 1000, delta=1e-6)
+        self.assertIn("~ 1e+03 by extrapolating", common.describe_crossover(c))
+
+
+class Statistics(unittest.TestCase):
+    def test_mean_and_sample_std(self):
+        x = [3, 1, 2, 10]
+        self.assertEqual(common.mean(x), 4)
+        # Sum of squares about 4 = 1 + 9 + 4 + 36 = 50, over n - 1 = 3.
+        self.assertAlmostEqual(common.std(x), math.sqrt(50 / 3), delta=1e-15)
+        self.assertEqual(common.std([7]), 0)
+        self.assertTrue(math.isnan(common.mean([])))
+
+
+class Formatting(unittest.TestCase):
+    def test_numbers(self):
+        self.assertEqual(common.fmt(0.123456), "0.123")
+        self.assertEqual(common.fmt(float("nan")), "n/a")
+        self.assertEqual(common.percent(0.467), "46.7%")
+        self.assertEqual(common.percent(0.0123), "1.2%")
+        self.assertEqual(common.percent(0.0), "0.0%")
+        self.assertEqual(common.duration(185), "3m05s")
+
+    def test_json_has_no_nan(self):
+        self.assertEqual(common.clean({"a": [1.0, float("nan")], "b": float("inf")}),
+                         {"a": [1.0, None], "b": None})
+
+
+class RopeDecaySection(unittest.TestCase):
+    """A section written from a small CSV: its numbers are those of the CSV."""
+
+    def test_section_quotes_the_csv(self):
+        with tempfile.TemporaryDirectory() as directory:
+            rows = ["dim,base,scaling,factor,distance,decay,decay_relative"]
+            for base, scaling, decay in (
+                    (500, "none", [4.5, 3, 2, 1.5, 1]), (10000, "none", [4.5, 4, 3, 2.5, 2]),
+                    (10000, "linear", [4.5, 4.4, 4.3, 4.1, 4])):
+                rows += ["8,%d,%s,%s,%d,%s,%s" % (base, scaling, 1 if scaling == "none" else 4,
+                                                  m, v, v / 4.5) for m, v in enumerate(decay)]
+            with open(os.path.join(directory, "rope_decay.csv"), "w") as f:
+                f.write("\n".join(rows) + "\n")
+            meta = {"status": "complete", "experiment": "rope-decay", "git_commit": "0" * 40,
+                    "git_dirty": False, "isa": ["avx2"], "date": "2024-05-01T12:00:00Z",
+                    "machine": {"cpu": "cpu", "cores": 2, "isa": ["avx512f", "avx2"]}, "openmp": {"threads": 2},
+                    "load_average_before": 0.5, "duration_s": 1.0, "points_measured": 15,
+                    "points_resumed": 0, "run": {"yarn_original_max_position": 4096},
+                    "options": {"mode": "quick", "rope_decay": {"dim": 8, "max_distance": 4}}}
+            common.write_json(os.path.join(directory, "rope_decay.json"), meta)
+            self.assertEqual(report.main(["report.py", "rope-decay", directory, "--no-plots"]), 0)
+            with open(os.path.join(directory, "report_section.md")) as f:
+                section = f.read()
+            self.assertIn("## " + rope_decay.TITLE, section)
+            self.assertIn("(2 cores, 2 threads, built for avx2 on a CPU with avx512f,", section)
+            self.assertIn("base 500: 4.5 -> 1 (22.2%), half reached at distance 2", section)
+            self.assertIn("base 10000: 4.5 -> 2 (44.4%), half reached at distance 4", section)
+            self.assertIn("base 500 is lowest on average over distances 1 to 4", section)
+            self.assertIn("its bound at distance 4 is 4, and the unscaled base-10000 bound at "
+                          "distance 1 is 4.", section)
+            self.assertIn("Some plots were not generated: run with --no-plots", section)
+            summary = common.read_json(os.path.join(directory, "summary.json"))
+            self.assertEqual([c["first_distance_at_half"] for c in summary["curves"]], [2, 4, None])
+            self.assertFalse([name for name in os.listdir(directory) if ".tmp-" in name])
+
+
+if __name__ == "__main__":
+    unittest.main()
