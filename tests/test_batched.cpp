@@ -198,7 +198,7 @@ void check_linear_method(const LinearCase& c, CausalMethod method, Index batch, 
       s.k_offset = options.k_offset;
       const ref::LinearResult want =
           ref::linear_attention(qs.template cast<double>(), ks.template cast<double>(),
-                                vs.template cast<double>(), ref::feature_apply(*map), s);
+                                vs.template cast<double>(), ref::feature_formula(*map), s);
       const double z = std::max(ref::exponent_size(*map, qs.template cast<double>()),
                                 ref::exponent_size(*map, ks.template cast<double>()));
       const double gamma = ref::rounding_gamma<T>(m, d, keys, z);
