@@ -54,6 +54,8 @@ constexpr FeatureMapKind kMaps[] = {FeatureMapKind::EluPlusOne,    FeatureMapKin
                                     FeatureMapKind::OnePlusCosine, FeatureMapKind::FavorHyperbolic};
 constexpr RopePlacement kPlacements[] = {RopePlacement::None, RopePlacement::BeforeMap,
                                          RopePlacement::NumeratorOnly, RopePlacement::Full};
+// Every causal method, the default (Scan) first. Non-causal calls have one method and ignore it.
+constexpr CausalMethod kCausalMethods[] = {CausalMethod::Scan, CausalMethod::Chunked};
 
 bool is_favor(FeatureMapKind kind) {
   return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
@@ -374,9 +376,11 @@ TEST_CASE("reference self-checks: rotation pairs and FAVOR+ against softmax") {
   }
 }
 
-TEST_CASE("linear_attention matches the reference: every map x placement x causal x length") {
-  // Lengths around the default chunk of 64; n = 1000 is sampled (once per map, placements and
-  // types rotating) to keep the suite fast, also under the sanitizers.
+TEST_CASE(
+    "linear_attention matches the reference: every map x placement x causal x method x length") {
+  // Lengths around the default chunk of 64 and Scan's block of 64; causal problems run every
+  // causal method (Scan, the default, and Chunked) on the same inputs. n = 1000 is sampled (once
+  // per map, placements and types rotating) to keep the suite fast, also under the sanitizers.
   int counter = 0;
   for (const auto kind : kMaps)
     for (const auto placement : kPlacements)
@@ -388,8 +392,12 @@ TEST_CASE("linear_attention matches the reference: every map x placement x causa
           p.placement = placement;
           p.causal = causal;
           p.n = n;
-          check_problem<float>(p);
-          check_problem<double>(p);
+          for (const auto method : kCausalMethods) {
+            if (!causal && method != kCausalMethods[0]) continue;
+            p.method = method;
+            check_problem<float>(p);
+            check_problem<double>(p);
+          }
         }
   int which = 0;
   for (const auto kind : kMaps) {
@@ -399,10 +407,14 @@ TEST_CASE("linear_attention matches the reference: every map x placement x causa
     p.placement = kPlacements[which % 4];
     p.causal = which % 3 != 2;
     p.n = 1000;
-    if (which % 2 == 0) {
-      check_problem<float>(p);
-    } else {
-      check_problem<double>(p);
+    for (const auto method : kCausalMethods) {
+      if (!p.causal && method != kCausalMethods[0]) continue;
+      p.method = method;
+      if (which % 2 == 0) {
+        check_problem<float>(p);
+      } else {
+        check_problem<double>(p);
+      }
     }
     ++which;
   }
