@@ -24,9 +24,6 @@
 // relative in float at n_k = 1000 and ~1e-12 in double, while a wrong sign, pair, position or mask
 // changes outputs at O(1).
 #include <doctest/doctest.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -41,12 +38,15 @@
 
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
+#include "threads.hpp"
 
 namespace {
 
 using namespace linrope;
 namespace ref = linrope::reference;
 using linrope::testing::gaussian;
+using linrope::testing::kSplitThreads;
+using linrope::testing::ThreadCount;
 using ref::VectorD;
 
 constexpr FeatureMapKind kMaps[] = {FeatureMapKind::EluPlusOne,    FeatureMapKind::Relu,
@@ -621,9 +621,11 @@ TEST_CASE("Scan by strips of the state: wide d_v and m, queries in groups, risin
 }
 
 TEST_CASE("a long causal call split across threads: Chunked and Scan against the reference") {
-  // n = 700 runs as two segments when OpenMP has >= 2 threads (linear_causal: at least 256
-  // queries each), each from the prefix state of the keys before it, whichever the method; with a
-  // shift, the segments' first keys are not their first queries' positions.
+  // n = 700 runs as two segments with 2 threads (linear_causal: at least 256 queries each), each
+  // from the prefix state of the keys before it, whichever the method; with a shift, the segments'
+  // first keys are not their first queries' positions. The test sets the thread count itself, so
+  // that the split runs even where the machine or OMP_NUM_THREADS gives one thread.
+  const ThreadCount threads(kSplitThreads);
   int counter = 0;
   for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
     for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan})
@@ -989,15 +991,13 @@ TEST_CASE("large norms give finite outputs (float, non-causal), matching the ref
 // Bad input: std::invalid_argument naming the argument.
 
 TEST_CASE("LinearAttentionStream: a first step long enough to be split across threads") {
-  // A step of 600 tokens runs linear_causal's split (two segments when OpenMP has >= 2 threads),
+  // A step of 600 tokens runs linear_causal's split (two segments with the 2 threads set here),
   // whose last segment must leave every key in the stream's state (absorb_all): the one-token
   // steps after it read that state. Both methods.
-#ifdef _OPENMP
-  const bool split = omp_get_max_threads() >= 2;
-#else
-  const bool split = false;
+  const ThreadCount threads(kSplitThreads);
+#ifndef _OPENMP
+  MESSAGE("built without OpenMP: the long step is not split, only its result is checked");
 #endif
-  if (!split) MESSAGE("one thread: the long step is not split, only its result is checked");
   int counter = 0;
   for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
     for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan}) {
@@ -1166,7 +1166,9 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
   // position below is read by a different part of them: the first and last blocks, the keys of
   // the parallel split's first pass, the last chunk's keys (causal: read, never absorbed), and
   // (causal) keys past the last query, which no query sees and the kernels never read. The message
-  // must still name the first bad value of q, k, then v.
+  // must still name the first bad value of q, k, then v. The thread count is set here, so that
+  // n = 700 (causal) is split into two segments whatever the machine gives.
+  const ThreadCount threads(kSplitThreads);
   const Index d = 6, dv = 3;
   const auto elu = make_map(FeatureMapKind::EluPlusOne, d);
   const auto favor = make_map(FeatureMapKind::FavorPositive, d);
