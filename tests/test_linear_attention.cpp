@@ -484,33 +484,37 @@ TEST_CASE("chunked causal skips the blocks above the diagonal: any shift, any ch
 TEST_CASE("rows with no admissible key are zero rows, for eps = 0 as well") {
   // Expectation: num_i = 0 and den_i = 0 for a query before every key; its output is exactly 0
   // (not 0/0), and den_i = 0 enters the statistics (nonpositive, below_threshold, min <= 0).
+  // Every causal method.
   for (const auto kind : kMaps)
     for (const auto placement : kPlacements)
-      for (const double eps : {0.0, 1e-6}) {
-        Problem p;
-        p.kind = kind;
-        p.placement = placement;
-        p.causal = true;
-        p.n = 12;
-        p.n_k = 8;
-        p.q_offset = 3;
-        p.k_offset = 10;  // rows 0..6 (positions 3..9) come before the first key
-        p.eps = eps;
-        const std::string map_name = to_string(kind), placement_name = to_string(placement);
-        CAPTURE(map_name);
-        CAPTURE(placement_name);
-        CAPTURE(eps);
-        Fixture<float> f(p);
-        DenominatorStats stats;
-        const MatrixF out = f.run(&stats);
-        REQUIRE(out.rows() == 12);
-        CHECK(out.topRows(7).cwiseAbs().maxCoeff() == 0.0f);
-        CHECK(out.allFinite());
-        CHECK(stats.count == 12);
-        CHECK(stats.nonpositive >= 7);
-        CHECK(stats.below_threshold >= 7);
-        CHECK(stats.min <= 0.0);
-      }
+      for (const double eps : {0.0, 1e-6})
+        for (const auto method : kCausalMethods) {
+          Problem p;
+          p.kind = kind;
+          p.placement = placement;
+          p.causal = true;
+          p.method = method;
+          p.n = 12;
+          p.n_k = 8;
+          p.q_offset = 3;
+          p.k_offset = 10;  // rows 0..6 (positions 3..9) come before the first key
+          p.eps = eps;
+          const std::string map_name = to_string(kind), placement_name = to_string(placement);
+          CAPTURE(map_name);
+          CAPTURE(placement_name);
+          CAPTURE(eps);
+          CAPTURE(int(method));
+          Fixture<float> f(p);
+          DenominatorStats stats;
+          const MatrixF out = f.run(&stats);
+          REQUIRE(out.rows() == 12);
+          CHECK(out.topRows(7).cwiseAbs().maxCoeff() == 0.0f);
+          CHECK(out.allFinite());
+          CHECK(stats.count == 12);
+          CHECK(stats.nonpositive >= 7);
+          CHECK(stats.below_threshold >= 7);
+          CHECK(stats.min <= 0.0);
+        }
 }
 
 TEST_CASE("no keys at all (n_k = 0): every row is a zero row") {
@@ -732,11 +736,15 @@ TEST_CASE("eps: o = num / (den + eps) exactly as the reference, for eps = 0 and 
         p.causal = counter % 2 == 0;
         p.n = 31;
         p.eps = eps;
-        check_problem<float>(p);
-        check_problem<double>(p);
-        if (eps == 0) {
-          Fixture<float> f(p);
-          CHECK(f.run().allFinite());
+        for (const auto method : kCausalMethods) {  // causal: every method
+          if (!p.causal && method != kCausalMethods[0]) continue;
+          p.method = method;
+          check_problem<float>(p);
+          check_problem<double>(p);
+          if (eps == 0) {
+            Fixture<float> f(p);
+            CHECK(f.run().allFinite());
+          }
         }
       }
   SUBCASE("eps changes the output") {
@@ -843,7 +851,7 @@ TEST_CASE("relative positions only: shifting q_offset and k_offset together chan
   // <R_i x, R_j y> depends on i - j only, so NumeratorOnly and Full are shift-invariant for every
   // map. BeforeMap is only for maps whose kernel is rotation-invariant: phi(R q) . phi(R k) =
   // 1 + cos(q, k) for 1+cos, whereas element-wise or random-projection maps see absolute
-  // positions; so BeforeMap is checked with 1+cos.
+  // positions; so BeforeMap is checked with 1+cos. Every causal method, on the same inputs.
   struct Case {
     FeatureMapKind kind;
     RopePlacement placement;
@@ -856,31 +864,35 @@ TEST_CASE("relative positions only: shifting q_offset and k_offset together chan
   cases.push_back({FeatureMapKind::OnePlusCosine, RopePlacement::BeforeMap});
   int counter = 0;
   for (const auto& c : cases)
-    for (const Index shift : {17, 1000, 4099}) {
-      const std::string map_name = to_string(c.kind), placement_name = to_string(c.placement);
-      CAPTURE(map_name);
-      CAPTURE(placement_name);
-      CAPTURE(shift);
-      Problem p;
-      vary(p, counter++);
-      p.kind = c.kind;
-      p.placement = c.placement;
-      p.causal = true;
-      p.n = 40;
-      p.n_k = 60;
-      p.q_offset = 20;
-      p.k_offset = 0;
-      p.rope.base = 100;  // fast enough rotation that a wrong position shows at these widths
-      Fixture<float> f(p);
-      const ref::LinearResult want = f.reference();
-      const VectorD tol = tolerances<float>(want, f.gamma(), p.eps);
-      const MatrixF before = f.run();
-      f.options.q_offset += shift;
-      f.options.k_offset += shift;
-      const MatrixF after = f.run();
-      check_close(before, want.out, tol, "at the original offsets");
-      check_close(after, before.cast<double>(), tol, "shifted vs original", 2.0);
-    }
+    for (const Index shift : {17, 1000, 4099})
+      for (const auto method : kCausalMethods) {
+        const std::string map_name = to_string(c.kind), placement_name = to_string(c.placement);
+        CAPTURE(map_name);
+        CAPTURE(placement_name);
+        CAPTURE(shift);
+        CAPTURE(int(method));
+        Problem p;
+        vary(p, counter / int(std::size(kCausalMethods)));  // the same inputs for every method
+        ++counter;
+        p.kind = c.kind;
+        p.placement = c.placement;
+        p.causal = true;
+        p.method = method;
+        p.n = 40;
+        p.n_k = 60;
+        p.q_offset = 20;
+        p.k_offset = 0;
+        p.rope.base = 100;  // fast enough rotation that a wrong position shows at these widths
+        Fixture<float> f(p);
+        const ref::LinearResult want = f.reference();
+        const VectorD tol = tolerances<float>(want, f.gamma(), p.eps);
+        const MatrixF before = f.run();
+        f.options.q_offset += shift;
+        f.options.k_offset += shift;
+        const MatrixF after = f.run();
+        check_close(before, want.out, tol, "at the original offsets");
+        check_close(after, before.cast<double>(), tol, "shifted vs original", 2.0);
+      }
 }
 
 TEST_CASE("causal outputs never depend on later keys, even with large norms (float)") {
