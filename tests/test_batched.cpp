@@ -25,12 +25,15 @@
 
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
+#include "threads.hpp"
 
 namespace {
 
 using namespace linrope;
 namespace ref = linrope::reference;
 using linrope::testing::gaussian;
+using linrope::testing::kSplitThreads;
+using linrope::testing::ThreadCount;
 using ref::VectorD;
 
 constexpr double kSentinel = 12345;
@@ -198,7 +201,7 @@ void check_linear_method(const LinearCase& c, CausalMethod method, Index batch, 
       s.k_offset = options.k_offset;
       const ref::LinearResult want =
           ref::linear_attention(qs.template cast<double>(), ks.template cast<double>(),
-                                vs.template cast<double>(), ref::feature_apply(*map), s);
+                                vs.template cast<double>(), ref::feature_formula(*map), s);
       const double z = std::max(ref::exponent_size(*map, qs.template cast<double>()),
                                 ref::exponent_size(*map, ks.template cast<double>()));
       const double gamma = ref::rounding_gamma<T>(m, d, keys, z);
@@ -337,12 +340,17 @@ TEST_CASE("batched linear attention: lengths mask padded keys and leave padded r
 }
 
 TEST_CASE("batched linear attention: one long head is split along the sequence") {
-  // Fewer slices than threads: the batched path parallelises along the sequence.
+  // Fewer slices than threads (one slice, 2 threads set here whatever the machine gives): the
+  // batched path runs the slice with the whole team, which splits it along the sequence when it
+  // is long enough: causal into segments of at least 256 queries (n = 600: two), non-causal into
+  // parts of 512 keys and queries (n = 1100: two). With lengths, the split follows the valid rows.
+  const ThreadCount threads(kSplitThreads);
   for (const bool causal : {false, true}) {
     const LinearCase c{FeatureMapKind::FavorPositive, RopePlacement::NumeratorOnly, causal};
-    check_linear<float>(c, 1, 1, 301, 301, {});
-    check_linear<double>(c, 1, 1, 301, 301, {});
-    check_linear<float>(c, 1, 1, 301, 301, {250});
+    const Index n = causal ? 600 : 1100;
+    check_linear<float>(c, 1, 1, n, n, {});
+    check_linear<double>(c, 1, 1, n, n, {});
+    check_linear<float>(c, 1, 1, n, n, {n - 51});
   }
 }
 
@@ -457,7 +465,9 @@ TEST_CASE("batched: bad views throw std::invalid_argument naming the argument") 
   CHECK_THROWS_WITH_AS(softmax_attention(nan_q.view(), k.view(), v.view(), out.out_view(), so),
                        doctest::Contains("non-finite"), std::invalid_argument);
   // Two bad slices: the first in (b, h) order is named, whichever thread reaches its own first.
-  // (The linear kernels find non-finite values as they read them, each slice on its own thread.)
+  // (The linear kernels find non-finite values as they read them, each slice on its own thread:
+  // 2 threads set here, whatever the machine gives.)
+  const ThreadCount threads(kSplitThreads);
   Buffer<float> bad_k(2, 3, 9, d, 2, 1.0), bad_v(2, 3, 9, 4, 3, 1.0);
   bad_k.slice(1, 0)(8, 5) = -std::numeric_limits<float>::infinity();
   bad_v.slice(0, 2)(0, 3) = std::numeric_limits<float>::quiet_NaN();

@@ -22,35 +22,14 @@
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "reference/random.hpp"
+#include "threads.hpp"
 
 namespace {
 
 using namespace linrope;
 using linrope::testing::gaussian;
-
-// Sets the OpenMP thread count for its scope.
-class ThreadCount {
- public:
-  explicit ThreadCount([[maybe_unused]] int threads) {
-#ifdef _OPENMP
-    previous_ = omp_get_max_threads();
-    omp_set_num_threads(threads);
-#endif
-  }
-  ~ThreadCount() {
-#ifdef _OPENMP
-    omp_set_num_threads(previous_);
-#endif
-  }
-
- private:
-  int previous_ = 1;
-};
+using linrope::testing::ThreadCount;
 
 // One spinning thread per hardware thread, for its scope: the kernels' threads then share the
 // cores with them and are preempted at arbitrary points.

@@ -24,9 +24,6 @@
 // relative in float at n_k = 1000 and ~1e-12 in double, while a wrong sign, pair, position or mask
 // changes outputs at O(1).
 #include <doctest/doctest.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -41,12 +38,15 @@
 
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
+#include "threads.hpp"
 
 namespace {
 
 using namespace linrope;
 namespace ref = linrope::reference;
 using linrope::testing::gaussian;
+using linrope::testing::kSplitThreads;
+using linrope::testing::ThreadCount;
 using ref::VectorD;
 
 constexpr FeatureMapKind kMaps[] = {FeatureMapKind::EluPlusOne,    FeatureMapKind::Relu,
@@ -54,6 +54,8 @@ constexpr FeatureMapKind kMaps[] = {FeatureMapKind::EluPlusOne,    FeatureMapKin
                                     FeatureMapKind::OnePlusCosine, FeatureMapKind::FavorHyperbolic};
 constexpr RopePlacement kPlacements[] = {RopePlacement::None, RopePlacement::BeforeMap,
                                          RopePlacement::NumeratorOnly, RopePlacement::Full};
+// Every causal method, the default (Scan) first. Non-causal calls have one method and ignore it.
+constexpr CausalMethod kCausalMethods[] = {CausalMethod::Scan, CausalMethod::Chunked};
 
 bool is_favor(FeatureMapKind kind) {
   return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
@@ -244,7 +246,7 @@ struct Fixture {
   }
   ref::LinearResult reference() const {
     return ref::linear_attention(q.template cast<double>(), k.template cast<double>(),
-                                 v.template cast<double>(), ref::feature_apply(*map),
+                                 v.template cast<double>(), ref::feature_formula(*map),
                                  reference_spec());
   }
   double gamma() const {
@@ -307,11 +309,12 @@ Matrix<T> with_row_norm(const MatrixD& x, double norm) {
 
 // ---------------------------------------------------------------------------------------------
 
-TEST_CASE("reference features agree with FeatureMap::apply (guards the reference)") {
-  // The reference takes phi from the map's public double apply; here that apply is checked once
-  // against the formulas of feature_maps.hpp evaluated directly (feature order included, which the
-  // feature placements' rotation pairs depend on). Inputs of norm ~1-3: double features err by
-  // ~(d + |z|) 2^-53 relative, 1e-12 relative to the row's largest feature is a wide margin.
+TEST_CASE("FeatureMap::apply agrees with the reference feature formulas") {
+  // The reference computes phi from its own formulas (feature_map_reference.hpp) with the map's W,
+  // never through apply; test_feature_maps.cpp checks apply against them in depth. Here once more
+  // on the inputs of this file, feature order included (the feature placements' rotation pairs
+  // depend on it). Inputs of norm ~1-3: double features err by ~(d + |z|) 2^-53 relative,
+  // 1e-12 relative to the row's largest feature is a wide margin.
   for (const auto kind : kMaps)
     for (const Index d : {5, 6}) {
       const std::string map_name = to_string(kind);
@@ -321,8 +324,8 @@ TEST_CASE("reference features agree with FeatureMap::apply (guards the reference
       MatrixD x = gaussian(9, d, 42, 0.8);
       x.row(3).setZero();  // 1+cos maps 0 to [0, ..., 0, 1]
       const MatrixD by_formula = ref::feature_formula(*map)(x);
-      const MatrixD by_apply = ref::feature_apply(*map)(x);
-      REQUIRE(by_apply.cols() == map->output_dim());
+      MatrixD by_apply(x.rows(), map->output_dim());
+      map->apply(x, by_apply);
       REQUIRE(by_formula.cols() == by_apply.cols());
       for (Index i = 0; i < x.rows(); ++i) {
         CAPTURE(i);
@@ -373,9 +376,11 @@ TEST_CASE("reference self-checks: rotation pairs and FAVOR+ against softmax") {
   }
 }
 
-TEST_CASE("linear_attention matches the reference: every map x placement x causal x length") {
-  // Lengths around the default chunk of 64; n = 1000 is sampled (once per map, placements and
-  // types rotating) to keep the suite fast, also under the sanitizers.
+TEST_CASE(
+    "linear_attention matches the reference: every map x placement x causal x method x length") {
+  // Lengths around the default chunk of 64 and Scan's block of 64; causal problems run every
+  // causal method (Scan, the default, and Chunked) on the same inputs. n = 1000 is sampled (once
+  // per map, placements and types rotating) to keep the suite fast, also under the sanitizers.
   int counter = 0;
   for (const auto kind : kMaps)
     for (const auto placement : kPlacements)
@@ -387,8 +392,12 @@ TEST_CASE("linear_attention matches the reference: every map x placement x causa
           p.placement = placement;
           p.causal = causal;
           p.n = n;
-          check_problem<float>(p);
-          check_problem<double>(p);
+          for (const auto method : kCausalMethods) {
+            if (!causal && method != kCausalMethods[0]) continue;
+            p.method = method;
+            check_problem<float>(p);
+            check_problem<double>(p);
+          }
         }
   int which = 0;
   for (const auto kind : kMaps) {
@@ -398,10 +407,14 @@ TEST_CASE("linear_attention matches the reference: every map x placement x causa
     p.placement = kPlacements[which % 4];
     p.causal = which % 3 != 2;
     p.n = 1000;
-    if (which % 2 == 0) {
-      check_problem<float>(p);
-    } else {
-      check_problem<double>(p);
+    for (const auto method : kCausalMethods) {
+      if (!p.causal && method != kCausalMethods[0]) continue;
+      p.method = method;
+      if (which % 2 == 0) {
+        check_problem<float>(p);
+      } else {
+        check_problem<double>(p);
+      }
     }
     ++which;
   }
@@ -471,33 +484,37 @@ TEST_CASE("chunked causal skips the blocks above the diagonal: any shift, any ch
 TEST_CASE("rows with no admissible key are zero rows, for eps = 0 as well") {
   // Expectation: num_i = 0 and den_i = 0 for a query before every key; its output is exactly 0
   // (not 0/0), and den_i = 0 enters the statistics (nonpositive, below_threshold, min <= 0).
+  // Every causal method.
   for (const auto kind : kMaps)
     for (const auto placement : kPlacements)
-      for (const double eps : {0.0, 1e-6}) {
-        Problem p;
-        p.kind = kind;
-        p.placement = placement;
-        p.causal = true;
-        p.n = 12;
-        p.n_k = 8;
-        p.q_offset = 3;
-        p.k_offset = 10;  // rows 0..6 (positions 3..9) come before the first key
-        p.eps = eps;
-        const std::string map_name = to_string(kind), placement_name = to_string(placement);
-        CAPTURE(map_name);
-        CAPTURE(placement_name);
-        CAPTURE(eps);
-        Fixture<float> f(p);
-        DenominatorStats stats;
-        const MatrixF out = f.run(&stats);
-        REQUIRE(out.rows() == 12);
-        CHECK(out.topRows(7).cwiseAbs().maxCoeff() == 0.0f);
-        CHECK(out.allFinite());
-        CHECK(stats.count == 12);
-        CHECK(stats.nonpositive >= 7);
-        CHECK(stats.below_threshold >= 7);
-        CHECK(stats.min <= 0.0);
-      }
+      for (const double eps : {0.0, 1e-6})
+        for (const auto method : kCausalMethods) {
+          Problem p;
+          p.kind = kind;
+          p.placement = placement;
+          p.causal = true;
+          p.method = method;
+          p.n = 12;
+          p.n_k = 8;
+          p.q_offset = 3;
+          p.k_offset = 10;  // rows 0..6 (positions 3..9) come before the first key
+          p.eps = eps;
+          const std::string map_name = to_string(kind), placement_name = to_string(placement);
+          CAPTURE(map_name);
+          CAPTURE(placement_name);
+          CAPTURE(eps);
+          CAPTURE(int(method));
+          Fixture<float> f(p);
+          DenominatorStats stats;
+          const MatrixF out = f.run(&stats);
+          REQUIRE(out.rows() == 12);
+          CHECK(out.topRows(7).cwiseAbs().maxCoeff() == 0.0f);
+          CHECK(out.allFinite());
+          CHECK(stats.count == 12);
+          CHECK(stats.nonpositive >= 7);
+          CHECK(stats.below_threshold >= 7);
+          CHECK(stats.min <= 0.0);
+        }
 }
 
 TEST_CASE("no keys at all (n_k = 0): every row is a zero row") {
@@ -608,9 +625,11 @@ TEST_CASE("Scan by strips of the state: wide d_v and m, queries in groups, risin
 }
 
 TEST_CASE("a long causal call split across threads: Chunked and Scan against the reference") {
-  // n = 700 runs as two segments when OpenMP has >= 2 threads (linear_causal: at least 256
-  // queries each), each from the prefix state of the keys before it, whichever the method; with a
-  // shift, the segments' first keys are not their first queries' positions.
+  // n = 700 runs as two segments with 2 threads (linear_causal: at least 256 queries each), each
+  // from the prefix state of the keys before it, whichever the method; with a shift, the segments'
+  // first keys are not their first queries' positions. The test sets the thread count itself, so
+  // that the split runs even where the machine or OMP_NUM_THREADS gives one thread.
+  const ThreadCount threads(kSplitThreads);
   int counter = 0;
   for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
     for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan})
@@ -717,11 +736,15 @@ TEST_CASE("eps: o = num / (den + eps) exactly as the reference, for eps = 0 and 
         p.causal = counter % 2 == 0;
         p.n = 31;
         p.eps = eps;
-        check_problem<float>(p);
-        check_problem<double>(p);
-        if (eps == 0) {
-          Fixture<float> f(p);
-          CHECK(f.run().allFinite());
+        for (const auto method : kCausalMethods) {  // causal: every method
+          if (!p.causal && method != kCausalMethods[0]) continue;
+          p.method = method;
+          check_problem<float>(p);
+          check_problem<double>(p);
+          if (eps == 0) {
+            Fixture<float> f(p);
+            CHECK(f.run().allFinite());
+          }
         }
       }
   SUBCASE("eps changes the output") {
@@ -828,7 +851,7 @@ TEST_CASE("relative positions only: shifting q_offset and k_offset together chan
   // <R_i x, R_j y> depends on i - j only, so NumeratorOnly and Full are shift-invariant for every
   // map. BeforeMap is only for maps whose kernel is rotation-invariant: phi(R q) . phi(R k) =
   // 1 + cos(q, k) for 1+cos, whereas element-wise or random-projection maps see absolute
-  // positions; so BeforeMap is checked with 1+cos.
+  // positions; so BeforeMap is checked with 1+cos. Every causal method, on the same inputs.
   struct Case {
     FeatureMapKind kind;
     RopePlacement placement;
@@ -841,31 +864,35 @@ TEST_CASE("relative positions only: shifting q_offset and k_offset together chan
   cases.push_back({FeatureMapKind::OnePlusCosine, RopePlacement::BeforeMap});
   int counter = 0;
   for (const auto& c : cases)
-    for (const Index shift : {17, 1000, 4099}) {
-      const std::string map_name = to_string(c.kind), placement_name = to_string(c.placement);
-      CAPTURE(map_name);
-      CAPTURE(placement_name);
-      CAPTURE(shift);
-      Problem p;
-      vary(p, counter++);
-      p.kind = c.kind;
-      p.placement = c.placement;
-      p.causal = true;
-      p.n = 40;
-      p.n_k = 60;
-      p.q_offset = 20;
-      p.k_offset = 0;
-      p.rope.base = 100;  // fast enough rotation that a wrong position shows at these widths
-      Fixture<float> f(p);
-      const ref::LinearResult want = f.reference();
-      const VectorD tol = tolerances<float>(want, f.gamma(), p.eps);
-      const MatrixF before = f.run();
-      f.options.q_offset += shift;
-      f.options.k_offset += shift;
-      const MatrixF after = f.run();
-      check_close(before, want.out, tol, "at the original offsets");
-      check_close(after, before.cast<double>(), tol, "shifted vs original", 2.0);
-    }
+    for (const Index shift : {17, 1000, 4099})
+      for (const auto method : kCausalMethods) {
+        const std::string map_name = to_string(c.kind), placement_name = to_string(c.placement);
+        CAPTURE(map_name);
+        CAPTURE(placement_name);
+        CAPTURE(shift);
+        CAPTURE(int(method));
+        Problem p;
+        vary(p, counter / int(std::size(kCausalMethods)));  // the same inputs for every method
+        ++counter;
+        p.kind = c.kind;
+        p.placement = c.placement;
+        p.causal = true;
+        p.method = method;
+        p.n = 40;
+        p.n_k = 60;
+        p.q_offset = 20;
+        p.k_offset = 0;
+        p.rope.base = 100;  // fast enough rotation that a wrong position shows at these widths
+        Fixture<float> f(p);
+        const ref::LinearResult want = f.reference();
+        const VectorD tol = tolerances<float>(want, f.gamma(), p.eps);
+        const MatrixF before = f.run();
+        f.options.q_offset += shift;
+        f.options.k_offset += shift;
+        const MatrixF after = f.run();
+        check_close(before, want.out, tol, "at the original offsets");
+        check_close(after, before.cast<double>(), tol, "shifted vs original", 2.0);
+      }
 }
 
 TEST_CASE("causal outputs never depend on later keys, even with large norms (float)") {
@@ -976,15 +1003,13 @@ TEST_CASE("large norms give finite outputs (float, non-causal), matching the ref
 // Bad input: std::invalid_argument naming the argument.
 
 TEST_CASE("LinearAttentionStream: a first step long enough to be split across threads") {
-  // A step of 600 tokens runs linear_causal's split (two segments when OpenMP has >= 2 threads),
+  // A step of 600 tokens runs linear_causal's split (two segments with the 2 threads set here),
   // whose last segment must leave every key in the stream's state (absorb_all): the one-token
   // steps after it read that state. Both methods.
-#ifdef _OPENMP
-  const bool split = omp_get_max_threads() >= 2;
-#else
-  const bool split = false;
+  const ThreadCount threads(kSplitThreads);
+#ifndef _OPENMP
+  MESSAGE("built without OpenMP: the long step is not split, only its result is checked");
 #endif
-  if (!split) MESSAGE("one thread: the long step is not split, only its result is checked");
   int counter = 0;
   for (const auto kind : {FeatureMapKind::EluPlusOne, FeatureMapKind::FavorPositive})
     for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan}) {
@@ -1153,7 +1178,9 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
   // position below is read by a different part of them: the first and last blocks, the keys of
   // the parallel split's first pass, the last chunk's keys (causal: read, never absorbed), and
   // (causal) keys past the last query, which no query sees and the kernels never read. The message
-  // must still name the first bad value of q, k, then v.
+  // must still name the first bad value of q, k, then v. The thread count is set here, so that
+  // n = 700 (causal) is split into two segments whatever the machine gives.
+  const ThreadCount threads(kSplitThreads);
   const Index d = 6, dv = 3;
   const auto elu = make_map(FeatureMapKind::EluPlusOne, d);
   const auto favor = make_map(FeatureMapKind::FavorPositive, d);

@@ -11,13 +11,10 @@
 #include <memory>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-#include "softmax/softmax_kernel.hpp"  // the per-head kernel that batched.cpp calls
 #include "reference/random.hpp"
 #include "reference/softmax_reference.hpp"
+#include "softmax/softmax_kernel.hpp"  // the per-head kernel that batched.cpp calls
+#include "threads.hpp"
 
 namespace {
 
@@ -28,6 +25,8 @@ using linrope::Rope;
 using linrope::RopeConfig;
 using linrope::RopeLayout;
 using linrope::SoftmaxOptions;
+using linrope::testing::kSplitThreads;
+using linrope::testing::ThreadCount;
 namespace ref = linrope::reference;
 
 // Gaussian inputs rounded to float, so that the float and double runs and the reference all see
@@ -374,6 +373,8 @@ TEST_CASE("softmax_attention leaves its inputs alone and is deterministic") {
                 v = input(n, d_v, 43).cast<float>();
   const MatrixF q0 = q, k0 = k, v0 = v;
   const Ropes ropes(kRopeCases[0], d);
+  // Several threads whatever the machine gives, against one thread below.
+  const ThreadCount threads(kSplitThreads);
   for (const bool causal : {false, true}) {
     CAPTURE(causal);
     const SoftmaxOptions options{.causal = causal, .rope = ropes.fast(), .q_offset = 7};
@@ -388,20 +389,17 @@ TEST_CASE("softmax_attention leaves its inputs alone and is deterministic") {
     linrope::detail::softmax_head<float>(q.data(), k.data(), v.data(), serial.data(), n, n, d, d_v,
                                          options, /*parallel=*/false);
     CHECK((serial == first));
-#ifdef _OPENMP
     // And so does a single-thread run: the blocking depends on n, never on the thread count.
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
+    const ThreadCount one(1);
     const MatrixF one_thread = linrope::softmax_attention(q, k, v, options);
-    omp_set_num_threads(threads);
     CHECK((one_thread == first));
-#endif
   }
 }
 
 TEST_CASE("softmax_attention with sliced keys is bitwise independent of the threads") {
   // 3 queries against 5000 keys: one block of queries, so the keys are cut into slices whose merge
-  // order is fixed.
+  // order is fixed. Several threads whatever the machine gives, against one thread below.
+  const ThreadCount threads(kSplitThreads);
   const Index n = 3, n_k = 5000, d = 8, d_v = 4;
   const MatrixF q = input(n, d, 51).cast<float>(), k = input(n_k, d, 52).cast<float>(),
                 v = input(n_k, d_v, 53).cast<float>();
@@ -413,13 +411,9 @@ TEST_CASE("softmax_attention with sliced keys is bitwise independent of the thre
     linrope::detail::softmax_head<float>(q.data(), k.data(), v.data(), serial.data(), n, n_k, d,
                                          d_v, options, /*parallel=*/false);
     CHECK((serial == first));
-#ifdef _OPENMP
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
+    const ThreadCount one(1);
     const MatrixF one_thread = linrope::softmax_attention(q, k, v, options);
-    omp_set_num_threads(threads);
     CHECK((one_thread == first));
-#endif
   }
 }
 

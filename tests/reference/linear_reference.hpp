@@ -1,6 +1,7 @@
 // Naive reference for linear attention with the four RoPE placements (DESIGN.md, the placement
-// table), in double precision, sharing no code with src/: explicit rotation matrices R(p) built
-// from theta_i = base^(-2i/r), and the explicit n x n_k weight matrices
+// table), in double precision, sharing no code with src/: features by the formulas of
+// feature_map_reference.hpp (from the map only its projection W, which is data), explicit rotation
+// matrices R(p) built from theta_i = base^(-2i/r), and the explicit n x n_k weight matrices
 //   A_ij (weight of v_j in the numerator) and B_ij (its term in the denominator),
 // masked by k_offset + j <= q_offset + i when causal, then
 //   num_i = sum_j A_ij v_j,  den_i = sum_j B_ij,  o_i = num_i / (den_i + eps).
@@ -32,6 +33,8 @@
 #include <stdexcept>
 #include <utility>
 #include <vector>
+
+#include "feature_map_reference.hpp"
 
 namespace linrope::reference {
 
@@ -103,78 +106,33 @@ inline MatrixD rotate_rows(const RopeSpec& spec, const MatrixD& x, Index first_p
 
 using FeatureFn = std::function<MatrixD(const MatrixD&)>;
 
-// phi from the formulas in feature_maps.hpp, evaluated directly in double (w = the projection W
-// [f x d], ignored by the deterministic maps). Unstabilised: fine in double for |x| up to ~30.
+// phi by the reference's own formulas (feature_map_reference.hpp, evaluated row by row in double),
+// never through the library's FeatureMap::apply: w = the projection W [f x d], ignored by the
+// deterministic maps. Unstabilised: fine in double for |x| up to ~30.
 inline MatrixD features(FeatureMapKind kind, const MatrixD& w, const MatrixD& x) {
-  const Index n = x.rows(), d = x.cols();
   switch (kind) {
-    case FeatureMapKind::EluPlusOne: {
-      MatrixD out(n, d);
-      for (Index i = 0; i < n; ++i)
-        for (Index l = 0; l < d; ++l) out(i, l) = x(i, l) > 0 ? x(i, l) + 1 : std::exp(x(i, l));
-      return out;
-    }
-    case FeatureMapKind::Relu: {
-      MatrixD out(n, d);
-      for (Index i = 0; i < n; ++i)
-        for (Index l = 0; l < d; ++l) out(i, l) = std::max(x(i, l), 0.0);
-      return out;
-    }
-    case FeatureMapKind::OnePlusCosine: {
-      MatrixD out(n, d + 1);
-      for (Index i = 0; i < n; ++i) {
-        double norm2 = 0;
-        for (Index l = 0; l < d; ++l) norm2 += x(i, l) * x(i, l);
-        const double inv = norm2 > 0 ? 1 / std::sqrt(norm2) : 0.0;
-        for (Index l = 0; l < d; ++l) out(i, l) = x(i, l) * inv;
-        out(i, d) = 1;
-      }
-      return out;
-    }
+    case FeatureMapKind::EluPlusOne:
+      return elu_plus_one(x);
+    case FeatureMapKind::Relu:
+      return relu(x);
+    case FeatureMapKind::OnePlusCosine:
+      return one_plus_cosine(x);
     case FeatureMapKind::FavorPositive:
     case FeatureMapKind::FavorTrig:
-    case FeatureMapKind::FavorHyperbolic: {
-      const Index f = w.rows();
-      if (w.cols() != d) throw std::logic_error("reference::features: W width != d");
-      const double s = std::pow(double(d), -0.25);
-      const Index m = kind == FeatureMapKind::FavorPositive ? f : 2 * f;
-      MatrixD out(n, m);
-      for (Index i = 0; i < n; ++i) {
-        double half_sq = 0;  // |x'|^2 / 2
-        for (Index l = 0; l < d; ++l) half_sq += 0.5 * (s * x(i, l)) * (s * x(i, l));
-        for (Index r = 0; r < f; ++r) {
-          double z = 0;  // w_r . x'
-          for (Index l = 0; l < d; ++l) z += w(r, l) * (s * x(i, l));
-          if (kind == FeatureMapKind::FavorPositive) {
-            out(i, r) = std::exp(z - half_sq) / std::sqrt(double(f));
-          } else if (kind == FeatureMapKind::FavorTrig) {
-            out(i, r) = std::exp(half_sq) / std::sqrt(double(f)) * std::sin(z);
-            out(i, f + r) = std::exp(half_sq) / std::sqrt(double(f)) * std::cos(z);
-          } else {
-            out(i, r) = std::exp(z - half_sq) / std::sqrt(2.0 * double(f));
-            out(i, f + r) = std::exp(-z - half_sq) / std::sqrt(2.0 * double(f));
-          }
-        }
-      }
-      return out;
-    }
+    case FeatureMapKind::FavorHyperbolic:
+      if (w.cols() != x.cols()) throw std::logic_error("reference::features: W width != d");
+      if (kind == FeatureMapKind::FavorPositive) return favor_positive(w, x);
+      if (kind == FeatureMapKind::FavorTrig) return favor_trig(w, x);
+      return favor_hyperbolic(w, x);
   }
   throw std::logic_error("reference::features: unknown kind");
 }
 
-// phi by the formulas above, with the map's own W (copied, so the functor outlives a redraw).
+// phi by the formulas above for the map's kind. The only thing taken from the map is its
+// projection W (random data, public API), copied, so the functor outlives a redraw.
 inline FeatureFn feature_formula(const FeatureMap& map) {
   return [kind = map.kind(), w = MatrixD(map.projection())](const MatrixD& x) {
     return features(kind, w, x);
-  };
-}
-
-// phi through the map's public double-precision apply (the map's own, separately tested contract).
-inline FeatureFn feature_apply(const FeatureMap& map) {
-  return [&map](const MatrixD& x) {
-    MatrixD out(x.rows(), map.output_dim());
-    map.apply(x, out);
-    return out;
   };
 }
 
