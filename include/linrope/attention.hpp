@@ -51,7 +51,7 @@ enum class RopePlacement { None, BeforeMap, NumeratorOnly, Full };
 //            A call of at most 3 queries and 3 keys (a stream's step) runs as Scan: it is faster.
 //   Scan:    the recurrence, one token at a time (the RNN view of Katharopoulos et al.), with the
 //            state swept in cache-sized strips by blocks of 64 queries. The default: it does no
-//            masked products and was the faster at every shape measured (bench/RESULTS.md item 21,
+//            masked products and was the faster at every shape measured (bench/RESULTS.md,
 //            0.7-0.9x Chunked's time with and without AVX-512).
 enum class CausalMethod { Chunked, Scan };
 
@@ -109,6 +109,10 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
 // returns their outputs, each attending to every token so far including itself. Memory is
 // O(m d_v) whatever the length. The concatenated outputs equal one causal linear_attention call.
 // options.causal is ignored (always causal); q_offset and k_offset must be equal.
+// The stream keeps references to `map` and to options.rope (not copies): both must outlive it.
+// Redrawing the map (FeatureMap::redraw) while the stream holds tokens mixes two feature spaces,
+// the state's keys under the old W and new queries under the new one: call reset() after a
+// redraw.
 template <class T>
 class LinearAttentionStream {
  public:

@@ -198,7 +198,8 @@ void micro_tile(Index kc, const float* a, Index row_step, Index col_step, const 
   tail.template operator()<1>();
 }
 
-// Packing buffers, 64-byte aligned for the aligned loads of B, grown once per thread.
+// Packing buffers, 64-byte aligned for the aligned loads of B, allocated once per thread: their
+// sizes are the cache-block constants (96 x 256 and 512 x 256 floats, 608 KiB a thread in all).
 std::vector<float, Eigen::aligned_allocator<float>>& buffer(int which, Index size) {
   thread_local std::vector<float, Eigen::aligned_allocator<float>> buffers[2];
   auto& b = buffers[which];

@@ -2,7 +2,6 @@
 // the slices of a view, the finiteness checks, and the loop that spreads the slices over threads.
 #pragma once
 
-#include <exception>
 #include <linrope/batched.hpp>
 #include <sstream>
 #include <string>
@@ -103,30 +102,19 @@ void require_finite_heads(std::string_view fn, const Heads<const T>& q, const He
                           const Heads<const T>& v) {
   const Index slices = q.batch * q.heads;
   std::vector<char> finite(slices);
-#pragma omp parallel for schedule(dynamic)
-  for (Index s = 0; s < slices; ++s)
+  parallel_for(slices, max_threads(), Schedule::Dynamic, [&](Index s) {
     finite[s] = all_finite(valid_slice(q, s, q)) && all_finite(valid_slice(k, s, k)) &&
                 all_finite(valid_slice(v, s, k));
+  });
   for (Index s = 0; s < slices; ++s)
     if (!finite[s]) require_finite_slice(fn, q, k, v, s);
 }
 
-// Runs body(b, h) for every slice on the OpenMP threads; the first exception (only bad_alloc can
-// occur after the checks) is rethrown outside the parallel region.
+// Runs body(b, h) for every slice, one slice per task on the OpenMP threads.
 template <class Body>
 void for_each_slice(Index batch, Index heads, Body body) {
-  const Index slices = batch * heads;
-  std::exception_ptr failure;
-#pragma omp parallel for schedule(dynamic)
-  for (Index s = 0; s < slices; ++s) {
-    try {
-      body(s / heads, s % heads);
-    } catch (...) {
-#pragma omp critical(linrope_batched_failure)
-      if (!failure) failure = std::current_exception();
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
+  parallel_for(batch * heads, max_threads(), Schedule::Dynamic,
+               [&](Index s) { body(s / heads, s % heads); });
 }
 
 }  // namespace linrope::detail

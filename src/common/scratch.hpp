@@ -5,7 +5,10 @@
 // system between calls (glibc above its mmap threshold): the scaling experiment, which sets that
 // threshold to 256 KiB for its memory columns, measured FAVOR+ at n = 256 in 16 ms per call where
 // bench_linear (default malloc) took about 1 ms. Scratch takes the blocks from a per-thread stack
-// of buffers that only grow: after a thread's first call, nothing is allocated.
+// of buffers that grow as needed and are kept between calls, up to kKeptBytes each: after a
+// thread's first call, nothing is allocated. A larger buffer (a caller's huge chunk_size, say) is
+// released when the thread's outermost Scratch ends, so that one odd call does not pin its memory
+// to the thread for the rest of the program.
 #pragma once
 
 #include <Eigen/Core>
@@ -29,13 +32,21 @@ class Scratch {
     data_ = buffer.data();
     ++s.depth;  // only once nothing can throw any more
   }
-  ~Scratch() { --stack().depth; }
+  ~Scratch() {
+    Stack& s = stack();
+    if (--s.depth > 0) return;
+    for (auto& buffer : s.buffers)
+      if (buffer.capacity() * sizeof(T) > kKeptBytes) buffer = {};
+  }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
 
   T* data() const { return data_; }
 
  private:
+  // Largest buffer kept between calls: the linear kernels' feature blocks need at most 1 MiB
+  // (512 rows x 256 features x 2 copies, float; twice that in double).
+  static constexpr std::size_t kKeptBytes = std::size_t(4) << 20;
   struct Stack {
     // Moving the outer vector keeps every inner buffer where it is.
     std::vector<std::vector<T, Eigen::aligned_allocator<T>>> buffers;

@@ -17,6 +17,14 @@ void check_linear_setup(std::string_view fn, const FeatureMap& map, const Linear
     throw_invalid(fn, "options.eps is ", options.eps, " but expected a finite eps >= 0");
   if (options.chunk_size < 1)
     throw_invalid(fn, "options.chunk_size is ", options.chunk_size, " but expected >= 1");
+  const int placement = static_cast<int>(options.placement);
+  if (placement < 0 || placement > static_cast<int>(RopePlacement::Full))
+    throw_invalid(fn, "options.placement is ", placement,
+                  " but expected a RopePlacement (0 none, 1 before_map, 2 numerator_only, 3 full)");
+  const int method = static_cast<int>(options.method);
+  if (options.method != CausalMethod::Chunked && options.method != CausalMethod::Scan)
+    throw_invalid(fn, "options.method is ", method,
+                  " but expected a CausalMethod (0 Chunked, 1 Scan)");
   if (options.placement == RopePlacement::None) return;
   const bool before_map = options.placement == RopePlacement::BeforeMap;
   const Index width = before_map ? d : map.output_dim();
@@ -86,7 +94,11 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
 }
 
 const char* to_string(RopePlacement placement) {
-  return kPlacementNames[static_cast<std::size_t>(placement)];
+  const int p = static_cast<int>(placement);
+  if (p < 0 || p >= int(kPlacementNames.size()))
+    detail::throw_invalid("to_string", "RopePlacement is ", p, " but expected a value in [0, ",
+                          kPlacementNames.size() - 1, "]");
+  return kPlacementNames[static_cast<std::size_t>(p)];
 }
 
 RopePlacement rope_placement_from_string(std::string_view name) {

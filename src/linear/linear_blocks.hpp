@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <vector>
 
@@ -70,6 +71,9 @@ class FeatureBlock {
       case RopePlacement::Full:
         map_rows(input, num_data());
         RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, false);
+        break;
+      default:  // check_linear_setup rejects any other value before a kernel runs
+        assert(false && "unchecked RopePlacement");
         break;
     }
   }

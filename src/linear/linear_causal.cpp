@@ -55,13 +55,12 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
     key_start[t] = t == 0 ? 0 : std::clamp(query_start[t] + shift, Index(0), nk);
   }
   std::vector<LinearState<T>> prefix(segments);
-#pragma omp parallel for num_threads(segments)
-  for (Index t = 0; t < segments; ++t) {  // pass 1: prefix[t + 1] holds keys [0, key_start[t + 1])
-    if (t + 1 == segments) continue;
+  // Pass 1: prefix[t + 1] takes keys [key_start[t], key_start[t + 1]).
+  parallel_for(segments - 1, int(segments), Schedule::Static, [&](Index t) {
     prefix[t + 1].reset(setup.m, dv);
     absorb_keys(prefix[t + 1], k + key_start[t] * d, v + key_start[t] * dv,
                 key_start[t + 1] - key_start[t], k_pos0 + key_start[t], setup);
-  }
+  });
   prefix[0] = state;
   for (Index t = 1; t < segments; ++t) {
     LinearState<T> keys_of_previous = std::move(prefix[t]);
@@ -69,12 +68,11 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
     merge(prefix[t], keys_of_previous);
   }
   std::vector<DenominatorTally> tallies(segments, tally ? tally->empty() : DenominatorTally(0));
-#pragma omp parallel for num_threads(segments)
-  for (Index t = 0; t < segments; ++t) {  // pass 2
+  parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {  // pass 2
     const Index q0 = query_start[t], k0 = key_start[t];
     run(q0, k0, query_start[t + 1] - q0, prefix[t], absorb_all && t + 1 == segments,
         tally ? &tallies[t] : nullptr);
-  }
+  });
   if (absorb_all) state = std::move(prefix[segments - 1]);
   if (tally)
     for (const auto& part : tallies) tally->merge(part);

@@ -60,12 +60,11 @@ void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, Denom
   if (key_parts > 1) {
     std::vector<LinearState<T>> parts(key_parts);
     for (auto& part : parts) part.reset(setup.m, dv);
-#pragma omp parallel for num_threads(std::min <Index>(threads, key_parts)) if (threads > 1)
-    for (Index t = 0; t < key_parts; ++t) {
+    parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
       const Index begin = split_point(nk, key_parts, t, kPartRows);
       const Index end = split_point(nk, key_parts, t + 1, kPartRows);
       absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
-    }
+    });
     for (const auto& part : parts) merge(state, part);
   } else {
     absorb_keys(state, k, v, nk, k_pos0, setup);
@@ -77,13 +76,12 @@ void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, Denom
   if (query_parts > 1) {
     std::vector<DenominatorTally> tallies(query_parts,
                                           tally ? tally->empty() : DenominatorTally(0));
-#pragma omp parallel for num_threads(std::min <Index>(threads, query_parts)) if (threads > 1)
-    for (Index t = 0; t < query_parts; ++t) {
+    parallel_for(query_parts, threads, Schedule::Static, [&](Index t) {
       const Index begin = split_point(n, query_parts, t, block);
       const Index end = split_point(n, query_parts, t + 1, block);
       read_out(state, q + begin * d, out + begin * dv, end - begin, q_pos0 + begin, setup,
                tally ? &tallies[t] : nullptr);
-    }
+    });
     if (tally)
       for (const auto& part : tallies) tally->merge(part);
   } else {

@@ -62,6 +62,13 @@ void check_config(const RopeConfig& c) {
                           c.rotary_dim == 0 ? " (rotary_dim = 0 means dim)" : "");
   if (r > c.dim)
     detail::throw_invalid(kFn, "rotary_dim is ", r, " but expected rotary_dim <= dim = ", c.dim);
+  if (c.layout != RopeLayout::Interleaved && c.layout != RopeLayout::Half)
+    detail::throw_invalid(kFn, "layout is ", static_cast<int>(c.layout),
+                          " but expected a RopeLayout (0 Interleaved, 1 Half)");
+  const int kind = static_cast<int>(c.scaling.kind);
+  if (kind < 0 || kind > static_cast<int>(RopeScalingKind::Yarn))
+    detail::throw_invalid(kFn, "scaling.kind is ", kind,
+                          " but expected a RopeScalingKind (0 None, 1 Linear, 2 Ntk, 3 Yarn)");
   if (!std::isfinite(c.base) || c.base <= 0)
     detail::throw_invalid(kFn, "base is ", c.base, " but expected a finite base > 0");
   const RopeScaling& s = c.scaling;

@@ -95,7 +95,7 @@ inline void round_to_slots(const double* v, float* out, Index half, bool interle
 
 // The angle additions of one vector of pairs, from k: 16 pairs in float (__m512) or 8 in double
 // (__m512d), by the same steps. These helpers and rotate_vector are always_inline: left to GCC,
-// the block loop lost ~15% (16384 x 128 interleaved, 190-200 -> 232 us), as in stop 10's item 15.
+// the block loop lost ~15% (16384 x 128 interleaved, 190-200 -> 232 us).
 inline __m512 load_vector(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512d load_vector(const double* p) { return _mm512_loadu_pd(p); }
 inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }

@@ -79,11 +79,12 @@ V* inline_or_heap(std::array<V, N>& in, std::vector<V>& heap, Index n) {
 }
 
 // cos/sin(top theta_k) for every k, into cos_out/sin_out: std::cos/sin, remembered per thread for
-// the last few (theta, top). A rope call that starts a new Rotator at |p| >= B^3 (4096 rows when
-// B = 16) would otherwise pay r/2 of each again, however few its rows: a stream's one-token step
-// of FAVOR+ (m = 256) spent 30% of its time there. The cache holds the frequencies themselves,
-// not the Rope's address, so a Rope destroyed and another built in its place can never match
-// wrongly; the values are the ones the libm calls give, so results are bitwise the same.
+// the last four (theta, top), 3 x r/2 doubles each, so bounded. A rope call that starts a new
+// Rotator at |p| >= B^3 (4096 rows when B = 16) would otherwise pay r/2 of each again, however few
+// its rows: a stream's one-token step of FAVOR+ (m = 256) spent 30% of its time there. The cache
+// holds the frequencies themselves, not the Rope's address, so a Rope destroyed and another built
+// in its place can never match wrongly; the values are the ones the libm calls give, so results are
+// bitwise the same.
 void top_angles(std::span<const double> theta, Index top, double* cos_out, double* sin_out) {
   struct Entry {
     Index top = 0;

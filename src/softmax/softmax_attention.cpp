@@ -261,10 +261,8 @@ void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k
     k = k_rotated.data();
   }
 
-  // With parallel, the region always has every thread, even for a single task: Eigen then sees a
-  // team of several threads and keeps each small GEMM serial instead of forking inside it. Tiny
-  // problems run in the calling thread: below Eigen's own threshold for threading a GEMM (2 x 50000
-  // multiply-adds, which none of their GEMMs reaches) waking a team costs more than it saves.
+  // Tiny problems (under 1e5 multiply-adds) run in the calling thread: waking a team would cost
+  // more than it saves.
   const bool tiny = double(n) * double(n_k) * double(d + d_v) < 1e5;
   const int threads = parallel && !tiny ? max_threads() : 1;
   std::vector<Workspace<T>> workspaces;
@@ -308,16 +306,11 @@ void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k
       merge_slices(slices, i0, rows, d_v, out);
   };
 
-  if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-    {
-      Workspace<T>& ws = workspaces[thread_id()];
-#pragma omp for schedule(dynamic, 1) nowait
-      for (Index t = 0; t < tasks; ++t) run(t, ws);
-    }
-  } else {
-    for (Index t = 0; t < tasks; ++t) run(t, workspaces[0]);
-  }
+  // Inside a team each thread uses its own workspace; run serially (one thread, or one task),
+  // the caller's thread uses the first, whatever its number in an enclosing team.
+  const bool team = threads > 1 && tasks > 1;
+  parallel_for(tasks, threads, Schedule::Dynamic,
+               [&](Index t) { run(t, workspaces[team ? thread_id() : 0]); });
 }
 
 template void softmax_head<float>(const float*, const float*, const float*, float*, Index, Index,
