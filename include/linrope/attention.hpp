@@ -80,8 +80,9 @@ struct DenominatorStats {
 // the caller's buffers or of our own scratch (tests/test_determinism.cpp forces all three). Every
 // cut of the work into tasks depends on the shapes only, so softmax attention, non-causal linear
 // attention, the feature maps and RoPE also give the same bits for any number of threads. The one
-// exception: a causal linear attention on a single head long enough to split (n >= 4 x 64 for the
-// scan, 4 x chunk_size for the chunked form) runs one segment of the sequence per thread, each
+// exception: a causal linear attention on a single head long enough to split (n >= 2 x max(256,
+// 4 x L), L = 64 for the scan and chunk_size for the chunked form: 512 by default) runs one
+// segment of the sequence per thread, each
 // from a prefix state summed by blocks, so its last bits depend on the thread count (never on
 // the timing). Cutting by length alone would cost the single-thread and batched paths a second
 // pass over the keys (about +50% work for FAVOR+ eq. 19), which is why it is not done. Results

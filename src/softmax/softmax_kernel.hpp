@@ -1,5 +1,6 @@
 // Private: the exact softmax attention kernel for one head, on raw row-major buffers, shared by the
-// single-head entry points (softmax_attention.cpp) and the [batch, heads, n, d] ones (batched.cpp).
+// single-head entry points (softmax_attention.cpp) and the [batch, heads, n, d] ones
+// (softmax_batched.cpp).
 #pragma once
 
 #include <linrope/attention.hpp>
@@ -22,17 +23,14 @@ double softmax_scale(Index d, const SoftmaxOptions& options);
 // Scores are computed in T: inputs so large that scale * <q_i, k_j> overflows T (|q| |k| scale
 // beyond ~3e38 in float) give NaN rows; anything below that is safe, however large.
 // Arguments must already be validated (shapes, finiteness, check_softmax_options); nothing is
-// checked here. Only std::bad_alloc can be thrown: the workspace is allocated before the parallel
-// region; inside it the only allocations are Rope::rotate_rows's angle buffers (r/2 values) and
-// detail::gemm's packing buffers (about 608 KiB per thread, once; for double, Eigen's beyond its
-// 128 KiB stack limit) -- a failure there would terminate.
+// checked here. Only std::bad_alloc can be thrown (inside the parallel region, where the rope's
+// angle buffers and gemm's packing buffers may be allocated, it is caught and rethrown after it).
 // Keys stream in blocks of options.block_size (0 chooses) with an online softmax (running max,
 // running sum, rescaled accumulator); each block is two GEMMs, Q_b K_b^T and P V_b. Memory
 // O((n + n_k) d): a rotated copy of k when there is a rope, plus per-thread blocks; never n x n.
 // `parallel`: open an OpenMP region over blocks of queries (and over slices of keys when there are
 // fewer than 8 blocks of queries, e.g. decoding against a long cache). Pass false when calling from
-// inside a parallel region, e.g. one head per thread; called with false from outside any region,
-// Eigen may fork threads inside each larger GEMM itself (correct, but slow). The blocking depends
+// inside a parallel region, e.g. one head per thread. The blocking depends
 // on n, n_k and options only, so the result is bitwise the same whatever the flag and thread count.
 template <class T>
 void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k, Index d,

@@ -1,0 +1,307 @@
+// Exact softmax attention for one head: the streaming (online-softmax) kernel.
+#include "softmax/softmax_kernel.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <linrope/attention.hpp>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/gemm.hpp"
+#include "common/parallel.hpp"
+#include "rope/rope_access.hpp"
+
+namespace linrope {
+namespace detail {
+namespace {
+
+// Keys per streamed block when options.block_size is 0, and the largest block of queries. A block
+// of 128 queries x 256 keys keeps S (128 KiB in float) and the packed GEMM operands in L2, and each
+// GEMM (128 x 256 x 64: 4 MFLOP) is large enough for Eigen's packing to cost a few percent.
+constexpr Index kDefaultKeyBlock = 256;
+constexpr Index kMaxQueryBlock = 128;
+// Blocks of queries are multiples of this (the register tile of Eigen's float GEMM is 16-48 rows).
+constexpr Index kQueryBlockQuantum = 16;
+
+using detail::max_threads;
+using detail::thread_id;
+
+// Queries per block: at most kMaxQueryBlock, but small enough that every thread gets several
+// blocks (dynamic scheduling then balances the causal triangle). Depends on n only, never on the
+// thread count, so that the result does not depend on how many threads run.
+Index query_block_size(Index n) {
+  const Index target = (n + 7) / 8;  // >= 8 blocks when n allows
+  const Index rounded = (target + kQueryBlockQuantum - 1) / kQueryBlockQuantum * kQueryBlockQuantum;
+  return std::clamp(rounded, kQueryBlockQuantum, kMaxQueryBlock);
+}
+
+template <class T>
+using RowMap = Eigen::Map<Matrix<T>>;
+template <class T>
+using ConstRowMap = Eigen::Map<const Matrix<T>>;
+template <class T>
+using StridedRowMap = Eigen::Map<Matrix<T>, Eigen::Aligned64, Eigen::OuterStride<>>;
+// A row of scores that starts on a 64-byte boundary.
+template <class T>
+using AlignedRow = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>, Eigen::Aligned64>;
+
+// Why alignment matters for more than speed: Eigen's vectorised sum, max and exp handle the
+// elements before the first aligned address with scalar code (std::exp, another summation order),
+// so the same row at another address rounds differently. Every row of scores starts on a 64-byte
+// boundary, so the result never depends on where a thread's scratch happens to be allocated.
+constexpr std::size_t kAlign = 64;
+
+template <class T>
+Index aligned_stride(Index cols) {
+  constexpr Index per_line = Index(kAlign / sizeof(T));
+  return (cols + per_line - 1) / per_line * per_line;
+}
+
+template <class T>
+struct AlignedFree {
+  void operator()(T* p) const { std::free(p); }
+};
+template <class T>
+std::unique_ptr<T[], AlignedFree<T>> aligned_array(Index count) {
+  const std::size_t bytes =
+      (std::size_t(std::max<Index>(count, 1)) * sizeof(T) + kAlign - 1) / kAlign * kAlign;
+  T* p = static_cast<T*>(std::aligned_alloc(kAlign, bytes));
+  if (p == nullptr) throw std::bad_alloc();
+  return std::unique_ptr<T[], AlignedFree<T>>(p);
+}
+
+// Per-thread scratch, allocated before the parallel region so that nothing inside it can throw.
+template <class T>
+struct Workspace {
+  Workspace(Index bq, Index bk, Index d, Index d_v)
+      : s_stride(aligned_stride<T>(bk)),
+        q(aligned_array<T>(bq * d)),
+        s(aligned_array<T>(bq * s_stride)),
+        acc(aligned_array<T>(bq * d_v)),
+        row_max(aligned_array<T>(bq)),
+        row_sum(aligned_array<T>(bq)) {}
+  Index s_stride;                            // row stride of s, a multiple of 64 bytes
+  std::unique_ptr<T[], AlignedFree<T>> q;    // [bq x d] scaled (and rotated) queries
+  std::unique_ptr<T[], AlignedFree<T>> s;    // [bq x bk] scores, then probabilities
+  std::unique_ptr<T[], AlignedFree<T>> acc;  // [bq x d_v] unnormalised output
+  std::unique_ptr<T[], AlignedFree<T>> row_max, row_sum;
+};
+
+struct Geometry {
+  Index n, n_k, d, d_v;
+  Index bq, bk;      // queries per block, keys per streamed block
+  Index key_blocks;  // ceil(n_k / bk)
+  Index splits;      // slices of the keys processed as separate tasks (1: none)
+};
+
+// The running state of one block of queries: unnormalised output, running max and running sum.
+template <class T>
+struct BlockState {
+  T* acc;  // [rows x d_v]
+  T* row_max;
+  T* row_sum;
+};
+
+// Streams key blocks [kb_begin, kb_end) (in units of bk keys) past the queries [i0, i0 + rows),
+// starting from an empty state. k points at the rotated keys when there is a rope.
+template <class T>
+void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index kb_begin,
+                 Index kb_end, const Geometry& g, const SoftmaxOptions& options, T scale,
+                 Workspace<T>& ws, BlockState<T> state) {
+  const Index d = g.d, d_v = g.d_v, bk = g.bk;
+  RowMap<T> acc(state.acc, rows, d_v);
+  acc.setZero();
+  T* row_max = state.row_max;
+  T* row_sum = state.row_sum;
+  std::fill_n(row_max, rows, -std::numeric_limits<T>::infinity());
+  std::fill_n(row_sum, rows, T(0));
+
+  // Keys [0, key_end) can matter to some row of this block (causal: k_offset + j <= q_offset + i).
+  const Index first_pos = options.q_offset + i0;  // position of the block's first query
+  Index key_end = g.n_k;
+  if (options.causal)
+    key_end = std::clamp(first_pos + rows - 1 - options.k_offset + 1, Index(0), g.n_k);
+  const Index j_begin = kb_begin * bk, j_end = std::min(kb_end * bk, key_end);
+  if (j_begin >= j_end) return;
+
+  RowMap<T> qb(ws.q.get(), rows, d);
+  qb = scale * ConstRowMap<T>(q + i0 * d, rows, d);
+  if (options.rope != nullptr)
+    RopeAccess::rotate_rows(*options.rope, qb.data(), rows, d, options.q_offset + i0, false);
+
+  for (Index j0 = j_begin; j0 < j_end; j0 += bk) {
+    const Index cols = std::min(bk, j_end - j0);
+    StridedRowMap<T> s(ws.s.get(), rows, cols, Eigen::OuterStride<>(ws.s_stride));
+    gemm(const_view(qb), const_view(ConstRowMap<T>(k + j0 * d, cols, d)).transposed(), view(s),
+         false);
+    // Masking is needed only when the block's last key lies past the block's first query.
+    const bool masked = options.causal && options.k_offset + j0 + cols - 1 > first_pos;
+    for (Index i = 0; i < rows; ++i) {
+      T* srow = ws.s.get() + i * ws.s_stride;
+      // Admissible keys of row i in this block: j0 + c with k_offset + j0 + c <= q_offset + i0 + i.
+      const Index len =
+          masked ? std::clamp(first_pos + i - options.k_offset - j0 + 1, Index(0), cols) : cols;
+      if (len == 0) {  // no admissible key here: zero weights, running state unchanged
+        std::fill_n(srow, cols, T(0));
+        continue;
+      }
+      AlignedRow<T> p(srow, len);
+      const T new_max = std::max(row_max[i], p.maxCoeff());
+      // exp(-inf) = 0 on the first admissible block: the empty accumulator is simply replaced.
+      // Once the running max has settled, most blocks leave it unchanged: skip the scalar exp.
+      const T alpha = new_max == row_max[i] ? T(1) : std::exp(row_max[i] - new_max);
+      p = (p - new_max).exp();
+      // Inadmissible scores become exact zeros (rather than exp(-inf), which Eigen's vectorised
+      // exp clamps to a tiny non-zero), so later values enter P V only as 0 * v_j = 0.
+      std::fill(srow + len, srow + cols, T(0));
+      row_sum[i] = alpha * row_sum[i] + p.sum();
+      row_max[i] = new_max;
+      if (alpha != T(1)) acc.row(i) *= alpha;
+    }
+    gemm(const_view(s), const_view(ConstRowMap<T>(v + j0 * d_v, cols, d_v)), view(acc), true);
+  }
+}
+
+// out_i = acc_i / sum_i, or a zero row when no key was admissible.
+template <class T>
+void normalise(const BlockState<T>& state, Index rows, Index d_v, T* out) {
+  for (Index i = 0; i < rows; ++i) {
+    RowMap<T> o(out + i * d_v, 1, d_v);
+    if (state.row_sum[i] > T(0))
+      o = ConstRowMap<T>(state.acc + i * d_v, 1, d_v) / state.row_sum[i];
+    else
+      o.setZero();
+  }
+}
+
+// Combines the states of the key slices for rows [i0, i0 + rows): rescales each slice to the
+// common max M, o_i = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. Slices are added in order,
+// so the result does not depend on which thread computed which slice.
+template <class T>
+void merge_slices(const std::vector<BlockState<T>>& slices, Index i0, Index rows, Index d_v,
+                  T* out) {
+  for (Index i = i0; i < i0 + rows; ++i) {
+    T m = -std::numeric_limits<T>::infinity();
+    for (const BlockState<T>& s : slices) m = std::max(m, s.row_max[i]);
+    RowMap<T> o(out + i * d_v, 1, d_v);
+    o.setZero();
+    if (m == -std::numeric_limits<T>::infinity()) continue;  // no admissible key at all
+    T total = 0;
+    for (const BlockState<T>& s : slices) {
+      if (s.row_sum[i] == T(0)) continue;  // nothing admissible in this slice
+      const T w = std::exp(s.row_max[i] - m);
+      total = std::fma(w, s.row_sum[i], total);
+      // One rounding per element, spelt out: written as an Eigen expression on `out` (the
+      // caller's memory, at any address), the elements before its first aligned address would
+      // take a scalar path that the compiler may contract differently from the vector one.
+      const T* acc = s.acc + i * d_v;
+      for (Index c = 0; c < d_v; ++c) o(0, c) = std::fma(w, acc[c], o(0, c));
+    }
+    o /= total;
+  }
+}
+
+// Slices of keys: with fewer than kMinTasks blocks of queries (short queries against a long key
+// cache, e.g. decoding) the keys are cut into slices of >= kMinSliceKeys that run as separate tasks
+// and are merged. Chosen from n and n_k only, like the blocks of queries.
+constexpr Index kMinTasks = 8;
+constexpr Index kMinSliceKeys = 1024;
+
+Index key_splits(Index query_blocks, Index key_blocks, Index bk) {
+  if (query_blocks >= kMinTasks) return 1;
+  const Index wanted = (kMinTasks + query_blocks - 1) / query_blocks;
+  const Index possible = std::max<Index>(1, key_blocks * bk / kMinSliceKeys);
+  return std::min({wanted, possible, key_blocks});
+}
+
+}  // namespace
+
+template <class T>
+void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k, Index d,
+                  Index d_v, const SoftmaxOptions& options, bool parallel) {
+  if (n == 0 || d_v == 0) return;
+  if (n_k == 0) {
+    std::fill_n(out, n * d_v, T(0));
+    return;
+  }
+  const T scale = T(softmax_scale(d, options));
+  Geometry g{};
+  g.n = n, g.n_k = n_k, g.d = d, g.d_v = d_v;
+  g.bq = query_block_size(n);
+  g.bk = std::min(options.block_size > 0 ? options.block_size : kDefaultKeyBlock, n_k);
+  g.key_blocks = (n_k + g.bk - 1) / g.bk;
+  const Index query_blocks = (n + g.bq - 1) / g.bq;
+  g.splits = key_splits(query_blocks, g.key_blocks, g.bk);
+
+  // RoPE on a copy: the caller's keys stay untouched.
+  std::vector<T> k_rotated;
+  if (options.rope != nullptr) {
+    k_rotated.assign(k, k + n_k * d);
+    RopeAccess::rotate_rows(*options.rope, k_rotated.data(), n_k, d, options.k_offset, false);
+    k = k_rotated.data();
+  }
+
+  // Tiny problems (under 1e5 multiply-adds) run in the calling thread: waking a team would cost
+  // more than it saves.
+  const bool tiny = double(n) * double(n_k) * double(d + d_v) < 1e5;
+  const int threads = parallel && !tiny ? max_threads() : 1;
+  std::vector<Workspace<T>> workspaces;
+  workspaces.reserve(threads);
+  for (int t = 0; t < threads; ++t) workspaces.emplace_back(g.bq, g.bk, d, d_v);
+  // The states of the key slices, [n x d_v] and [n] each, when the keys are split.
+  std::vector<T> slice_storage;
+  std::vector<BlockState<T>> slices;
+  if (g.splits > 1) {
+    slice_storage.resize(std::size_t(g.splits * n * (d_v + 2)));
+    for (Index s = 0; s < g.splits; ++s) {
+      T* base = slice_storage.data() + s * n * (d_v + 2);
+      slices.push_back({base, base + n * d_v, base + n * d_v + n});
+    }
+  }
+
+  // Slices of a block of queries still running; the task that finishes last merges them, so that
+  // the region needs no barrier besides its end (each barrier can cost a time slice on a busy
+  // machine). acq_rel: the last task sees every other slice's state.
+  std::vector<std::atomic<Index>> pending(g.splits > 1 ? query_blocks : 0);
+  for (auto& p : pending) p.store(g.splits, std::memory_order_relaxed);
+
+  const Index tasks = query_blocks * g.splits;
+  const auto run = [&](Index t, Workspace<T>& ws) {
+    // Causal: later blocks see more keys, so they go first (largest jobs first balances best).
+    const Index qblock = options.causal ? query_blocks - 1 - t / g.splits : t / g.splits;
+    const Index split = t % g.splits;
+    const Index i0 = qblock * g.bq, rows = std::min(g.bq, n - i0);
+    const Index kb_begin = split * g.key_blocks / g.splits;
+    const Index kb_end = (split + 1) * g.key_blocks / g.splits;
+    if (g.splits == 1) {
+      const BlockState<T> state{ws.acc.get(), ws.row_max.get(), ws.row_sum.get()};
+      stream_keys(q, k, v, i0, rows, kb_begin, kb_end, g, options, scale, ws, state);
+      normalise(state, rows, d_v, out + i0 * d_v);
+      return;
+    }
+    const BlockState<T>& s = slices[split];
+    stream_keys(q, k, v, i0, rows, kb_begin, kb_end, g, options, scale, ws,
+                BlockState<T>{s.acc + i0 * d_v, s.row_max + i0, s.row_sum + i0});
+    if (pending[qblock].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge_slices(slices, i0, rows, d_v, out);
+  };
+
+  // Inside a team each thread uses its own workspace; run serially (one thread, or one task),
+  // the caller's thread uses the first, whatever its number in an enclosing team.
+  const bool team = threads > 1 && tasks > 1;
+  parallel_for(tasks, threads, Schedule::Dynamic,
+               [&](Index t) { run(t, workspaces[team ? thread_id() : 0]); });
+}
+
+template void softmax_head<float>(const float*, const float*, const float*, float*, Index, Index,
+                                  Index, Index, const SoftmaxOptions&, bool);
+template void softmax_head<double>(const double*, const double*, const double*, double*, Index,
+                                   Index, Index, Index, const SoftmaxOptions&, bool);
+
+}  // namespace detail
+}  // namespace linrope
