@@ -16,8 +16,8 @@
 #include <Eigen/Core>
 #include <string>
 
-#include "common/gemm.hpp"
 #include "bench_common.hpp"
+#include "common/gemm.hpp"
 
 #ifdef LINROPE_BENCH_OPENBLAS
 #include <cblas.h>
