@@ -386,8 +386,8 @@ TEST_CASE("softmax_attention leaves its inputs alone and is deterministic") {
     // The per-head kernel without its own parallel region (as batched.cpp calls it from inside
     // one) gives the same bits.
     MatrixF serial(n, d_v);
-    linrope::detail::softmax_head<float>(q.data(), k.data(), v.data(), serial.data(), n, n, d, d_v,
-                                         options, /*parallel=*/false);
+    linrope::detail::softmax_head<float>(
+        {q.data(), k.data(), v.data(), serial.data(), n, n, d, d_v}, options, /*parallel=*/false);
     CHECK((serial == first));
     // And so does a single-thread run: the blocking depends on n, never on the thread count.
     const ThreadCount one(1);
@@ -408,8 +408,9 @@ TEST_CASE("softmax_attention with sliced keys is bitwise independent of the thre
     const SoftmaxOptions options{.causal = causal, .q_offset = n_k - n};
     const MatrixF first = linrope::softmax_attention(q, k, v, options);
     MatrixF serial(n, d_v);
-    linrope::detail::softmax_head<float>(q.data(), k.data(), v.data(), serial.data(), n, n_k, d,
-                                         d_v, options, /*parallel=*/false);
+    linrope::detail::softmax_head<float>(
+        {q.data(), k.data(), v.data(), serial.data(), n, n_k, d, d_v}, options,
+        /*parallel=*/false);
     CHECK((serial == first));
     const ThreadCount one(1);
     const MatrixF one_thread = linrope::softmax_attention(q, k, v, options);

@@ -44,7 +44,7 @@ Matrix<T> softmax_attention_impl(const Matrix<T>& q, const Matrix<T>& k, const M
   detail::require_finite(kFn, "k", k);
   detail::require_finite(kFn, "v", v);
   Matrix<T> out(n, d_v);
-  detail::softmax_head<T>(q.data(), k.data(), v.data(), out.data(), n, n_k, d, d_v, options,
+  detail::softmax_head<T>({q.data(), k.data(), v.data(), out.data(), n, n_k, d, d_v}, options,
                           /*parallel=*/true);
   return out;
 }

@@ -26,8 +26,15 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
   const auto run = [&](Index b, Index h, bool parallel) {
-    detail::softmax_head(slice(q, b, h), slice(k, b, h), slice(v, b, h), slice_out(out, b, h),
-                         valid_rows(q, b), valid_rows(k, b), q.d, v.d, options, parallel);
+    const detail::SoftmaxHead<T> head{slice(q, b, h),
+                                      slice(k, b, h),
+                                      slice(v, b, h),
+                                      slice_out(out, b, h),
+                                      valid_rows(q, b),
+                                      valid_rows(k, b),
+                                      q.d,
+                                      v.d};
+    detail::softmax_head(head, options, parallel);
   };
   // Enough slices for every thread: one slice per thread. Otherwise each slice uses all threads.
   if (q.batch * q.heads >= max_threads()) {

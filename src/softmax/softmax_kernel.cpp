@@ -222,8 +222,10 @@ Index key_splits(Index query_blocks, Index key_blocks, Index bk) {
 }  // namespace
 
 template <class T>
-void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k, Index d,
-                  Index d_v, const SoftmaxOptions& options, bool parallel) {
+void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, bool parallel) {
+  const T *q = head.q, *k = head.k, *v = head.v;
+  T* out = head.out;
+  const Index n = head.n, n_k = head.n_k, d = head.d, d_v = head.d_v;
   if (n == 0 || d_v == 0) return;
   if (n_k == 0) {
     std::fill_n(out, n * d_v, T(0));
@@ -298,10 +300,8 @@ void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k
                [&](Index t) { run(t, workspaces[team ? thread_id() : 0]); });
 }
 
-template void softmax_head<float>(const float*, const float*, const float*, float*, Index, Index,
-                                  Index, Index, const SoftmaxOptions&, bool);
-template void softmax_head<double>(const double*, const double*, const double*, double*, Index,
-                                   Index, Index, Index, const SoftmaxOptions&, bool);
+template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, bool);
+template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&, bool);
 
 }  // namespace detail
 }  // namespace linrope

@@ -33,12 +33,17 @@ double softmax_scale(Index d, const SoftmaxOptions& options);
 // inside a parallel region, e.g. one head per thread. The blocking depends
 // on n, n_k and options only, so the result is bitwise the same whatever the flag and thread count.
 template <class T>
-void softmax_head(const T* q, const T* k, const T* v, T* out, Index n, Index n_k, Index d,
-                  Index d_v, const SoftmaxOptions& options, bool parallel);
+struct SoftmaxHead {
+  const T* q;  // [n x d]
+  const T* k;  // [n_k x d]
+  const T* v;  // [n_k x d_v]
+  T* out;      // [n x d_v]
+  Index n, n_k, d, d_v;
+};
+template <class T>
+void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, bool parallel);
 
-extern template void softmax_head<float>(const float*, const float*, const float*, float*, Index,
-                                         Index, Index, Index, const SoftmaxOptions&, bool);
-extern template void softmax_head<double>(const double*, const double*, const double*, double*,
-                                          Index, Index, Index, Index, const SoftmaxOptions&, bool);
+extern template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, bool);
+extern template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&, bool);
 
 }  // namespace linrope::detail
