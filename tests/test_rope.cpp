@@ -278,13 +278,13 @@ TEST_CASE("apply on a strided view rotates only the view, and rotate_rows takes 
   // The raw-pointer kernel entry point on the same layout, forward then inverse.
   MatrixF xf = x0.cast<float>();
   const MatrixF xf0 = xf;
-  detail::RopeAccess::rotate_rows(rope, xf.data() + 2 * 20, 5, 20, 61, false);
+  detail::RopeAccess::rotate_rows(rope, xf.data() + 2 * 20, 5, 20, 61, detail::Turn::Apply);
   const MatrixD expected_f =
       reference::apply(c, xf0.block(2, 0, 5, 12).cast<double>(), reference::consecutive(5, 61));
   CHECK((xf.block(2, 0, 5, 12).cast<double>() - expected_f).cwiseAbs().maxCoeff() <=
         rope_tolerance<float>(c, x0.cwiseAbs().maxCoeff(), 66));
   CHECK(xf.rightCols(8) == xf0.rightCols(8));
-  detail::RopeAccess::rotate_rows(rope, xf.data() + 2 * 20, 5, 20, 61, true);
+  detail::RopeAccess::rotate_rows(rope, xf.data() + 2 * 20, 5, 20, 61, detail::Turn::Inverse);
   // Forward then inverse: two tolerances' worth.
   CHECK((xf - xf0).cast<double>().cwiseAbs().maxCoeff() <=
         2 * rope_tolerance<float>(c, x0.cwiseAbs().maxCoeff(), 66));
@@ -300,7 +300,7 @@ TEST_CASE("rotate_rows over a 16 MB span (the prefetching path) matches the matr
   const MatrixF x0 = input<float>(rows, dim, 900);
   for (Index i = 0; i < rows; ++i)
     for (Index j = 0; j < dim; ++j) buffer[std::size_t(i * stride + j)] = x0(i, j);
-  detail::RopeAccess::rotate_rows(rope, buffer.data(), rows, stride, -40, false);
+  detail::RopeAccess::rotate_rows(rope, buffer.data(), rows, stride, -40, detail::Turn::Apply);
   MatrixD got(rows, dim);
   for (Index i = 0; i < rows; ++i)
     for (Index j = 0; j < dim; ++j) got(i, j) = buffer[std::size_t(i * stride + j)];
@@ -314,27 +314,28 @@ TEST_CASE("rotate_rows over a 16 MB span (the prefetching path) matches the matr
 TEST_CASE_TEMPLATE("out-of-place rotate_rows is bitwise the in-place rotation of a copy", T, float,
                    double) {
   // Every kernel (fixed widths 16 .. 128, the runtime width, vectors and tails), both layouts,
-  // partial rotation (the unrotated columns must be copied), rows on both sides of 0, inverse; the
+  // partial rotation (the unrotated columns must be copied), rows on both sides of 0, R, R^-1 and
+  // R^T; the
   // source must stay as it was. The linear kernels rotate eq. 19's features this way.
   for (const RopeLayout layout : {RopeLayout::Interleaved, RopeLayout::Half})
     for (const Index dim : {2, 10, 32, 50, 64, 66, 128, 256, 258, 260})
       for (const Index rotary : {dim, dim - 2})
-        for (const bool inverse : {false, true}) {
+        for (const detail::Turn turn :
+             {detail::Turn::Apply, detail::Turn::Inverse, detail::Turn::Transpose}) {
           if (rotary < 2) continue;
           CAPTURE(layout_name(layout));
           CAPTURE(dim);
           CAPTURE(rotary);
-          CAPTURE(inverse);
+          CAPTURE(static_cast<int>(turn));
           const Rope rope({.dim = dim, .rotary_dim = rotary, .layout = layout});
           const Index rows = 37, stride = dim + 3;  // a padded stride; the padding stays untouched
           Matrix<T> from = Matrix<T>::Constant(rows, stride, T(-5));
           from.leftCols(dim) = input<T>(rows, dim, 1000 + std::uint64_t(dim));
           const Matrix<T> original = from;
           Matrix<T> expected = from;  // the copy, rotated in place
-          detail::RopeAccess::rotate_rows(rope, expected.data(), rows, stride, -18, inverse);
+          detail::RopeAccess::rotate_rows(rope, expected.data(), rows, stride, -18, turn);
           Matrix<T> to = Matrix<T>::Constant(rows, stride, T(7));
-          detail::RopeAccess::rotate_rows<T>(rope, from.data(), to.data(), rows, stride, -18,
-                                             inverse);
+          detail::RopeAccess::rotate_rows<T>(rope, from.data(), to.data(), rows, stride, -18, turn);
           CHECK(to.leftCols(dim) == expected.leftCols(dim));
           CHECK((to.rightCols(3).array() == T(7)).all());
           CHECK(from == original);

@@ -105,6 +105,33 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                          const FeatureMap& map, const LinearOptions& options = {},
                          DenominatorStats* stats = nullptr);
 
+// Gradients (DESIGN.md, "Gradients"): for L = sum(d_out * out), the exact dL/dq, dL/dk, dL/dv of
+// the function the forward computes, with the rope, the map's W and every option held fixed
+// (o = num / (den + eps) on the unstabilised scale; the stabilisers' shifts are constants). A
+// causal gradient never depends on a later key. Memory O(n): nothing n x n is stored (softmax
+// keeps two numbers per query row, the linear forms O(n m) features and O(m d_v) states).
+// Rows of the forward's zero outputs (a query with no admissible key; den + eps == 0) get zero
+// gradients. Throws std::invalid_argument as the forward does, and when d_out is not
+// [n x d_v] or holds a non-finite value.
+template <class T>
+struct AttentionGradients {
+  Matrix<T> dq, dk, dv;  // the shapes of q, k and v
+};
+AttentionGradients<float> softmax_attention_backward(const MatrixF& q, const MatrixF& k,
+                                                     const MatrixF& v, const MatrixF& d_out,
+                                                     const SoftmaxOptions& options = {});
+AttentionGradients<double> softmax_attention_backward(const MatrixD& q, const MatrixD& k,
+                                                      const MatrixD& v, const MatrixD& d_out,
+                                                      const SoftmaxOptions& options = {});
+AttentionGradients<float> linear_attention_backward(const MatrixF& q, const MatrixF& k,
+                                                    const MatrixF& v, const MatrixF& d_out,
+                                                    const FeatureMap& map,
+                                                    const LinearOptions& options = {});
+AttentionGradients<double> linear_attention_backward(const MatrixD& q, const MatrixD& k,
+                                                     const MatrixD& v, const MatrixD& d_out,
+                                                     const FeatureMap& map,
+                                                     const LinearOptions& options = {});
+
 // Causal linear attention as a stream, for autoregressive decoding: each call appends t tokens
 // (q, k, v rows at the next t positions, starting at options.q_offset == options.k_offset) and
 // returns their outputs, each attending to every token so far including itself. Memory is

@@ -36,4 +36,22 @@ void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const 
                       Heads<double> out, const FeatureMap& map, const LinearOptions& options = {},
                       DenominatorStats* stats = nullptr);
 
+// Gradients of the two calls above (attention.hpp, "Gradients"): d_out [B,H,n,d_v] in, dq, dk, dv
+// (the shapes of q, k, v) out. Rows at or past the lengths are neither read from d_out nor
+// attended to, and get zero gradients. Each (b, h) slice equals the single-head backward.
+void softmax_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                                Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                                Heads<float> dv, const SoftmaxOptions& options = {});
+void softmax_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                                Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                                Heads<double> dv, const SoftmaxOptions& options = {});
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map,
+                               const LinearOptions& options = {});
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options = {});
+
 }  // namespace linrope

@@ -72,6 +72,14 @@ class FeatureMap {
   void apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const;
   void apply(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out) const;
 
+  // dx = J^T d_out, J the Jacobian of phi at x (W held fixed): the gradient through apply.
+  //   x [n x d], d_out [n x m] -> dx [n x d]. Relu's derivative at 0 is taken as 0, elu+1's is 1.
+  //   Throws as apply does, and when d_out is not [n x m] or not finite, or dx overlaps either.
+  void backward(const Eigen::Ref<const MatrixF>& x, const Eigen::Ref<const MatrixF>& d_out,
+                Eigen::Ref<MatrixF> dx) const;
+  void backward(const Eigen::Ref<const MatrixD>& x, const Eigen::Ref<const MatrixD>& d_out,
+                Eigen::Ref<MatrixD> dx) const;
+
   // Stabilised form for the attention kernels: out = phi(x) * exp(-log_scale[i]) row by row, with
   // u = W x', h = |x'|^2 / 2:
   //   favor+      log_scale = max_l u_l - h - ln(f)/2    (largest feature of the row exactly 1)

@@ -22,6 +22,7 @@ namespace linrope {
 namespace detail {
 struct RopeAccess;
 struct RopeTables;
+enum class Turn;
 }  // namespace detail
 
 enum class RopeLayout { Interleaved, Half };
@@ -95,11 +96,19 @@ class Rope {
   void apply_inverse(Eigen::Ref<MatrixF> x, std::span<const Index> positions) const;
   void apply_inverse(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
 
+  // R^T, the gradient of apply: a rotation by -p theta_i times the magnitude. The same as
+  // apply_inverse except under Yarn, whose magnitude != 1 makes R a scaled rotation.
+  void apply_transpose(Eigen::Ref<MatrixF> x, Index first_position = 0) const;
+  void apply_transpose(Eigen::Ref<MatrixD> x, Index first_position = 0) const;
+  void apply_transpose(Eigen::Ref<MatrixF> x, std::span<const Index> positions) const;
+  void apply_transpose(Eigen::Ref<MatrixD> x, std::span<const Index> positions) const;
+
  private:
   template <class T>
-  void apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, bool inverse) const;
+  void apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, detail::Turn turn) const;
   template <class T>
-  void apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positions, bool inverse) const;
+  void apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positions,
+                     detail::Turn turn) const;
 
   friend struct detail::RopeAccess;  // the attention kernels' unchecked rotations
 

@@ -60,17 +60,18 @@ class FeatureBlock {
       case RopePlacement::BeforeMap: {
         RowMap<T> rotated(num_data() + capacity_ * m, rows, d);
         rotated = input;
-        RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, false);
+        RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
         map_rows(rotated, num_data());
         break;
       }
       case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
         map_rows(input, den_data());
-        RopeAccess::rotate_rows<T>(*rope, den_data(), num_data(), rows, m, first_position, false);
+        RopeAccess::rotate_rows<T>(*rope, den_data(), num_data(), rows, m, first_position,
+                                   Turn::Apply);
         break;
       case RopePlacement::Full:
         map_rows(input, num_data());
-        RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, false);
+        RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, Turn::Apply);
         break;
       default:  // check_linear_setup rejects any other value before a kernel runs
         assert(false && "unchecked RopePlacement");

@@ -115,9 +115,17 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
   tables_ = std::make_shared<const detail::RopeTables>(theta_, config.layout);
 }
 
+namespace {
+std::string_view name_of(detail::Turn turn) {
+  return turn == detail::Turn::Apply     ? "Rope::apply"
+         : turn == detail::Turn::Inverse ? "Rope::apply_inverse"
+                                         : "Rope::apply_transpose";
+}
+}  // namespace
+
 template <class T>
-void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, bool inverse) const {
-  const std::string_view fn = inverse ? "Rope::apply_inverse" : "Rope::apply";
+void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, detail::Turn turn) const {
+  const std::string_view fn = name_of(turn);
   if (x.cols() != config_.dim)
     detail::throw_invalid(fn, "x is ", detail::shape_of(x),
                           " but the rope has dim = ", config_.dim);
@@ -125,14 +133,13 @@ void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, bool inv
       x.rows() - 1 > kMaxPosition - first_position)
     detail::throw_invalid(fn, "first_position is ", first_position, " with ", x.rows(),
                           " rows but expected every position within +-2^53 = ", kMaxPosition);
-  detail::RopeAccess::rotate_rows(*this, x.data(), x.rows(), x.outerStride(), first_position,
-                                  inverse);
+  detail::RopeAccess::rotate_rows(*this, x.data(), x.rows(), x.outerStride(), first_position, turn);
 }
 
 template <class T>
 void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positions,
-                         bool inverse) const {
-  const std::string_view fn = inverse ? "Rope::apply_inverse" : "Rope::apply";
+                         detail::Turn turn) const {
+  const std::string_view fn = name_of(turn);
   if (x.cols() != config_.dim)
     detail::throw_invalid(fn, "x is ", detail::shape_of(x),
                           " but the rope has dim = ", config_.dim);
@@ -143,26 +150,41 @@ void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positio
     if (positions[i] < -kMaxPosition || positions[i] > kMaxPosition)
       detail::throw_invalid(fn, "positions[", i, "] is ", positions[i],
                             " but expected a position within +-2^53 = ", kMaxPosition);
-  detail::RopeAccess::rotate_rows(*this, x.data(), x.rows(), x.outerStride(), positions, inverse);
+  detail::RopeAccess::rotate_rows(*this, x.data(), x.rows(), x.outerStride(), positions, turn);
 }
 
-void Rope::apply(Eigen::Ref<MatrixF> x, Index p) const { apply_checked<float>(x, p, false); }
-void Rope::apply(Eigen::Ref<MatrixD> x, Index p) const { apply_checked<double>(x, p, false); }
+using detail::Turn;
+void Rope::apply(Eigen::Ref<MatrixF> x, Index p) const { apply_checked<float>(x, p, Turn::Apply); }
+void Rope::apply(Eigen::Ref<MatrixD> x, Index p) const { apply_checked<double>(x, p, Turn::Apply); }
 void Rope::apply(Eigen::Ref<MatrixF> x, std::span<const Index> p) const {
-  apply_checked<float>(x, p, false);
+  apply_checked<float>(x, p, Turn::Apply);
 }
 void Rope::apply(Eigen::Ref<MatrixD> x, std::span<const Index> p) const {
-  apply_checked<double>(x, p, false);
+  apply_checked<double>(x, p, Turn::Apply);
 }
-void Rope::apply_inverse(Eigen::Ref<MatrixF> x, Index p) const { apply_checked<float>(x, p, true); }
+void Rope::apply_inverse(Eigen::Ref<MatrixF> x, Index p) const {
+  apply_checked<float>(x, p, Turn::Inverse);
+}
 void Rope::apply_inverse(Eigen::Ref<MatrixD> x, Index p) const {
-  apply_checked<double>(x, p, true);
+  apply_checked<double>(x, p, Turn::Inverse);
 }
 void Rope::apply_inverse(Eigen::Ref<MatrixF> x, std::span<const Index> p) const {
-  apply_checked<float>(x, p, true);
+  apply_checked<float>(x, p, Turn::Inverse);
 }
 void Rope::apply_inverse(Eigen::Ref<MatrixD> x, std::span<const Index> p) const {
-  apply_checked<double>(x, p, true);
+  apply_checked<double>(x, p, Turn::Inverse);
+}
+void Rope::apply_transpose(Eigen::Ref<MatrixF> x, Index p) const {
+  apply_checked<float>(x, p, Turn::Transpose);
+}
+void Rope::apply_transpose(Eigen::Ref<MatrixD> x, Index p) const {
+  apply_checked<double>(x, p, Turn::Transpose);
+}
+void Rope::apply_transpose(Eigen::Ref<MatrixF> x, std::span<const Index> p) const {
+  apply_checked<float>(x, p, Turn::Transpose);
+}
+void Rope::apply_transpose(Eigen::Ref<MatrixD> x, std::span<const Index> p) const {
+  apply_checked<double>(x, p, Turn::Transpose);
 }
 
 }  // namespace linrope

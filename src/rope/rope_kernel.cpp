@@ -127,7 +127,7 @@ void top_angles(std::span<const double> theta, Index top, double* cos_out, doubl
 template <class T>
 class Rotator {
  public:
-  Rotator(const Rope& rope, const RopeTables& tables, std::span<const double> theta, bool inverse)
+  Rotator(const Rope& rope, const RopeTables& tables, std::span<const double> theta, Turn turn)
       : theta_(theta),
         lo_cos_(tables.lo_cos.data()),
         lo_sin_(tables.lo_sin.data()),
@@ -136,7 +136,7 @@ class Rotator {
         mid_cos_(tables.mid_cos.data()),
         mid_sin_(tables.mid_sin.data()),
         half_(Index(theta.size())),
-        scale_(inverse ? 1.0 / rope.magnitude() : rope.magnitude()),
+        scale_(turn == Turn::Inverse ? 1.0 / rope.magnitude() : rope.magnitude()),
         dim_(rope.dim()),
         dim_bytes_(Index(sizeof(T)) * rope.dim()),
         block_rows_(tables.block),
@@ -156,8 +156,9 @@ class Rotator {
       block_cos_f_ = floats;
       block_sin_f_ = floats + half_;
     }
-    pick_directions<false>(interleaved_, inverse, forward_[0], backward_[0]);
-    pick_directions<true>(interleaved_, inverse, forward_[1], backward_[1]);
+    const bool reverse = turn != Turn::Apply;
+    pick_directions<false>(interleaved_, reverse, forward_[0], backward_[0]);
+    pick_directions<true>(interleaved_, reverse, forward_[1], backward_[1]);
   }
   Rotator(const Rotator&) = delete;
   Rotator& operator=(const Rotator&) = delete;
@@ -199,17 +200,17 @@ class Rotator {
   static constexpr bool kFloatAngles = false;
 #endif
 
-  // The kernels for p >= 0 (forward) and p < 0 (backward); the inverse turns the other way:
-  // negative angles for p >= 0, positive ones for p < 0.
+  // The kernels for p >= 0 (forward) and p < 0 (backward); R^-1 and R^T turn the other way
+  // (`reverse`): negative angles for p >= 0, positive ones for p < 0.
   template <bool InPlace>
-  void pick_directions(bool interleaved, bool inverse, BlockKernel<T>& forward,
+  void pick_directions(bool interleaved, bool reverse, BlockKernel<T>& forward,
                        BlockKernel<T>& backward) const {
     const BlockKernel<T> neg = interleaved ? pick_kernel<T, true, true, InPlace>(half_)
                                            : pick_kernel<T, true, false, InPlace>(half_);
     const BlockKernel<T> pos = interleaved ? pick_kernel<T, false, true, InPlace>(half_)
                                            : pick_kernel<T, false, false, InPlace>(half_);
-    forward = inverse ? neg : pos;
-    backward = inverse ? pos : neg;
+    forward = reverse ? neg : pos;
+    backward = reverse ? pos : neg;
   }
 
   // All blocks that meet |positions| [qa, qb]; the row of q at x0 + (q - q0) * q_stride.
@@ -309,35 +310,35 @@ class Rotator {
 
 template <class T>
 void RopeAccess::rotate_rows(const Rope& rope, T* x, Index rows, Index stride, Index first,
-                             bool inverse) {
+                             Turn turn) {
   assert(first >= -kMaxPosition && first <= kMaxPosition && rows - 1 <= kMaxPosition - first);
-  Rotator<T>(rope, *rope.tables_, rope.theta_, inverse).run(x, rows, stride, first);
+  Rotator<T>(rope, *rope.tables_, rope.theta_, turn).run(x, rows, stride, first);
 }
 
 template <class T>
 void RopeAccess::rotate_rows(const Rope& rope, const T* from, T* to, Index rows, Index stride,
-                             Index first, bool inverse) {
+                             Index first, Turn turn) {
   assert(first >= -kMaxPosition && first <= kMaxPosition && rows - 1 <= kMaxPosition - first);
-  Rotator<T>(rope, *rope.tables_, rope.theta_, inverse).run(to, rows, stride, first, from);
+  Rotator<T>(rope, *rope.tables_, rope.theta_, turn).run(to, rows, stride, first, from);
 }
 
 template <class T>
 void RopeAccess::rotate_rows(const Rope& rope, T* x, Index rows, Index stride,
-                             std::span<const Index> positions, bool inverse) {
+                             std::span<const Index> positions, Turn turn) {
   assert(Index(positions.size()) == rows);
-  Rotator<T> rotator(rope, *rope.tables_, rope.theta_, inverse);
+  Rotator<T> rotator(rope, *rope.tables_, rope.theta_, turn);
   for (Index i = 0; i < rows; ++i) rotator.row(x + i * stride, positions[std::size_t(i)]);
 }
 
-template void RopeAccess::rotate_rows<float>(const Rope&, float*, Index, Index, Index, bool);
-template void RopeAccess::rotate_rows<double>(const Rope&, double*, Index, Index, Index, bool);
+template void RopeAccess::rotate_rows<float>(const Rope&, float*, Index, Index, Index, Turn);
+template void RopeAccess::rotate_rows<double>(const Rope&, double*, Index, Index, Index, Turn);
 template void RopeAccess::rotate_rows<float>(const Rope&, const float*, float*, Index, Index, Index,
-                                             bool);
+                                             Turn);
 template void RopeAccess::rotate_rows<double>(const Rope&, const double*, double*, Index, Index,
-                                              Index, bool);
+                                              Index, Turn);
 template void RopeAccess::rotate_rows<float>(const Rope&, float*, Index, Index,
-                                             std::span<const Index>, bool);
+                                             std::span<const Index>, Turn);
 template void RopeAccess::rotate_rows<double>(const Rope&, double*, Index, Index,
-                                              std::span<const Index>, bool);
+                                              std::span<const Index>, Turn);
 
 }  // namespace linrope::detail

@@ -132,7 +132,8 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
   RowMap<T> qb(ws.q.get(), rows, d);
   qb = scale * ConstRowMap<T>(q + i0 * d, rows, d);
   if (options.rope != nullptr)
-    RopeAccess::rotate_rows(*options.rope, qb.data(), rows, d, options.q_offset + i0, false);
+    RopeAccess::rotate_rows(*options.rope, qb.data(), rows, d, options.q_offset + i0,
+                            detail::Turn::Apply);
 
   for (Index j0 = j_begin; j0 < j_end; j0 += bk) {
     const Index cols = std::min(bk, j_end - j0);
@@ -244,7 +245,8 @@ void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, boo
   std::vector<T> k_rotated;
   if (options.rope != nullptr) {
     k_rotated.assign(k, k + n_k * d);
-    RopeAccess::rotate_rows(*options.rope, k_rotated.data(), n_k, d, options.k_offset, false);
+    RopeAccess::rotate_rows(*options.rope, k_rotated.data(), n_k, d, options.k_offset,
+                            detail::Turn::Apply);
     k = k_rotated.data();
   }
 
