@@ -49,14 +49,23 @@ void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
                       " but expected a length in [0, ", h.n, "]");
 }
 
-// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v], out [B,H,n,d_v].
+// `name` (an output, or a backward's d_out and gradients) must be [q.batch, q.heads, n, d].
+template <class T, class Q>
+void check_shape(std::string_view fn, std::string_view name, const Heads<T>& h, const Heads<Q>& q,
+                 Index n, Index d) {
+  check_view(fn, name, h);
+  if (h.batch != q.batch || h.heads != q.heads || h.n != n || h.d != d)
+    throw_invalid(fn, name, " is ", describe(h), " but expected [", q.batch, ", ", q.heads, ", ", n,
+                  ", ", d, "]");
+}
+
+// The inputs both attentions share: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v].
 template <class T>
-void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
-                 const Heads<const T>& v, const Heads<T>& out) {
+void check_inputs(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                  const Heads<const T>& v) {
   check_view(fn, "q", q);
   check_view(fn, "k", k);
   check_view(fn, "v", v);
-  check_view(fn, "out", out);
   const auto same_batch_heads = [&](std::string_view name, Index batch, Index heads,
                                     const std::string& shape) {
     if (batch != q.batch || heads != q.heads)
@@ -64,12 +73,28 @@ void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const
   };
   same_batch_heads("k", k.batch, k.heads, describe(k));
   same_batch_heads("v", v.batch, v.heads, describe(v));
-  same_batch_heads("out", out.batch, out.heads, describe(out));
   if (k.d != q.d) throw_invalid(fn, "k is ", describe(k), " but q has d = ", q.d);
   if (v.n != k.n) throw_invalid(fn, "v is ", describe(v), " but k has n = ", k.n);
-  if (out.n != q.n || out.d != v.d)
-    throw_invalid(fn, "out is ", describe(out), " but expected [", q.batch, ", ", q.heads, ", ",
-                  q.n, ", ", v.d, "]");
+}
+
+// The forwards' views: the inputs, and out [B,H,n,d_v].
+template <class T>
+void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                 const Heads<const T>& v, const Heads<T>& out) {
+  check_inputs(fn, q, k, v);
+  check_shape(fn, "out", out, q, q.n, v.d);
+}
+
+// The backwards' views: the inputs, d_out [B,H,n,d_v], and dq, dk, dv the shapes of q, k, v.
+template <class T>
+void check_backward_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                          const Heads<const T>& v, const Heads<const T>& d_out, const Heads<T>& dq,
+                          const Heads<T>& dk, const Heads<T>& dv) {
+  check_inputs(fn, q, k, v);
+  check_shape(fn, "d_out", d_out, q, q.n, v.d);
+  check_shape(fn, "dq", dq, q, q.n, q.d);
+  check_shape(fn, "dk", dk, q, k.n, k.d);
+  check_shape(fn, "dv", dv, q, v.n, v.d);
 }
 
 // The rows of slice s of q, k or v within the lengths (v's are k's).
@@ -80,18 +105,20 @@ Eigen::Map<const Matrix<T>> valid_slice(const Heads<const T>& h, Index s,
   return Eigen::Map<const Matrix<T>>(slice(h, b, s % h.heads), valid_rows(lengths_from, b), h.d);
 }
 
+// "q[b, h]": slice s of the view called `tensor`, for messages.
+inline std::string slice_name(std::string_view tensor, Index s, Index heads) {
+  std::ostringstream out;
+  out << tensor << '[' << s / heads << ", " << s % heads << ']';
+  return out.str();
+}
+
 // Throws naming the first non-finite value of slice s (q, then k, then v), if there is one.
 template <class T>
 void require_finite_slice(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
                           const Heads<const T>& v, Index s) {
-  const auto name = [&](char tensor) {
-    std::ostringstream out;
-    out << tensor << '[' << s / q.heads << ", " << s % q.heads << ']';
-    return out.str();
-  };
-  require_finite(fn, name('q'), valid_slice(q, s, q));
-  require_finite(fn, name('k'), valid_slice(k, s, k));
-  require_finite(fn, name('v'), valid_slice(v, s, k));
+  require_finite(fn, slice_name("q", s, q.heads), valid_slice(q, s, q));
+  require_finite(fn, slice_name("k", s, q.heads), valid_slice(k, s, k));
+  require_finite(fn, slice_name("v", s, q.heads), valid_slice(v, s, k));
 }
 
 // Every valid row finite, checked before softmax runs (the linear kernels check as they read).
@@ -108,6 +135,20 @@ void require_finite_heads(std::string_view fn, const Heads<const T>& q, const He
   });
   for (Index s = 0; s < slices; ++s)
     if (!finite[s]) require_finite_slice(fn, q, k, v, s);
+}
+
+// The same for one view `h` called `name` (a backward's d_out), its valid rows those of
+// `lengths_from`.
+template <class T>
+void require_finite_view(std::string_view fn, std::string_view name, const Heads<const T>& h,
+                         const Heads<const T>& lengths_from) {
+  const Index slices = h.batch * h.heads;
+  std::vector<char> finite(slices);
+  parallel_for(slices, max_threads(), Schedule::Dynamic,
+               [&](Index s) { finite[s] = all_finite(valid_slice(h, s, lengths_from)); });
+  for (Index s = 0; s < slices; ++s)
+    if (!finite[s])
+      require_finite(fn, slice_name(name, s, h.heads), valid_slice(h, s, lengths_from));
 }
 
 // Runs body(b, h) for every slice, one slice per task on the OpenMP threads.
