@@ -154,45 +154,27 @@ TEST_CASE("softmax_attention: the sliced causal key cache gives the same bits ru
   SUBCASE("float") { run_case(float{}); }
 }
 
-TEST_CASE("softmax_attention: same bits for any thread count, scheduling and heap state") {
-  const Index d = 16, d_v = 9;
-  const Rope rope({.dim = d});
-  struct Shape {
-    Index n, n_k, q_offset, block_size;
-    bool causal;
-  };
-  const Shape shapes[] = {{300, 300, 0, 0, true},
-                          {300, 300, 0, 0, false},
-                          {5, 3000, 2995, 0, true},
-                          {37, 1500, 0, 13, false}};
-  for (const Shape& s : shapes) {
-    CAPTURE(s.n);
-    CAPTURE(s.n_k);
-    CAPTURE(s.causal);
-    const SoftmaxOptions options{
-        .causal = s.causal, .rope = &rope, .q_offset = s.q_offset, .block_size = s.block_size};
-    const MatrixD q = input<double>(s.n, d, 1), k = input<double>(s.n_k, d, 2),
-                  v = input<double>(s.n_k, d_v, 3);
-    const MatrixF qf = q.cast<float>(), kf = k.cast<float>(), vf = v.cast<float>();
-    check_reproducible([&] { return bytes_of(softmax_attention(q, k, v, options)); }, 10);
-    check_reproducible([&] { return bytes_of(softmax_attention(qf, kf, vf, options)); }, 10);
-  }
-}
+namespace {
 
-TEST_CASE("softmax_attention_backward: same bits for any thread count, scheduling and heap state") {
-  // The forward's shapes: both passes cut into several blocks; a sliced key cache (the forward's
-  // log-sum-exp merged from slices, and a key pass with many more blocks than the query pass).
+// The shapes the softmax forward and backward are swept over: several blocks of queries (and of
+// keys, the backward's second pass), a sliced key cache (few queries, many keys: the forward
+// merges slices), an odd block size.
+struct SoftmaxShape {
+  Index n, n_k, q_offset, block_size;
+  bool causal;
+};
+constexpr SoftmaxShape kSoftmaxShapes[] = {{300, 300, 0, 0, true},
+                                           {300, 300, 0, 0, false},
+                                           {5, 3000, 2995, 0, true},
+                                           {37, 1500, 0, 13, false}};
+
+// check(q, k, v, d_out, options) in double, then in float, for every shape: d = 16, d_v = 9, a
+// rope.
+template <class Check>
+void for_each_softmax_shape(Check check) {
   const Index d = 16, d_v = 9;
   const Rope rope({.dim = d});
-  struct Shape {
-    Index n, n_k, q_offset, block_size;
-    bool causal;
-  };
-  const Shape shapes[] = {{300, 300, 0, 0, true},
-                          {300, 300, 0, 0, false},
-                          {5, 3000, 2995, 0, true},
-                          {37, 1500, 0, 13, false}};
-  for (const Shape& s : shapes) {
+  for (const SoftmaxShape& s : kSoftmaxShapes) {
     CAPTURE(s.n);
     CAPTURE(s.n_k);
     CAPTURE(s.causal);
@@ -200,13 +182,27 @@ TEST_CASE("softmax_attention_backward: same bits for any thread count, schedulin
         .causal = s.causal, .rope = &rope, .q_offset = s.q_offset, .block_size = s.block_size};
     const MatrixD q = input<double>(s.n, d, 1), k = input<double>(s.n_k, d, 2),
                   v = input<double>(s.n_k, d_v, 3), d_out = input<double>(s.n, d_v, 4);
-    const MatrixF qf = q.cast<float>(), kf = k.cast<float>(), vf = v.cast<float>(),
-                  d_outf = d_out.cast<float>();
+    check(q, k, v, d_out, options);
+    check(MatrixF(q.cast<float>()), MatrixF(k.cast<float>()), MatrixF(v.cast<float>()),
+          MatrixF(d_out.cast<float>()), options);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("softmax_attention: same bits for any thread count, scheduling and heap state") {
+  for_each_softmax_shape(
+      [](const auto& q, const auto& k, const auto& v, const auto&, const SoftmaxOptions& options) {
+        check_reproducible([&] { return bytes_of(softmax_attention(q, k, v, options)); }, 10);
+      });
+}
+
+TEST_CASE("softmax_attention_backward: same bits for any thread count, scheduling and heap state") {
+  for_each_softmax_shape([](const auto& q, const auto& k, const auto& v, const auto& d_out,
+                            const SoftmaxOptions& options) {
     check_reproducible(
         [&] { return bytes_of(softmax_attention_backward(q, k, v, d_out, options)); }, 4);
-    check_reproducible(
-        [&] { return bytes_of(softmax_attention_backward(qf, kf, vf, d_outf, options)); }, 4);
-  }
+  });
 }
 
 namespace {

@@ -79,9 +79,7 @@ void query_pass(const Operands<T>& a, Index i0, Index rows, Index bk, const Soft
   RowMap<T> grad(ws.grad.get(), rows, d);
   grad.setZero();
   const Index first_pos = options.q_offset + i0;  // position of the block's first query
-  Index key_end = a.n_k;  // keys [0, key_end) matter to some row (causal: k_offset + j <= pos)
-  if (options.causal)
-    key_end = std::clamp(first_pos + rows - 1 - options.k_offset + 1, Index(0), a.n_k);
+  const Index key_end = keys_admitted_by_block(options, first_pos, rows, a.n_k);
   for (Index j0 = 0; j0 < key_end; j0 += bk) {
     const Index cols = std::min(bk, key_end - j0);
     StridedRowMap<T> s(ws.p.get(), rows, cols, Eigen::OuterStride<>(ws.stride));
@@ -89,13 +87,9 @@ void query_pass(const Operands<T>& a, Index i0, Index rows, Index bk, const Soft
     gemm(rows_of(a.qs, i0, rows, d), rows_of(a.kr, j0, cols, d).transposed(), view(s), false);
     gemm(rows_of(a.d_out, i0, rows, d_v), rows_of(a.v, j0, cols, d_v).transposed(), view(ds),
          false);
-    // Masking is needed only when the block's last key lies past the block's first query.
-    const bool masked = options.causal && options.k_offset + j0 + cols - 1 > first_pos;
     for (Index i = 0; i < rows; ++i) {
       T* ds_row = ws.ds.get() + i * ws.stride;
-      // Admissible keys of row i in this block: j0 + c with k_offset + j0 + c <= first_pos + i.
-      const Index len =
-          masked ? std::clamp(first_pos + i - options.k_offset - j0 + 1, Index(0), cols) : cols;
+      const Index len = keys_admitted(options, first_pos + i, j0, cols);
       if (len > 0)
         probabilities_and_ds(ws.p.get() + i * ws.stride, ds_row, len, Index(0), a.lse[i0 + i],
                              a.delta[i0 + i]);
@@ -122,8 +116,7 @@ void key_pass(const Operands<T>& a, Index j0, Index cols, Index bq, const Softma
   grad.setZero();
   grad_v.setZero();
   const Index first_pos = options.k_offset + j0;  // position of the block's first key
-  Index query_begin = 0;  // queries before it see no key of the block (causal)
-  if (options.causal) query_begin = std::clamp(first_pos - options.q_offset, Index(0), a.n);
+  const Index query_begin = queries_before(options, first_pos, 0, a.n);  // see no key of the block
   for (Index i0 = query_begin; i0 < a.n; i0 += bq) {
     const Index rows = std::min(bq, a.n - i0);
     StridedRowMap<T> p(ws.p.get(), cols, rows, Eigen::OuterStride<>(ws.stride));
@@ -132,14 +125,10 @@ void key_pass(const Operands<T>& a, Index j0, Index cols, Index bq, const Softma
     gemm(rows_of(a.v, j0, cols, d_v), rows_of(a.d_out, i0, rows, d_v).transposed(), view(ds),
          false);
     const ConstArrayRow<T> lse(a.lse + i0, rows), delta(a.delta + i0, rows);
-    // Masking is needed only when the block's first query lies before the block's last key.
-    const bool masked = options.causal && options.q_offset + i0 < first_pos + cols - 1;
     for (Index c = 0; c < cols; ++c) {
       T* p_row = ws.p.get() + c * ws.stride;
       T* ds_row = ws.ds.get() + c * ws.stride;
-      // Queries of this block before key j0 + c: i0 + i with q_offset + i0 + i < first_pos + c.
-      const Index skip =
-          masked ? std::clamp(first_pos + c - options.q_offset - i0, Index(0), rows) : 0;
+      const Index skip = queries_before(options, first_pos + c, i0, rows);
       if (skip < rows) {
         probabilities_and_ds(p_row, ds_row, rows, skip, lse, delta);
       } else {

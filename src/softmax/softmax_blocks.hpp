@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <linrope/attention.hpp>
 #include <linrope/types.hpp>
 #include <memory>
 #include <new>
@@ -36,6 +37,29 @@ inline Index task_block_size(Index rows) {
 // `length` (the streamed sequence), at least 1.
 inline Index stream_block_size(Index block_size, Index length) {
   return std::max<Index>(1, std::min(block_size > 0 ? block_size : kDefaultKeyBlock, length));
+}
+
+// The causal mask: query i (position q_offset + i) admits key j (position k_offset + j) when
+// k_offset + j <= q_offset + i; without causal, every key. For a key, the queries that admit it are
+// a suffix; for a query, the keys it admits are a prefix.
+
+// Keys [0, end) that some query of a block admits: `rows` queries from position first_pos.
+inline Index keys_admitted_by_block(const SoftmaxOptions& options, Index first_pos, Index rows,
+                                    Index n_k) {
+  if (!options.causal) return n_k;
+  return std::clamp(first_pos + rows - options.k_offset, Index(0), n_k);
+}
+
+// How many of the keys [j0, j0 + cols) (a prefix) the query at position `pos` admits.
+inline Index keys_admitted(const SoftmaxOptions& options, Index pos, Index j0, Index cols) {
+  if (!options.causal) return cols;
+  return std::clamp(pos - options.k_offset - j0 + 1, Index(0), cols);
+}
+
+// How many of the queries [i0, i0 + rows) (a prefix) do not admit the key at position `pos`.
+inline Index queries_before(const SoftmaxOptions& options, Index pos, Index i0, Index rows) {
+  if (!options.causal) return 0;
+  return std::clamp(pos - options.q_offset - i0, Index(0), rows);
 }
 
 template <class T>

@@ -66,11 +66,8 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
   std::fill_n(row_max, rows, -std::numeric_limits<T>::infinity());
   std::fill_n(row_sum, rows, T(0));
 
-  // Keys [0, key_end) can matter to some row of this block (causal: k_offset + j <= q_offset + i).
   const Index first_pos = options.q_offset + i0;  // position of the block's first query
-  Index key_end = g.n_k;
-  if (options.causal)
-    key_end = std::clamp(first_pos + rows - 1 - options.k_offset + 1, Index(0), g.n_k);
+  const Index key_end = keys_admitted_by_block(options, first_pos, rows, g.n_k);
   const Index j_begin = kb_begin * bk, j_end = std::min(kb_end * bk, key_end);
   if (j_begin >= j_end) return;
 
@@ -85,13 +82,9 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
     StridedRowMap<T> s(ws.s.get(), rows, cols, Eigen::OuterStride<>(ws.s_stride));
     gemm(const_view(qb), const_view(ConstRowMap<T>(k + j0 * d, cols, d)).transposed(), view(s),
          false);
-    // Masking is needed only when the block's last key lies past the block's first query.
-    const bool masked = options.causal && options.k_offset + j0 + cols - 1 > first_pos;
     for (Index i = 0; i < rows; ++i) {
       T* srow = ws.s.get() + i * ws.s_stride;
-      // Admissible keys of row i in this block: j0 + c with k_offset + j0 + c <= q_offset + i0 + i.
-      const Index len =
-          masked ? std::clamp(first_pos + i - options.k_offset - j0 + 1, Index(0), cols) : cols;
+      const Index len = keys_admitted(options, first_pos + i, j0, cols);
       if (len == 0) {  // no admissible key here: zero weights, running state unchanged
         std::fill_n(srow, cols, T(0));
         continue;
