@@ -28,16 +28,7 @@ using linrope::MatrixF;
 using linrope::Rope;
 using linrope::RopeConfig;
 using linrope::SoftmaxOptions;
-using linrope::testing::default_scale;
-using linrope::testing::input;
-using linrope::testing::kNoRope;
-using linrope::testing::kRopeCases;
-using linrope::testing::kSplitThreads;
-using linrope::testing::max_row_norm;
-using linrope::testing::RopeCase;
-using linrope::testing::Ropes;
-using linrope::testing::score_error;
-using linrope::testing::ThreadCount;
+using namespace linrope::testing;  // inputs, ropes and bounds shared with the forward's tests
 namespace ref = linrope::reference;
 
 struct Gradients {
