@@ -1,0 +1,47 @@
+// Private: the gradient of exact softmax attention for one head, on raw row-major buffers, shared
+// by the single-head entry points (softmax_attention.cpp) and the [batch, heads, n, d] ones
+// (softmax_batched.cpp).
+#pragma once
+
+#include <linrope/attention.hpp>
+
+namespace linrope::detail {
+
+// The gradient of L = sum(d_out .* out) for the forward of softmax_kernel.hpp,
+//   o_i = sum_j P_ij v_j, P_ij = softmax_j(s_ij), s_ij = scale <R_i q_i, R_j k_j>:
+//   dv_j = sum_i P_ij d_out_i
+//   dS_ij = P_ij (<d_out_i, v_j> - D_i), D_i = <d_out_i, o_i>
+//   dq_i = scale R_i^T sum_j dS_ij R_j k_j,   dk_j = scale R_j^T sum_i dS_ij R_i q_i
+//   q [n x d], k [n_k x d], v [n_k x d_v], d_out [n x d_v] -> dq [n x d], dk [n_k x d],
+//   dv [n_k x d_v], every buffer row-major and contiguous (row stride = its width).
+// FlashAttention-2's scheme: the forward kernel runs again for o and each row's log-sum-exp, then
+// P = exp(s - lse) is recomputed block by block, twice: once in a pass over blocks of queries that
+// sums dq, once in a pass over blocks of keys that sums dk and dv. Every gradient row is summed
+// by the one task that owns it, in a fixed order, so nothing is shared between threads and the
+// bits do not depend on the thread count. Memory O((n + n_k)(d + d_v)): rotated copies of q and k,
+// o, two numbers per query row, per-thread blocks; never n x n.
+// A query with no admissible key (zero output) gets a zero dq row and contributes nothing.
+// Arguments must already be validated (as for softmax_head, and d_out finite); only
+// std::bad_alloc can be thrown. `parallel` as for softmax_head: the result is bitwise the same
+// whatever the flag and the thread count.
+template <class T>
+struct SoftmaxBackwardHead {
+  const T* q;      // [n x d]
+  const T* k;      // [n_k x d]
+  const T* v;      // [n_k x d_v]
+  const T* d_out;  // [n x d_v]
+  T* dq;           // [n x d]
+  T* dk;           // [n_k x d]
+  T* dv;           // [n_k x d_v]
+  Index n, n_k, d, d_v;
+};
+template <class T>
+void softmax_head_backward(const SoftmaxBackwardHead<T>& head, const SoftmaxOptions& options,
+                           bool parallel);
+
+extern template void softmax_head_backward<float>(const SoftmaxBackwardHead<float>&,
+                                                  const SoftmaxOptions&, bool);
+extern template void softmax_head_backward<double>(const SoftmaxBackwardHead<double>&,
+                                                   const SoftmaxOptions&, bool);
+
+}  // namespace linrope::detail
