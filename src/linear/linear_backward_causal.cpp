@@ -64,25 +64,32 @@ struct CausalGradients {
         separate(s.options.placement == RopePlacement::NumeratorOnly),
         queries(s, h.n, /*keep_plain=*/true),
         keys(s, h.nk, /*keep_plain=*/true),
-        g(std::size_t(h.n * s.dv)),
-        delta(std::size_t(h.n)),
-        scale(std::size_t(h.n)) {}
+        g_(h.n * s.dv, /*lasting=*/true),
+        delta_(h.n, /*lasting=*/true),
+        scale_(h.n, /*lasting=*/true),
+        g(g_.data()),
+        delta(delta_.data()),
+        scale(scale_.data()) {}
 
   // Keys [first_key(qs), first_key(qs + rows)) are first seen by the chunk of queries at qs; keys
   // before first_key(0) by every query, keys from first_key(n) on by none.
   Index first_key(Index qs) const { return std::clamp(qs + shift, Index(0), head.nk); }
   Index chunk_rows(Index qs) const { return std::min(L, head.n - qs); }
-  QueryTerms<T> terms(Index qs) const {
-    return {g.data() + qs * setup.dv, delta.data() + qs, scale.data() + qs};
-  }
+  QueryTerms<T> terms(Index qs) const { return {g + qs * setup.dv, delta + qs, scale + qs}; }
 
   const LinearGradientHead<T>& head;
   const LinearSetup& setup;
   const Index L, shift;
   const bool separate;
   KeptFeatures<T> queries, keys;  // every query's and every seen key's features
-  std::vector<T> g;               // g~ [n x dv]
-  std::vector<double> delta, scale;
+
+ private:
+  Scratch<T> g_;
+  Scratch<double> delta_, scale_;
+
+ public:
+  T* g;  // g~ [n x dv]
+  double *delta, *scale;
 };
 
 // One thread's working memory, and the two sweeps over a run of chunks.
@@ -137,17 +144,17 @@ class ChunkSweeper {
         const double den = running == kEmpty ? 0.0 : double(queries.den().row(r).dot(z));
         divisor_[std::size_t(r)] = stabilized_divisor(
             den, running == kEmpty ? kEmpty : queries.log_scale(r) + running, s_.options.eps);
-        c_.scale[std::size_t(qs + r)] = divisor_[std::size_t(r)] == 0 ? kEmpty : running;
-        scaled_gradient(h_.d_out + (qs + r) * dv, c_.g.data() + (qs + r) * dv, dv,
+        c_.scale[qs + r] = divisor_[std::size_t(r)] == 0 ? kEmpty : running;
+        scaled_gradient(h_.d_out + (qs + r) * dv, c_.g + (qs + r) * dv, dv,
                         divisor_[std::size_t(r)]);
       }
       // Ga = S~_r g~_r: the state's part (rescaled to each row's M_r), then the chunk's own keys.
       RowMap<T> ga(ga_.data(), rows, m), gb(gb_.data(), rows, m);
-      const ConstRowMap<T> g(c_.g.data() + qs * dv, rows, dv);
+      const ConstRowMap<T> g(c_.g + qs * dv, rows, dv);
       if (state.M != kEmpty) {
         gemm(const_view(g), const_view(state.S).transposed(), view(ga), false);
         for (Index r = 0; r < rows; ++r) {
-          const double M = c_.scale[std::size_t(qs + r)];
+          const double M = c_.scale[qs + r];
           if (M != kEmpty && M > state.M) ga.row(r) *= T(std::exp(state.M - M));
         }
       } else {
@@ -163,7 +170,7 @@ class ChunkSweeper {
       for (Index r = 0; r < rows; ++r) {
         const double D = divisor_[std::size_t(r)];
         const double delta = D == 0 ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / D;
-        c_.delta[std::size_t(qs + r)] = delta;
+        c_.delta[qs + r] = delta;
         den_side.row(r) += T(delta) * z_rows.row(r);
       }
       input_gradient(queries, h_.q + qs * s_.d, h_.q_pos0 + qs, ga.data(),
@@ -247,7 +254,7 @@ class ChunkSweeper {
   // P = g~ V^T over the chunk's rows x keys.
   void score_products(Index qs, Index js, Index kb, T* out) const {
     const Index rows = c_.chunk_rows(qs);
-    gemm(const_view(ConstRowMap<T>(c_.g.data() + qs * s_.dv, rows, s_.dv)),
+    gemm(const_view(ConstRowMap<T>(c_.g + qs * s_.dv, rows, s_.dv)),
          const_view(ConstRowMap<T>(h_.v + js * s_.dv, kb, s_.dv)).transposed(),
          View<T>{out, rows, kb, kb}, false);
   }
@@ -257,7 +264,7 @@ class ChunkSweeper {
     const Index rows = c_.chunk_rows(qs), kb = keys.rows();
     T* p = products_.data();
     score_products(qs, js, kb, p);
-    chunk_weights(keys, rows, kb, c_.scale.data() + qs, visible_.data(), weights_.data());
+    chunk_weights(keys, rows, kb, c_.scale + qs, visible_.data(), weights_.data());
     const T* w = weights_.data();
     for (Index e = 0; e < rows * kb; ++e) p[e] *= w[e];
     return p;

@@ -64,20 +64,18 @@ class FeatureRows {
   Index rows_;
 };
 
-// Heap memory for a FeatureBlock that must outlive the thread that filled it (the backward keeps
-// a whole sequence's features between passes).
+// Memory for a FeatureBlock that a backward keeps between its passes (a whole sequence's
+// features): the calling thread's scratch, kept after the call (scratch.hpp, `lasting`), so that a
+// training loop's calls allocate nothing after the first. Other threads may read and write it
+// while it lives.
 template <class T>
-class HeapBuffer {
+class LastingScratch : public Scratch<T> {
  public:
-  explicit HeapBuffer(Index count) : data_(std::size_t(count)) {}
-  T* data() const { return const_cast<T*>(data_.data()); }
-
- private:
-  std::vector<T, Eigen::aligned_allocator<T>> data_;
+  explicit LastingScratch(Index count) : Scratch<T>(count, /*lasting=*/true) {}
 };
 
 // The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
-// per-thread scratch (scratch.hpp: no allocation after a thread's first call), or HeapBuffer.
+// per-thread scratch (scratch.hpp: no allocation after a thread's first call), or LastingScratch.
 template <class T, template <class> class Buffer = Scratch>
 class FeatureBlock {
  public:
@@ -178,7 +176,7 @@ class FeatureBlock {
 
 // A whole sequence's features, kept between the passes of a backward.
 template <class T>
-using KeptFeatures = FeatureBlock<T, HeapBuffer>;
+using KeptFeatures = FeatureBlock<T, LastingScratch>;
 
 // Rescales the state to log scale new_max (>= state.M).
 template <class T>
