@@ -5,7 +5,9 @@
 //   map time / GEMM time = (GEMM GFLOP/s) / (map GFLOP/s).
 // elu+1, relu and 1+cos have no GEMM: they report items (rows) and bytes moved (read x, write out).
 // Names: BM_FeatureMap/<map>/n:<n>/d:<d>/f:<f> (<map> such as favor_pos or relu; f:0 for the
-// element-wise maps), BM_EigenGemm/n:<n>/d:<d>/f:<f>.
+// element-wise maps), BM_FeatureMapBackward/<map>/n:<n>/d:<d>/f:<f> (FeatureMap::backward, which
+// maps x again and then does one more GEMM, [n x f] * [f x d], for the Favor maps: compare with
+// the forward of the same name), BM_EigenGemm/n:<n>/d:<d>/f:<f>.
 #include <cstdint>
 #include <linrope/feature_maps.hpp>
 #include <vector>
@@ -36,6 +38,32 @@ void BM_FeatureMap(benchmark::State& state, FeatureMapKind kind, bool stabilized
     else
       map->apply(x, out);
     benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  if (f > 0)
+    bench::set_flops(state, 2.0 * double(n) * double(d) * double(f));
+  else
+    bench::set_bytes(state, double(n) * double(d + map->output_dim()) * sizeof(float));
+  state.counters["threads"] = bench::threads();
+}
+
+// dx = J^T d_out over the same shapes (d_out ~ U(-1, 1)); the same FLOP and byte model as the
+// forward, so that the two GFLOP/s figures compare the times directly.
+void BM_FeatureMapBackward(benchmark::State& state, FeatureMapKind kind) {
+  const Index n = state.range(0), d = state.range(1), f = state.range(2);
+  FeatureMapConfig config;
+  config.kind = kind;
+  config.input_dim = d;
+  config.num_features = f;
+  config.seed = 42;
+  const auto map = make_feature_map(config);
+  const MatrixF x = MatrixF::Random(n, d);
+  const MatrixF d_out = MatrixF::Random(n, map->output_dim());
+  MatrixF dx(n, d);
+  for (auto _ : state) {
+    map->backward(x, d_out, dx);
+    benchmark::DoNotOptimize(dx.data());
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n);
@@ -80,6 +108,19 @@ LINROPE_MAP_BENCHMARK(favor_hyp_stabilized, FavorHyperbolic, true, kProjections)
 LINROPE_MAP_BENCHMARK(elu_plus_one, EluPlusOne, false, {0});
 LINROPE_MAP_BENCHMARK(relu, Relu, false, {0});
 LINROPE_MAP_BENCHMARK(one_plus_cos, OnePlusCosine, false, {0});
+
+#define LINROPE_MAP_BACKWARD_BENCHMARK(label, kind, projections)        \
+  BENCHMARK_CAPTURE(BM_FeatureMapBackward, label, FeatureMapKind::kind) \
+      ->ArgsProduct({kRows, kDims, projections})                        \
+      ->ArgNames({"n", "d", "f"})                                       \
+      ->UseRealTime()
+
+LINROPE_MAP_BACKWARD_BENCHMARK(favor_pos, FavorPositive, kProjections);
+LINROPE_MAP_BACKWARD_BENCHMARK(favor_trig, FavorTrig, kProjections);
+LINROPE_MAP_BACKWARD_BENCHMARK(favor_hyp, FavorHyperbolic, kProjections);
+LINROPE_MAP_BACKWARD_BENCHMARK(elu_plus_one, EluPlusOne, {0});
+LINROPE_MAP_BACKWARD_BENCHMARK(relu, Relu, {0});
+LINROPE_MAP_BACKWARD_BENCHMARK(one_plus_cos, OnePlusCosine, {0});
 BENCHMARK(BM_EigenGemm)
     ->ArgsProduct({kRows, kDims, kProjections})
     ->ArgNames({"n", "d", "f"})

@@ -1,5 +1,6 @@
 // RoPE apply on an [n x d] float matrix, in place, against two yardsticks measured in the same run:
 //   rope/apply        Rope::apply (element-wise form, angles reduced in double), both layouts
+//   rope/apply_transpose  Rope::apply_transpose (R^T, the gradient of apply), both layouts
 //   rope/naive_matrix the naive form: for every row, a dense (d x d) rotation matrix R(p) is built
 //                     (cos/sin of p theta_i in double, stored as float) and the row is replaced by
 //                     R(p) x with Eigen's GEMV. This is what "never build the rotation matrix in a
@@ -37,6 +38,20 @@ void BM_RopeApply(benchmark::State& state) {
   }
   linrope::bench::set_bytes(state, 2.0 * double(n) * double(d) * sizeof(float));
   state.SetItemsProcessed(state.iterations() * n);  // tokens/s
+}
+
+// R^T (the gradient of apply): the same kernel turning the other way, times the magnitude.
+void BM_RopeTranspose(benchmark::State& state) {
+  const Index n = state.range(0), d = state.range(1);
+  const linrope::Rope rope({.dim = d, .layout = layout_of(state)});
+  MatrixF x = MatrixF::Random(n, d);
+  for (auto _ : state) {
+    rope.apply_transpose(x, 0);
+    benchmark::DoNotOptimize(x.data());
+    benchmark::ClobberMemory();
+  }
+  linrope::bench::set_bytes(state, 2.0 * double(n) * double(d) * sizeof(float));
+  state.SetItemsProcessed(state.iterations() * n);
 }
 
 void BM_RopeNaiveMatrix(benchmark::State& state) {
@@ -85,6 +100,10 @@ void BM_CopySameBytes(benchmark::State& state) {
 
 BENCHMARK(BM_RopeApply)
     ->Name("rope/apply")
+    ->ArgsProduct({{4096, 16384, 65536}, {64, 128}, {0, 1}})
+    ->ArgNames({"n", "d", "half"});
+BENCHMARK(BM_RopeTranspose)
+    ->Name("rope/apply_transpose")
     ->ArgsProduct({{4096, 16384, 65536}, {64, 128}, {0, 1}})
     ->ArgNames({"n", "d", "half"});
 BENCHMARK(BM_RopeNaiveMatrix)
