@@ -10,6 +10,7 @@
 // the forward of the same name), BM_EigenGemm/n:<n>/d:<d>/f:<f>.
 #include <cstdint>
 #include <linrope/feature_maps.hpp>
+#include <memory>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -21,15 +22,32 @@ using namespace linrope;
 const std::vector<std::int64_t> kRows = {4096, 16384}, kDims = {32, 64, 128},
                                 kProjections = {128, 256};
 
-void BM_FeatureMap(benchmark::State& state, FeatureMapKind kind, bool stabilized) {
-  const Index n = state.range(0), d = state.range(1), f = state.range(2);
+// The map of the benchmark's shape (n, d, f from its arguments).
+std::unique_ptr<FeatureMap> map_of(const benchmark::State& state, FeatureMapKind kind) {
   FeatureMapConfig config;
   config.kind = kind;
-  config.input_dim = d;
-  config.num_features = f;
+  config.input_dim = state.range(1);
+  config.num_features = state.range(2);
   config.seed = 42;
-  const auto map = make_feature_map(config);
-  const MatrixF x = MatrixF::Random(n, d);  // |x| ~ 0.58 sqrt(d): ordinary attention magnitudes
+  return make_feature_map(config);
+}
+
+// Items (rows), and the FLOP model (the GEMM, 2 n d f) or, for maps without one, bytes.
+void report(benchmark::State& state, const FeatureMap& map) {
+  const Index n = state.range(0), d = state.range(1), f = state.range(2);
+  state.SetItemsProcessed(state.iterations() * n);
+  if (f > 0)
+    bench::set_flops(state, 2.0 * double(n) * double(d) * double(f));
+  else
+    bench::set_bytes(state, double(n) * double(d + map.output_dim()) * sizeof(float));
+  state.counters["threads"] = bench::threads();
+}
+
+void BM_FeatureMap(benchmark::State& state, FeatureMapKind kind, bool stabilized) {
+  const auto map = map_of(state, kind);
+  const Index n = state.range(0);
+  const MatrixF x = MatrixF::Random(n, map->input_dim());  // |x| ~ 0.58 sqrt(d): ordinary
+                                                           // attention magnitudes
   MatrixF out(n, map->output_dim());
   std::vector<double> log_scale(static_cast<std::size_t>(n));
   for (auto _ : state) {
@@ -40,38 +58,23 @@ void BM_FeatureMap(benchmark::State& state, FeatureMapKind kind, bool stabilized
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  state.SetItemsProcessed(state.iterations() * n);
-  if (f > 0)
-    bench::set_flops(state, 2.0 * double(n) * double(d) * double(f));
-  else
-    bench::set_bytes(state, double(n) * double(d + map->output_dim()) * sizeof(float));
-  state.counters["threads"] = bench::threads();
+  report(state, *map);
 }
 
 // dx = J^T d_out over the same shapes (d_out ~ U(-1, 1)); the same FLOP and byte model as the
 // forward, so that the two GFLOP/s figures compare the times directly.
 void BM_FeatureMapBackward(benchmark::State& state, FeatureMapKind kind) {
-  const Index n = state.range(0), d = state.range(1), f = state.range(2);
-  FeatureMapConfig config;
-  config.kind = kind;
-  config.input_dim = d;
-  config.num_features = f;
-  config.seed = 42;
-  const auto map = make_feature_map(config);
-  const MatrixF x = MatrixF::Random(n, d);
+  const auto map = map_of(state, kind);
+  const Index n = state.range(0);
+  const MatrixF x = MatrixF::Random(n, map->input_dim());
   const MatrixF d_out = MatrixF::Random(n, map->output_dim());
-  MatrixF dx(n, d);
+  MatrixF dx(n, map->input_dim());
   for (auto _ : state) {
     map->backward(x, d_out, dx);
     benchmark::DoNotOptimize(dx.data());
     benchmark::ClobberMemory();
   }
-  state.SetItemsProcessed(state.iterations() * n);
-  if (f > 0)
-    bench::set_flops(state, 2.0 * double(n) * double(d) * double(f));
-  else
-    bench::set_bytes(state, double(n) * double(d + map->output_dim()) * sizeof(float));
-  state.counters["threads"] = bench::threads();
+  report(state, *map);
 }
 
 // The peer: the GEMM the Favor maps run, same shapes and layouts (x row-major [n x d], the scaled

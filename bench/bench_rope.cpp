@@ -26,32 +26,23 @@ linrope::RopeLayout layout_of(const benchmark::State& state) {
   return state.range(2) == 0 ? linrope::RopeLayout::Interleaved : linrope::RopeLayout::Half;
 }
 
-void BM_RopeApply(benchmark::State& state) {
+// Rope::apply, or (transpose) Rope::apply_transpose: R^T, the gradient of apply, the same kernel
+// turning the other way.
+void BM_RopeApply(benchmark::State& state, bool transpose) {
   const Index n = state.range(0), d = state.range(1);
   const linrope::Rope rope({.dim = d, .layout = layout_of(state)});
   MatrixF x = MatrixF::Random(n, d);
   for (auto _ : state) {
     // Rotating the same buffer again and again is fine: rotations keep the values bounded.
-    rope.apply(x, 0);
+    if (transpose)
+      rope.apply_transpose(x, 0);
+    else
+      rope.apply(x, 0);
     benchmark::DoNotOptimize(x.data());
     benchmark::ClobberMemory();
   }
   linrope::bench::set_bytes(state, 2.0 * double(n) * double(d) * sizeof(float));
   state.SetItemsProcessed(state.iterations() * n);  // tokens/s
-}
-
-// R^T (the gradient of apply): the same kernel turning the other way, times the magnitude.
-void BM_RopeTranspose(benchmark::State& state) {
-  const Index n = state.range(0), d = state.range(1);
-  const linrope::Rope rope({.dim = d, .layout = layout_of(state)});
-  MatrixF x = MatrixF::Random(n, d);
-  for (auto _ : state) {
-    rope.apply_transpose(x, 0);
-    benchmark::DoNotOptimize(x.data());
-    benchmark::ClobberMemory();
-  }
-  linrope::bench::set_bytes(state, 2.0 * double(n) * double(d) * sizeof(float));
-  state.SetItemsProcessed(state.iterations() * n);
 }
 
 void BM_RopeNaiveMatrix(benchmark::State& state) {
@@ -98,11 +89,11 @@ void BM_CopySameBytes(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_RopeApply)
+BENCHMARK_CAPTURE(BM_RopeApply, apply, false)
     ->Name("rope/apply")
     ->ArgsProduct({{4096, 16384, 65536}, {64, 128}, {0, 1}})
     ->ArgNames({"n", "d", "half"});
-BENCHMARK(BM_RopeTranspose)
+BENCHMARK_CAPTURE(BM_RopeApply, transpose, true)
     ->Name("rope/apply_transpose")
     ->ArgsProduct({{4096, 16384, 65536}, {64, 128}, {0, 1}})
     ->ArgNames({"n", "d", "half"});
