@@ -46,8 +46,8 @@ void report(benchmark::State& state, const FeatureMap& map) {
 void BM_FeatureMap(benchmark::State& state, FeatureMapKind kind, bool stabilized) {
   const auto map = map_of(state, kind);
   const Index n = state.range(0);
-  const MatrixF x = MatrixF::Random(n, map->input_dim());  // |x| ~ 0.58 sqrt(d): ordinary
-                                                           // attention magnitudes
+  // |x| ~ 0.58 sqrt(d): ordinary attention magnitudes.
+  const MatrixF x = MatrixF::Random(n, map->input_dim());
   MatrixF out(n, map->output_dim());
   std::vector<double> log_scale(static_cast<std::size_t>(n));
   for (auto _ : state) {
