@@ -4,9 +4,9 @@
 // machine references (peak FMA, Eigen SGEMM 1024^3) measured in the same run.
 // FLOPs: 4 n n_k d (Q K^T and P V, 2 n n_k d each) non-causal, half of that causal (the useful
 // work; the naive form computes the whole square either way). The backward counts
-// FlashAttention-2's useful work, 2.5x the forward's (five products: S, dP, dV, dQ, dK); it
-// computes nine (the forward again, then S and dP once per pass), so its GFLOP/s reads low by
-// 9/5. items = query tokens.
+// FlashAttention-2's useful work, 2.5x the forward's (five products: S, dP, dV, dQ, dK), which is
+// also what it computes (S and dP once, kept in a strip per block of queries). items = query
+// tokens.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>

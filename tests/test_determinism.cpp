@@ -156,9 +156,9 @@ TEST_CASE("softmax_attention: the sliced causal key cache gives the same bits ru
 
 namespace {
 
-// The shapes the softmax forward and backward are swept over: several blocks of queries (and of
-// keys, the backward's second pass), a sliced key cache (few queries, many keys: the forward
-// merges slices), an odd block size.
+// The shapes the softmax forward and backward are swept over: several blocks of queries (and,
+// from 1024 queries, several parts whose dk and dv the backward adds), a sliced key cache (few
+// queries, many keys: the forward merges slices), an odd block size.
 struct SoftmaxShape {
   Index n, n_k, q_offset, block_size;
   bool causal;
@@ -166,7 +166,8 @@ struct SoftmaxShape {
 constexpr SoftmaxShape kSoftmaxShapes[] = {{300, 300, 0, 0, true},
                                            {300, 300, 0, 0, false},
                                            {5, 3000, 2995, 0, true},
-                                           {37, 1500, 0, 13, false}};
+                                           {37, 1500, 0, 13, false},
+                                           {1100, 1100, 0, 0, true}};
 
 // check(q, k, v, d_out, options) in double, then in float, for every shape: d = 16, d_v = 9, a
 // rope.

@@ -1,7 +1,8 @@
 // The softmax attention backward: every gradient against central finite differences of the naive
 // double reference forward (never of the library's own forward) over swept shapes, ropes, offsets
-// and cross attention; the forward's log-sum-exp that it relies on; float against double at large
-// norms; the batched form against the single-head one with padding; determinism; bad input.
+// and cross attention; the forward's log-sum-exp; the dense gradient where parts are added; float
+// against double at large norms; the batched form against the single-head one with padding;
+// determinism; bad input.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -229,7 +230,7 @@ TEST_CASE("softmax_attention_backward: an explicit scale, and a key cache cut in
                         expected);
       }
   }
-  SUBCASE("3 queries against 2100 keys: the forward merges key slices into the log-sum-exp") {
+  SUBCASE("3 queries against 2100 keys: a long strip of keys per block of queries") {
     const Index n = 3, n_k = 2100, d = 2, d_v = 2;  // narrow: 8406 finite differences
     const MatrixD q = input(n, d, 5), k = input(n_k, d, 6), v = input(n_k, d_v, 7),
                   d_out = input(n, d_v, 8);
@@ -240,6 +241,47 @@ TEST_CASE("softmax_attention_backward: an explicit scale, and a key cache cut in
           finite_differences(q, k, v, d_out, {.causal = causal, .q_offset = q_offset});
       check_gradients(q, k, v, d_out, {.causal = causal, .q_offset = q_offset}, expected);
     }
+  }
+}
+
+// The exact gradient in double through the n x n matrices (no rope): the yardstick where finite
+// differences would take too long.
+Gradients dense_gradients(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                          const MatrixD& d_out, bool causal) {
+  const double scale = default_scale(q.cols());
+  MatrixD p = scale * q * k.transpose();
+  for (Index i = 0; i < p.rows(); ++i) {
+    const Index len = causal ? std::min(i + 1, p.cols()) : p.cols();
+    const double max = p.row(i).head(len).maxCoeff();
+    p.row(i).head(len) = (p.row(i).head(len).array() - max).exp().matrix();
+    p.row(i).head(len) /= p.row(i).head(len).sum();
+    p.row(i).tail(p.cols() - len).setZero();
+  }
+  const MatrixD dp = d_out * v.transpose();
+  const Eigen::VectorXd delta = p.cwiseProduct(dp).rowwise().sum();
+  const MatrixD ds = p.cwiseProduct(dp.colwise() - delta);
+  return {scale * ds * k, scale * ds.transpose() * q, p.transpose() * d_out};
+}
+
+TEST_CASE("softmax_attention_backward: 1600 queries, three parts whose dk and dv are added") {
+  // Parts of >= 512 queries each sum their own dk and dv; three here, cut unevenly when causal.
+  const Index n = 1600, d = 8, d_v = 5;
+  const MatrixD q = input(n, d, 41), k = input(n, d, 42), v = input(n, d_v, 43),
+                d_out = input(n, d_v, 44);
+  for (const bool causal : {false, true}) {
+    CAPTURE(causal);
+    const Gradients expected = dense_gradients(q, k, v, d_out, causal);
+    const SoftmaxOptions options{.causal = causal};
+    const Gradients got_d = backward<double>(q, k, v, d_out, options);
+    const Gradients got_f = backward<float>(q, k, v, d_out, options);
+    const Gradients tol_d = tolerances<double>(q, k, v, d_out, default_scale(d), n);
+    const Gradients tol_f = tolerances<float>(q, k, v, d_out, default_scale(d), n);
+    check_close("dq", got_d.dq, expected.dq, tol_d.dq);
+    check_close("dk", got_d.dk, expected.dk, tol_d.dk);
+    check_close("dv", got_d.dv, expected.dv, tol_d.dv);
+    check_close("dq", got_f.dq, expected.dq, tol_f.dq);
+    check_close("dk", got_f.dk, expected.dk, tol_f.dk);
+    check_close("dv", got_f.dv, expected.dv, tol_f.dv);
   }
 }
 
