@@ -328,7 +328,7 @@ TEST_CASE("softmax_attention_backward: empty sequences and zero widths") {
   }
 }
 
-TEST_CASE("softmax_head: the log-sum-exp it keeps for the backward") {
+TEST_CASE("softmax_head: the log-sum-exp it can keep") {
   // Against max + log(sum(exp(s - max))) over the admissible keys in double; -inf (exactly) for a
   // query with no admissible key. |lse| error: the scores' (e_s, twice over: max and terms) plus
   // the sum over n_k terms and the log (n_k + 8) u relative to the larger of |lse| and 1; times 4.
