@@ -34,6 +34,25 @@ void map_packets(const T* x, T* out, Index n, Op op) {
   }
 }
 
+// out[i] = op(a[i], b[i]) for i in [0, n), as map_packets does with one input: the element-wise
+// steps of the maps' backward, branch-free (a select written in C++ became a branch per element,
+// half of them mispredicted, and was 22% of an elu+1 attention backward).
+template <class T, class Op>
+void zip_packets(const T* a, const T* b, T* out, Index n, Op op) {
+  namespace ei = Eigen::internal;
+  constexpr Index kLanes = kPacketSize<T>;
+  Index i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    ei::pstoreu(out + i, op(ei::ploadu<Packet<T>>(a + i), ei::ploadu<Packet<T>>(b + i)));
+  if (i < n) {
+    T tail_a[kLanes] = {}, tail_b[kLanes] = {};
+    std::copy(a + i, a + n, tail_a);
+    std::copy(b + i, b + n, tail_b);
+    ei::pstoreu(tail_a, op(ei::ploadu<Packet<T>>(tail_a), ei::ploadu<Packet<T>>(tail_b)));
+    std::copy(tail_a, tail_a + (n - i), out + i);
+  }
+}
+
 // exp(x - shift), sin(x), cos(x) over n values, element by element as map_packets does. Where
 // Eigen has no packet sin or cos for T (double, in Eigen 3.4), std::sin and std::cos serve every
 // element alike.
