@@ -24,10 +24,11 @@ namespace linrope::detail {
 namespace {
 
 // Rows per chunk, unless the caller chose the chunked form (then options.chunk_size). The masked
-// products grow with the chunk and the per-chunk overheads shrink: FAVOR+ eq. 19 causal at
-// n = 4096 (8 heads, 2 threads) took 2.9x its forward's time with chunks of 32 rows, 3.8x with 64,
-// 4.1x with 16 (one run, a loaded machine).
-constexpr Index kBackwardChunk = 32;
+// products cost in proportion to the chunk (2.4 of the ~11 state-sized products per token of
+// FAVOR+ eq. 19 at 32 rows), and small chunks run the products less efficiently. Measured (one
+// run each, 8 heads, n = 4096, 2 threads, a loaded machine), backward / forward time: elu+1 eq. 19
+// 3.2x at 8 rows, 2.8x at 16, 3.5x at 32; FAVOR+ eq. 19 3.4x at 8 and 16, 3.2x at 32, 4.0x at 64.
+inline Index backward_chunk(Index m) { return m <= 64 ? 16 : 32; }
 
 // One chunk's masked weights W_rj = exp(gamma_j - M_r) for the keys row r sees (j < visible_r),
 // else 0; rows with M_r = kEmpty (zero output) are all 0. Computed again only when M_r changes.
@@ -58,7 +59,7 @@ struct CausalGradients {
       : head(h),
         setup(s),
         L(std::min(
-            s.options.method == CausalMethod::Chunked ? s.options.chunk_size : kBackwardChunk,
+            s.options.method == CausalMethod::Chunked ? s.options.chunk_size : backward_chunk(s.m),
             std::max<Index>({h.n, h.nk, 1}))),
         shift(h.q_pos0 - h.k_pos0),
         separate(s.options.placement == RopePlacement::NumeratorOnly),
