@@ -107,9 +107,24 @@ class FeatureMap {
   virtual void map_rows(const Eigen::Ref<const MatrixD>& x, Eigen::Ref<MatrixD> out,
                         double* log_scale, bool parallel) const = 0;
 
+  // The map's backward on arguments already checked: dx = J^T d_out at the rows x, given the
+  // stabilised features f = phi(x) exp(-log_scale) that map_rows wrote for x and the gradient on
+  // their reciprocal scale, g = d_out exp(log_scale) (row by row). J^T d_out depends on d_out
+  // only through products g f, in which the two scales cancel, so large inputs stay finite.
+  virtual void backward_rows(const Eigen::Ref<const MatrixF>& x,
+                             const Eigen::Ref<const MatrixF>& features,
+                             const Eigen::Ref<const MatrixF>& g, Eigen::Ref<MatrixF> dx) const = 0;
+  virtual void backward_rows(const Eigen::Ref<const MatrixD>& x,
+                             const Eigen::Ref<const MatrixD>& features,
+                             const Eigen::Ref<const MatrixD>& g, Eigen::Ref<MatrixD> dx) const = 0;
+
   FeatureMapConfig config_;
 
  private:
+  template <class T>
+  void backward_checked(const Eigen::Ref<const Matrix<T>>& x,
+                        const Eigen::Ref<const Matrix<T>>& d_out, Eigen::Ref<Matrix<T>> dx) const;
+
   friend struct detail::FeatureMapAccess;
 };
 

@@ -85,6 +85,15 @@ class ElementwiseMap final : public FeatureMap {
     if (log_scale) std::fill(log_scale, log_scale + x.rows(), 0.0);
   }
 
+  void backward_rows(const Eigen::Ref<const MatrixF>& x, const Eigen::Ref<const MatrixF>& features,
+                     const Eigen::Ref<const MatrixF>& g, Eigen::Ref<MatrixF> dx) const override {
+    run_backward<float>(x, features, g, dx);
+  }
+  void backward_rows(const Eigen::Ref<const MatrixD>& x, const Eigen::Ref<const MatrixD>& features,
+                     const Eigen::Ref<const MatrixD>& g, Eigen::Ref<MatrixD> dx) const override {
+    run_backward<double>(x, features, g, dx);
+  }
+
   void redraw(std::uint64_t seed) override { config_.seed = seed; }
 
  private:
@@ -119,6 +128,65 @@ class ElementwiseMap final : public FeatureMap {
     });
   }
 
+  // The gradient (log_scale is 0, so g is d_out and the features are phi(x) itself):
+  //   elu+1  dx = g (x > 0 ? 1 : exp(x)), and exp(x) is the feature there; 1 at x = 0
+  //   relu   dx = g (x > 0 ? 1 : 0)
+  //   1+cos  dx = (g' - u (u . g')) / |x| with u = x / |x| (the features' first d) and g' the
+  //          first d entries of g (the constant feature has no gradient); 0 at x = 0
+  template <class T>
+  void run_backward(const Eigen::Ref<const Matrix<T>>& x,
+                    const Eigen::Ref<const Matrix<T>>& features,
+                    const Eigen::Ref<const Matrix<T>>& g, Eigen::Ref<Matrix<T>> dx) const {
+    const Index d = input_dim();
+    switch (kind()) {
+      case FeatureMapKind::EluPlusOne:
+        dx.array() = (x.array() >= T(0)).select(g.array(), g.array() * features.array());
+        break;
+      case FeatureMapKind::Relu:
+        dx.array() = (x.array() > T(0)).select(g.array(), T(0));
+        break;
+      default:
+        for (Index i = 0; i < x.rows(); ++i) {
+          const double norm = norm_of(x.data() + i * x.outerStride(), d);
+          if (norm == 0) {
+            dx.row(i).setZero();
+            continue;
+          }
+          const T* u = features.data() + i * features.outerStride();
+          const T* grad = g.data() + i * g.outerStride();
+          const double along_u = dot_of(u, grad, d);
+          for (Index j = 0; j < d; ++j)
+            dx(i, j) = T((double(grad[j]) - double(u[j]) * along_u) / norm);
+        }
+        break;
+    }
+  }
+
+  // |x| in double: directly for float (whose squares cannot leave double's range) and moderate
+  // double rows, else as 2^e |x 2^-e| with 2^e the power of two nearest the largest |x_j|.
+  template <class T>
+  static double norm_of(const T* x, Index d) {
+    const double sum = sum_of_squares(x, d);
+    if (sum > 0x1.0p-900 && sum < 0x1.0p+900) return std::sqrt(sum);
+    int e = 0;
+    const double scaled = scaled_norm(x, d, e);
+    return std::ldexp(scaled, e);
+  }
+
+  // |x 2^-e| with e the exponent of the largest |x_j| (0 and e = 0 for x = 0).
+  template <class T>
+  static double scaled_norm(const T* x, Index d, int& e) {
+    double largest = 0;
+    for (Index j = 0; j < d; ++j) largest = std::max(largest, std::abs(double(x[j])));
+    e = 0;
+    if (largest == 0) return 0;
+    std::frexp(largest, &e);
+    double scaled_sum = 0;
+    for (Index j = 0; j < d; ++j)
+      scaled_sum += std::ldexp(double(x[j]), -e) * std::ldexp(double(x[j]), -e);
+    return std::sqrt(scaled_sum);
+  }
+
   // 1+cos: out = [x / |x|, 1], and [0, ..., 0, 1] for x = 0, normalised in double. For float input
   // |x|^2 in double can neither overflow nor underflow. A double row whose |x|^2 leaves
   // [2^-900, 2^900] is first scaled exactly by the power of two 2^-e nearest its largest |x_j|.
@@ -132,18 +200,13 @@ class ElementwiseMap final : public FeatureMap {
       for (Index j = 0; j < d; ++j) out[j] = T(double(x[j]) * inv);
       return;
     }
-    double largest = 0;
-    for (Index j = 0; j < d; ++j) largest = std::max(largest, std::abs(double(x[j])));
-    if (largest == 0) {
+    int e = 0;
+    const double scaled = scaled_norm(x, d, e);
+    if (scaled == 0) {
       std::fill(out, out + d, T(0));
       return;
     }
-    int e = 0;
-    std::frexp(largest, &e);
-    double scaled_sum = 0;
-    for (Index j = 0; j < d; ++j)
-      scaled_sum += std::ldexp(double(x[j]), -e) * std::ldexp(double(x[j]), -e);
-    const double inv = 1.0 / std::sqrt(scaled_sum);
+    const double inv = 1.0 / scaled;
     for (Index j = 0; j < d; ++j) out[j] = T(std::ldexp(double(x[j]), -e) * inv);
   }
 };

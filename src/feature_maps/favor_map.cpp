@@ -5,10 +5,14 @@
 #include "common/gemm.hpp"
 #include "common/packet_map.hpp"
 #include "common/parallel.hpp"
+#include "common/scratch.hpp"
 #include "feature_maps/maps.hpp"
 
 namespace linrope::detail {
 namespace {
+
+template <class T>
+using RowMap = Eigen::Map<Matrix<T>>;
 
 // With x' = x d^(-1/4), u = W x' (f projections), h = |x'|^2 / 2 = |x|^2 / (2 sqrt d):
 //   favor+     phi_l = exp(u_l - h) / sqrt(f)
@@ -46,6 +50,15 @@ class FavorMap final : public FeatureMap {
     run<double>(x, out, log_scale, parallel);
   }
 
+  void backward_rows(const Eigen::Ref<const MatrixF>& x, const Eigen::Ref<const MatrixF>& features,
+                     const Eigen::Ref<const MatrixF>& g, Eigen::Ref<MatrixF> dx) const override {
+    run_backward<float>(x, features, g, dx);
+  }
+  void backward_rows(const Eigen::Ref<const MatrixD>& x, const Eigen::Ref<const MatrixD>& features,
+                     const Eigen::Ref<const MatrixD>& g, Eigen::Ref<MatrixD> dx) const override {
+    run_backward<double>(x, features, g, dx);
+  }
+
   void redraw(std::uint64_t seed) override {
     config_.seed = seed;
     draw();
@@ -59,9 +72,17 @@ class FavorMap final : public FeatureMap {
     w_ = draw_projection(d, num_features(), config_.orthogonal, config_.regularized, config_.seed);
     wt_d_ = w_.transpose() * std::pow(double(d), -0.25);
     wt_d_packed_ = PackedRight<double>(const_view(wt_d_));
-    const MatrixF wt_f = wt_d_.cast<float>();
-    wt_f_packed_ = PackedRight<float>(const_view(wt_f));
+    wt_f_ = wt_d_.cast<float>();
+    wt_f_packed_ = PackedRight<float>(const_view(wt_f_));
     max_row_norm_ = w_.rowwise().norm().maxCoeff();
+  }
+
+  template <class T>
+  const Matrix<T>& scaled_transpose_matrix() const {
+    if constexpr (std::is_same_v<T, float>)
+      return wt_f_;
+    else
+      return wt_d_;
   }
 
   template <class T>
@@ -102,6 +123,53 @@ class FavorMap final : public FeatureMap {
         if (log_scale) log_scale[i] = scale;
       }
     });
+  }
+
+  // The gradient (FeatureMap::backward_rows). With W' = d^(-1/4) W (rows w'_l) and each
+  // feature's derivative in u and in x through h = |x|^2 / (2 sqrt d):
+  //   favor+     J^T g = sum_l g_l phi_l w'_l - (g . phi) x / sqrt d
+  //   favor-hyp  J^T g = sum_l (g+_l phi+_l - g-_l phi-_l) w'_l - (g . phi) x / sqrt d
+  //   favor-trig J^T g = sum_l (gs_l phic_l - gc_l phis_l) w'_l + (g . phi) x / sqrt d
+  // (s, c: the sine and cosine halves; +, -: exp(u) and exp(-u)). Every term is a product of a
+  // gradient entry and a feature, so the stabilised pair (g exp(log_scale), phi exp(-log_scale))
+  // gives the same values. One product [rows x f] x [f x d] per block of rows, as in the forward.
+  template <class T>
+  void run_backward(const Eigen::Ref<const Matrix<T>>& x,
+                    const Eigen::Ref<const Matrix<T>>& features,
+                    const Eigen::Ref<const Matrix<T>>& g, Eigen::Ref<Matrix<T>> dx) const {
+    const Index n = x.rows(), d = input_dim(), f = num_features();
+    const Index block = std::min(kBlockRows, std::max<Index>(n, 1));
+    Scratch<T> scratch(block * f);
+    const double inv_sqrt_d = 1.0 / std::sqrt(double(d));
+    const double h_sign = kind() == FeatureMapKind::FavorTrig ? 1.0 : -1.0;
+    for (Index first = 0; first < n; first += block) {
+      const Index rows = std::min(block, n - first);
+      RowMap<T> products(scratch.data(), rows, f);
+      for (Index i = 0; i < rows; ++i) {
+        const auto phi = features.row(first + i).array();
+        const auto grad = g.row(first + i).array();
+        auto p = products.row(i).array();
+        switch (kind()) {
+          case FeatureMapKind::FavorPositive:
+            p = grad * phi;
+            break;
+          case FeatureMapKind::FavorHyperbolic:
+            p = grad.head(f) * phi.head(f) - grad.tail(f) * phi.tail(f);
+            break;
+          default:  // FavorTrig: [sin u, cos u]
+            p = grad.head(f) * phi.tail(f) - grad.tail(f) * phi.head(f);
+            break;
+        }
+      }
+      gemm(const_view(products), const_view(scaled_transpose_matrix<T>()).transposed(),
+           view(dx.middleRows(first, rows)), false);
+      for (Index i = first; i < first + rows; ++i) {
+        const double along_x = h_sign * inv_sqrt_d *
+                               dot_of(g.data() + i * g.outerStride(),
+                                      features.data() + i * features.outerStride(), output_dim());
+        dx.row(i) += T(along_x) * x.row(i);
+      }
+    }
   }
 
   // row[0, f) holds u on entry; on exit row[0, m) holds the features of one row. Returns log_scale.
@@ -146,8 +214,8 @@ class FavorMap final : public FeatureMap {
 
   MatrixD w_;     // [f x d], as drawn
   MatrixD wt_d_;  // [d x f] = d^(-1/4) W^T: x W'^T is then W x' with the d^(-1/4) folded in
-  // wt_d_, and wt_d_ rounded once to float, in the form the products read (packed once, not per
-  // block of rows)
+  MatrixF wt_f_;  // wt_d_ rounded once to float
+  // wt_d_ and wt_f_ in the form the forward's products read (packed once, not per block of rows)
   PackedRight<double> wt_d_packed_;
   PackedRight<float> wt_f_packed_;
   double max_row_norm_ = 0;

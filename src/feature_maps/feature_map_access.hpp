@@ -13,6 +13,14 @@ struct FeatureMapAccess {
                          Eigen::Ref<Matrix<T>> out, double* log_scale) {
     map.map_rows(x, out, log_scale, /*parallel=*/false);
   }
+  // dx = J^T d_out of already-checked rows, from their stabilised features and g = d_out
+  // exp(log_scale) (FeatureMap::backward_rows).
+  template <class T>
+  static void backward(const FeatureMap& map, const Eigen::Ref<const Matrix<T>>& x,
+                       const Eigen::Ref<const Matrix<T>>& features,
+                       const Eigen::Ref<const Matrix<T>>& g, Eigen::Ref<Matrix<T>> dx) {
+    map.backward_rows(x, features, g, dx);
+  }
 };
 
 }  // namespace linrope::detail

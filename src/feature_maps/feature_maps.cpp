@@ -1,13 +1,17 @@
 // Feature maps: names, argument checks and the public calls; the maps themselves are
 // elementwise_map.cpp and favor_map.cpp (one GEMM per block of rows, then one element-wise pass),
 // their projection projection.cpp.
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <linrope/feature_maps.hpp>
 #include <span>
 #include <string>
 
 #include "common/check.hpp"
+#include "common/parallel.hpp"
+#include "common/scratch.hpp"
 #include "feature_maps/maps.hpp"
 
 namespace linrope {
@@ -65,7 +69,58 @@ void check_arguments(const FeatureMap& map, std::string_view fn,
   detail::require_finite(fn, "x", x);
 }
 
+// FeatureMap::backward's checks, all before any work.
+template <class T>
+void check_backward(const FeatureMap& map, const Eigen::Ref<const Matrix<T>>& x,
+                    const Eigen::Ref<const Matrix<T>>& d_out, const Eigen::Ref<Matrix<T>>& dx) {
+  constexpr std::string_view fn = "FeatureMap::backward";
+  if (x.cols() != map.input_dim())
+    detail::throw_invalid(fn, "x is ", detail::shape_of(x), " but input_dim is ", map.input_dim());
+  if (d_out.rows() != x.rows() || d_out.cols() != map.output_dim())
+    detail::throw_invalid(fn, "d_out is ", detail::shape_of(d_out), " but expected ",
+                          detail::Shape{x.rows(), map.output_dim()},
+                          " (x.rows() x output_dim() of ", to_string(map.kind()), ")");
+  if (dx.rows() != x.rows() || dx.cols() != x.cols())
+    detail::throw_invalid(fn, "dx is ", detail::shape_of(dx), " but expected ", detail::shape_of(x),
+                          " (the shape of x)");
+  if (overlaps<T>(x, dx)) detail::throw_invalid(fn, "dx overlaps x; expected separate storage");
+  if (overlaps<T>(d_out, dx))
+    detail::throw_invalid(fn, "dx overlaps d_out; expected separate storage");
+  detail::require_finite(fn, "x", x);
+  detail::require_finite(fn, "d_out", d_out);
+}
+
 }  // namespace
+
+// dx = J^T d_out a block of rows at a time (the blocks on the OpenMP threads): the stabilised
+// features of the block, d_out brought to their reciprocal scale, then the map's backward_rows.
+template <class T>
+void FeatureMap::backward_checked(const Eigen::Ref<const Matrix<T>>& x,
+                                  const Eigen::Ref<const Matrix<T>>& d_out,
+                                  Eigen::Ref<Matrix<T>> dx) const {
+  check_backward<T>(*this, x, d_out, dx);
+  const Index n = x.rows(), m = output_dim();
+  const Index blocks = (n + detail::kBlockRows - 1) / detail::kBlockRows;
+  detail::for_each_index(blocks, /*parallel=*/true, [&](Index b) {
+    const Index first = b * detail::kBlockRows, rows = std::min(detail::kBlockRows, n - first);
+    detail::Scratch<T> features(rows * m), scaled(rows * m);
+    detail::Scratch<double> log_scale(rows);
+    Eigen::Map<Matrix<T>> f(features.data(), rows, m), g(scaled.data(), rows, m);
+    map_rows(x.middleRows(first, rows), f, log_scale.data(), /*parallel=*/false);
+    for (Index i = 0; i < rows; ++i)
+      g.row(i) = d_out.row(first + i) * T(std::exp(log_scale.data()[i]));
+    backward_rows(x.middleRows(first, rows), f, g, dx.middleRows(first, rows));
+  });
+}
+
+void FeatureMap::backward(const Eigen::Ref<const MatrixF>& x,
+                          const Eigen::Ref<const MatrixF>& d_out, Eigen::Ref<MatrixF> dx) const {
+  backward_checked<float>(x, d_out, dx);
+}
+void FeatureMap::backward(const Eigen::Ref<const MatrixD>& x,
+                          const Eigen::Ref<const MatrixD>& d_out, Eigen::Ref<MatrixD> dx) const {
+  backward_checked<double>(x, d_out, dx);
+}
 
 void FeatureMap::apply(const Eigen::Ref<const MatrixF>& x, Eigen::Ref<MatrixF> out) const {
   check_arguments<float>(*this, "FeatureMap::apply", x, out, nullptr);

@@ -13,16 +13,22 @@ namespace linrope::detail {
 // team.
 inline constexpr Index kBlockRows = 128;
 
-// sum_j p[j]^2 in double. Eight independent accumulators let the compiler vectorise the loop (a
-// single running sum is a serial chain it may not reorder); the result is deterministic per build.
+// sum_j a[j] b[j] in double. Eight independent accumulators let the compiler vectorise the loop (a
+// single running sum is a serial chain it may not reorder); the order of the sum is fixed, so the
+// result does not depend on where a and b sit (an Eigen reduction would peel to the first
+// aligned element first).
 template <class T>
-double sum_of_squares(const T* p, Index d) {
+double dot_of(const T* a, const T* b, Index d) {
   double acc[8] = {};
   Index j = 0;
   for (; j + 8 <= d; j += 8)
-    for (int k = 0; k < 8; ++k) acc[k] += double(p[j + k]) * double(p[j + k]);
-  for (; j < d; ++j) acc[0] += double(p[j]) * double(p[j]);
+    for (int k = 0; k < 8; ++k) acc[k] += double(a[j + k]) * double(b[j + k]);
+  for (; j < d; ++j) acc[0] += double(a[j]) * double(b[j]);
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+template <class T>
+double sum_of_squares(const T* p, Index d) {
+  return dot_of(p, p, d);
 }
 
 // elu+1, relu and 1+cos: element-wise (1+cos per row), no parameters.
