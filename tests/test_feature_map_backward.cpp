@@ -416,6 +416,14 @@ TEST_CASE("large-norm float inputs give finite gradients that match the referenc
 }
 
 TEST_CASE("elu+1 far below 0 in float: exp(x) down to the subnormals, finite") {
+  // elu+1's derivative at x < 0 is its feature exp(x), from the forward's packet exp: a few ulp
+  // above 2^-126, and below it the slack test_feature_maps.cpp documents for that exp (2^-150 with
+  // AVX-512; the portable build's Eigen exp clamps x at -88.7 and returns ~2.9e-39 < 2^-126).
+#if defined(__AVX512F__)
+  const double subnormal_slack = 0x1.0p-150;
+#else
+  const double subnormal_slack = 0x1.0p-126;
+#endif
   const auto map = make(FeatureMapKind::EluPlusOne, 4);
   MatrixF x(1, 4);
   x << -80.0f, -100.0f, -104.0f, -200.0f;  // exp: 1.8e-35, 3.7e-44 (subnormal), 0 in float
@@ -425,9 +433,7 @@ TEST_CASE("elu+1 far below 0 in float: exp(x) down to the subnormals, finite") {
   for (Index j = 0; j < 4; ++j) {
     CAPTURE(j);
     const double want = std::exp(double(x(0, j)));
-    // A few ulp of the normal result, or the smallest subnormal's spacing below.
-    CHECK(std::abs(double(dx(0, j)) - want) <=
-          4 * kUnit<float> * want + double(std::numeric_limits<float>::denorm_min()) * 2);
+    CHECK(std::abs(double(dx(0, j)) - want) <= 4 * kUnit<float> * want + subnormal_slack);
     CHECK(dx(0, j) >= 0);
   }
 }
@@ -533,18 +539,23 @@ TEST_CASE("FeatureMap::backward rejects bad input, naming the argument") {
     }
     {
       // dx may overlap neither x nor d_out, not even exactly in place for the element-wise maps.
-      MatrixD buffer = inputs(3, 4 + 4 + m, 60);
-      const MatrixD before = buffer;
+      // (Storage is compared by address range, so the other argument lives in its own matrix.)
+      MatrixD x_buffer = inputs(3, 8, 60), d_buffer = gaussian(3, m + 4, 61);
+      const MatrixD x_before = x_buffer, d_before = d_buffer;
+      const MatrixD separate_d = gaussian(3, m, 62), separate_x = inputs(3, 4, 63);
+      CHECK_THROWS_WITH_AS(map->backward(x_buffer.leftCols(4), separate_d, x_buffer.leftCols(4)),
+                           Contains("FeatureMap::backward: dx overlaps x"), std::invalid_argument);
       CHECK_THROWS_WITH_AS(
-          map->backward(buffer.leftCols(4), buffer.middleCols(8, m), buffer.leftCols(4)),
+          map->backward(x_buffer.leftCols(4), separate_d, x_buffer.middleCols(2, 4)),
           Contains("FeatureMap::backward: dx overlaps x"), std::invalid_argument);
       CHECK_THROWS_WITH_AS(
-          map->backward(buffer.leftCols(4), buffer.middleCols(8, m), buffer.middleCols(2, 4)),
-          Contains("FeatureMap::backward: dx overlaps x"), std::invalid_argument);
-      CHECK_THROWS_WITH_AS(
-          map->backward(buffer.leftCols(4), buffer.middleCols(4, m), buffer.middleCols(4, 4)),
+          map->backward(separate_x, d_buffer.leftCols(m), d_buffer.middleCols(m, 4)),
           Contains("FeatureMap::backward: dx overlaps d_out"), std::invalid_argument);
-      CHECK(buffer == before);  // a rejected call writes nothing
+      CHECK_THROWS_WITH_AS(map->backward(separate_x, d_buffer.leftCols(m), d_buffer.leftCols(4)),
+                           Contains("FeatureMap::backward: dx overlaps d_out"),
+                           std::invalid_argument);
+      CHECK(x_buffer == x_before);  // a rejected call writes nothing
+      CHECK(d_buffer == d_before);
     }
     // Zero rows: nothing to do, nothing thrown.
     const MatrixD none(0, 4), none_d(0, m);
