@@ -11,6 +11,8 @@
 //   linear/<map>/<placement>/<noncausal|chunked|scan>/n:<n>  batched linear_attention
 //   linear/favor/numerator_only/<chunked|scan>/m:<m>/n:<n>  the same with f = m = 64, 128, 192
 //   linear/<map>/numerator_only/<noncausal|chunked|scan>/d:<d>/n:<n>  head width d = d_v = 32, 128
+//   linear_backward/<map>/<placement>/<noncausal|causal>/n:<n>  batched linear_attention_backward
+//                                       (dq, dk, dv from d_out; the causal backward has one form)
 //   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
 //   softmax/<noncausal|causal>/n:<n>    batched softmax_attention
 //   machine/peak_fma, machine/sgemm_1024, machine/copy   what this machine can do
@@ -150,6 +152,33 @@ void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement place
   time_linear(state, kind, default_features(kind), placement, mode, state.range(0));
 }
 
+// The backward of the same problem (d_out ~ N(0, 1)). No FLOP model: compare its time with the
+// forward's of the same name (bench/RESULTS.md).
+void BM_LinearBackward(benchmark::State& state, FeatureMapKind kind, RopePlacement placement,
+                       bool causal) {
+  const Index n = state.range(0);
+  Problem problem(n);
+  const std::vector<float> d_out = gaussian_buffer(kBatch * kHeads * n * kDim, 4);
+  std::vector<float> dq(d_out.size()), dk(d_out.size()), dv(d_out.size());
+  const auto map = make_map(kind, default_features(kind));
+  const std::optional<linrope::Rope> rope = make_rope(placement, map->output_dim());
+  const linrope::LinearOptions options{
+      .causal = causal, .placement = placement, .rope = rope ? &*rope : nullptr};
+  const auto out = [&](std::vector<float>& x) {
+    return linrope::Heads<float>{
+        .data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
+  };
+  for (auto _ : state) {
+    linrope::linear_attention_backward(problem.in(problem.q), problem.in(problem.k),
+                                       problem.in(problem.v), problem.in(d_out), out(dq), out(dk),
+                                       out(dv), *map, options);
+    benchmark::DoNotOptimize(dq.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * kBatch * n);
+  state.counters["threads"] = linrope::bench::threads();
+}
+
 // FAVOR+ eq. 19, causal, with f = m features other than 256: where it overtakes causal softmax
 // as m varies. The scan does 8 m d FLOPs a token (d = d_v = 64), softmax 2 n d at the same
 // rate it would cross at n = 4 m; the chunked form adds its masked blocks (RESULTS.md's count of
@@ -233,6 +262,18 @@ bool register_all() {
         }
         benchmark::RegisterBenchmark(name.c_str(), BM_Linear, kind, placement, mode)
             ->ArgsProduct({ns})
+            ->ArgNames({"n"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+  for (const FeatureMapKind kind : maps)
+    for (const RopePlacement placement : placements)
+      for (const bool causal : {false, true}) {
+        const std::string name = std::string("linear_backward/") + map_name(kind) + "/" +
+                                 linrope::to_string(placement) + "/" +
+                                 (causal ? "causal" : "noncausal");
+        benchmark::RegisterBenchmark(name.c_str(), BM_LinearBackward, kind, placement, causal)
+            ->ArgsProduct({sizes})
             ->ArgNames({"n"})
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();

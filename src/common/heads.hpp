@@ -2,6 +2,7 @@
 // the slices of a view, the finiteness checks, and the loop that spreads the slices over threads.
 #pragma once
 
+#include <algorithm>
 #include <linrope/batched.hpp>
 #include <sstream>
 #include <string>
@@ -49,14 +50,13 @@ void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
                       " but expected a length in [0, ", h.n, "]");
 }
 
-// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v], out [B,H,n,d_v].
+// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v].
 template <class T>
-void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
-                 const Heads<const T>& v, const Heads<T>& out) {
+void check_input_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                       const Heads<const T>& v) {
   check_view(fn, "q", q);
   check_view(fn, "k", k);
   check_view(fn, "v", v);
-  check_view(fn, "out", out);
   const auto same_batch_heads = [&](std::string_view name, Index batch, Index heads,
                                     const std::string& shape) {
     if (batch != q.batch || heads != q.heads)
@@ -64,12 +64,38 @@ void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const
   };
   same_batch_heads("k", k.batch, k.heads, describe(k));
   same_batch_heads("v", v.batch, v.heads, describe(v));
-  same_batch_heads("out", out.batch, out.heads, describe(out));
   if (k.d != q.d) throw_invalid(fn, "k is ", describe(k), " but q has d = ", q.d);
   if (v.n != k.n) throw_invalid(fn, "v is ", describe(v), " but k has n = ", k.n);
-  if (out.n != q.n || out.d != v.d)
-    throw_invalid(fn, "out is ", describe(out), " but expected [", q.batch, ", ", q.heads, ", ",
-                  q.n, ", ", v.d, "]");
+}
+
+// `name` [B,H,n,d] must be [q.batch, q.heads, n, d].
+template <class T, class U>
+void check_shape(std::string_view fn, std::string_view name, const Heads<U>& view,
+                 const Heads<const T>& q, Index n, Index d) {
+  check_view(fn, name, view);
+  if (view.batch != q.batch || view.heads != q.heads || view.n != n || view.d != d)
+    throw_invalid(fn, name, " is ", describe(view), " but expected [", q.batch, ", ", q.heads, ", ",
+                  n, ", ", d, "]");
+}
+
+// The forwards: the inputs, and out [B,H,n,d_v].
+template <class T>
+void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                 const Heads<const T>& v, const Heads<T>& out) {
+  check_input_heads(fn, q, k, v);
+  check_shape(fn, "out", out, q, q.n, v.d);
+}
+
+// The backwards: the inputs, d_out [B,H,n,d_v], and dq, dk, dv of the shapes of q, k, v.
+template <class T>
+void check_gradient_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                          const Heads<const T>& v, const Heads<const T>& d_out, const Heads<T>& dq,
+                          const Heads<T>& dk, const Heads<T>& dv) {
+  check_input_heads(fn, q, k, v);
+  check_shape(fn, "d_out", d_out, q, q.n, v.d);
+  check_shape(fn, "dq", dq, q, q.n, q.d);
+  check_shape(fn, "dk", dk, q, k.n, k.d);
+  check_shape(fn, "dv", dv, q, v.n, v.d);
 }
 
 // The rows of slice s of q, k or v within the lengths (v's are k's).
@@ -108,6 +134,27 @@ void require_finite_heads(std::string_view fn, const Heads<const T>& q, const He
   });
   for (Index s = 0; s < slices; ++s)
     if (!finite[s]) require_finite_slice(fn, q, k, v, s);
+}
+
+// Every row of d_out within q's lengths finite (the backwards), reported as require_finite_heads
+// does.
+template <class T>
+void require_finite_gradient(std::string_view fn, const Heads<const T>& d_out,
+                             const Heads<const T>& q) {
+  for (Index s = 0; s < d_out.batch * d_out.heads; ++s) {
+    const auto rows = valid_slice(d_out, s, q);
+    if (all_finite(rows)) continue;
+    std::ostringstream name;
+    name << "d_out[" << s / d_out.heads << ", " << s % d_out.heads << ']';
+    require_finite(fn, name.str(), rows);
+  }
+}
+
+// Zeros rows [from, n) of slice (b, h) of a view: the gradients past the lengths.
+template <class T>
+void zero_rows_past(const Heads<T>& h, Index b, Index head, Index from) {
+  T* data = h.data + (b * h.heads + head) * h.n * h.d;
+  std::fill(data + from * h.d, data + h.n * h.d, T(0));
 }
 
 // Runs body(b, h) for every slice, one slice per task on the OpenMP threads.

@@ -30,21 +30,26 @@ void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
 //   num(): features on the numerator side (rotated by R_i for NumeratorOnly and Full),
 //   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
 //   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features.
+// For the backward (keep_plain), also what the map's gradient needs: plain(), the map's own
+// output before any rotation, and map_input(), the rows the map was applied to (the rotated
+// input for BeforeMap).
 // Its memory is per-thread scratch (scratch.hpp): no allocation after a thread's first call.
 template <class T>
 class FeatureBlock {
  public:
-  FeatureBlock(const LinearSetup& setup, Index capacity)
+  FeatureBlock(const LinearSetup& setup, Index capacity, bool keep_plain = false)
       : setup_(setup),
         capacity_(capacity),
-        separate_den_(setup.options.placement == RopePlacement::NumeratorOnly),
-        features_(capacity * ((separate_den_ ? 2 : 1) * setup.m +
+        separate_plain_(setup.options.placement == RopePlacement::NumeratorOnly ||
+                        (keep_plain && setup.options.placement == RopePlacement::Full)),
+        features_(capacity * ((separate_plain_ ? 2 : 1) * setup.m +
                               (setup.options.placement == RopePlacement::BeforeMap ? setup.d : 0))),
         log_scale_(capacity) {}
 
   // Features of rows x [rows x d] at positions first_position, first_position + 1, ...
   void compute(const T* x, Index rows, Index first_position) {
     rows_ = rows;
+    input_ = x;
     check_input(setup_, x, rows, setup_.d);
     const FeatureMap& map = *setup_.map;
     const Rope* rope = setup_.options.rope;
@@ -58,20 +63,22 @@ class FeatureBlock {
         map_rows(input, num_data());
         break;
       case RopePlacement::BeforeMap: {
-        RowMap<T> rotated(num_data() + capacity_ * m, rows, d);
+        RowMap<T> rotated(rotated_input_data(), rows, d);
         rotated = input;
         RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
         map_rows(rotated, num_data());
         break;
       }
       case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
-        map_rows(input, den_data());
-        RopeAccess::rotate_rows<T>(*rope, den_data(), num_data(), rows, m, first_position,
-                                   Turn::Apply);
-        break;
       case RopePlacement::Full:
-        map_rows(input, num_data());
-        RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, Turn::Apply);
+        if (separate_plain_) {
+          map_rows(input, plain_data());
+          RopeAccess::rotate_rows<T>(*rope, plain_data(), num_data(), rows, m, first_position,
+                                     Turn::Apply);
+        } else {
+          map_rows(input, num_data());
+          RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, Turn::Apply);
+        }
         break;
       default:  // check_linear_setup rejects any other value before a kernel runs
         assert(false && "unchecked RopePlacement");
@@ -84,24 +91,39 @@ class FeatureBlock {
   Index rows() const { return rows_; }
   ConstRowMap<T> num() const { return ConstRowMap<T>(num_data(), rows_, setup_.m); }
   ConstRowMap<T> den() const { return ConstRowMap<T>(den_data(), rows_, setup_.m); }
+  // The map's output (keep_plain for Full) and its input rows.
+  ConstRowMap<T> plain() const { return ConstRowMap<T>(plain_data(), rows_, setup_.m); }
+  ConstRowMap<T> map_input() const {
+    return ConstRowMap<T>(
+        setup_.options.placement == RopePlacement::BeforeMap ? rotated_input_data() : input_, rows_,
+        setup_.d);
+  }
   double log_scale(Index i) const { return log_scale_.data()[i]; }
   double max_log_scale() const {
     return rows_ ? *std::max_element(log_scale_.data(), log_scale_.data() + rows_) : kEmpty;
   }
 
  private:
-  // [num | den (NumeratorOnly) | rotated input (BeforeMap)], each capacity rows.
+  // [num | plain (NumeratorOnly; Full for the backward) | rotated input (BeforeMap)], each
+  // capacity rows.
   T* num_data() const { return features_.data(); }
+  T* plain_data() const {
+    return separate_plain_ ? features_.data() + capacity_ * setup_.m : features_.data();
+  }
   T* den_data() const {
-    return separate_den_ ? features_.data() + capacity_ * setup_.m : features_.data();
+    return setup_.options.placement == RopePlacement::NumeratorOnly ? plain_data() : num_data();
+  }
+  T* rotated_input_data() const {
+    return features_.data() + capacity_ * setup_.m * (separate_plain_ ? 2 : 1);
   }
 
   const LinearSetup& setup_;
   Index capacity_;
-  bool separate_den_;
+  bool separate_plain_;
   Scratch<T> features_;
   Scratch<double> log_scale_;
   Index rows_ = 0;
+  const T* input_ = nullptr;
 };
 
 // Rescales the state to log scale new_max (>= state.M).
@@ -158,22 +180,25 @@ void absorb_through(LinearState<T>& state, FeatureBlock<T>& keys, const T* k, co
   }
 }
 
+// den~_i + eps exp(-(a_i + M_i)), the stabilised divisor of output row i, given den~_i and its
+// log scale a_i + M_i; or 0 when the row's output is zero: nothing attended to (log_scale kEmpty),
+// 0 / 0 (eps = 0), or num / inf. Maps without a stabiliser (elu+1, relu, 1+cos) have log_scale 0
+// on every row: exp(-0) = 1 exactly, without the libm call.
+inline double stabilized_divisor(double den, double log_scale, double eps) {
+  if (log_scale == kEmpty) return 0.0;
+  const double total = den + (eps > 0 ? eps * (log_scale == 0 ? 1.0 : std::exp(-log_scale)) : 0.0);
+  return total == 0 || !std::isfinite(total) ? 0.0 : total;
+}
+
 // o_i = num~_i / (den~_i + eps exp(-(a_i + M_i))); a zero row when nothing is attended to.
 // numerator: d_v contiguous values. Multiplying by the reciprocal in double (one rounding more
 // than dividing, far below float's) lets the loop vectorise.
 template <class T>
 void write_output(T* out, const T* numerator, Index dv, double den, double log_scale, double eps,
                   DenominatorTally* tally) {
-  if (log_scale == kEmpty) {  // no admissible key
-    std::fill(out, out + dv, T(0));
-    if (tally) tally->add(0.0, 0.0);
-    return;
-  }
-  if (tally) tally->add(den, log_scale);
-  // Maps without a stabiliser (elu+1, relu, 1+cos) have log_scale 0 on every row: exp(-0) = 1
-  // exactly, without the libm call.
-  const double total = den + (eps > 0 ? eps * (log_scale == 0 ? 1.0 : std::exp(-log_scale)) : 0.0);
-  if (total == 0 || !std::isfinite(total)) {  // 0 / 0 (eps = 0), or num / inf
+  if (tally) tally->add(log_scale == kEmpty ? 0.0 : den, log_scale == kEmpty ? 0.0 : log_scale);
+  const double total = stabilized_divisor(den, log_scale, eps);
+  if (total == 0) {
     std::fill(out, out + dv, T(0));
     return;
   }
@@ -221,6 +246,24 @@ void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index 
                      rows_of(v, setup.dv, js + rows, next_rows)}});
   }
 }
+
+// The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at
+// most kMaxParts of them, each absorbed into its own state and the states merged in order; and its
+// queries likewise, at multiples of the feature block. The cuts depend on the lengths only, never
+// on the thread count, so the result is the same bits for any number of threads (a different cut
+// would sum the state in another order). With fewer threads a thread simply takes several parts:
+// the merges cost m x d_v each, nothing next to a part's m x d_v x 512 x 2.
+inline constexpr Index kPartRows = 512;
+inline constexpr Index kMaxParts = 8;
+inline Index part_count(Index rows, Index unit) {
+  return std::clamp<Index>(rows / std::max(unit, kPartRows), 1, kMaxParts);
+}
+
+// state = every key [0, nk) (positions k_pos0..), absorbed in parts (part_count) on `threads`
+// threads, the parts merged in order (linear_noncausal.cpp).
+template <class T>
+void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+                      const LinearSetup& setup, int threads);
 
 // state += other, both brought to the larger of their two scales.
 template <class T>

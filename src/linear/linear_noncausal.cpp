@@ -7,18 +7,6 @@
 namespace linrope::detail {
 namespace {
 
-// The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at
-// most kMaxParts of them, each absorbed into its own state and the states merged in order; and its
-// queries likewise, at multiples of the feature block. The cuts depend on the lengths only, never
-// on the thread count, so the result is the same bits for any number of threads (a different cut
-// would sum the state in another order). With fewer threads a thread simply takes several parts:
-// the merges cost m x d_v each, nothing next to a part's m x d_v x 512 x 2.
-constexpr Index kPartRows = 512;
-constexpr Index kMaxParts = 8;
-Index part_count(Index rows, Index unit) {
-  return std::clamp<Index>(rows / std::max(unit, kPartRows), 1, kMaxParts);
-}
-
 // Non-causal read-out of n queries against a complete state. Each block's product fetches the
 // output rows it is about to write and the next block's queries (as absorb_keys does).
 template <class T>
@@ -43,6 +31,31 @@ void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_
 
 }  // namespace
 
+template <class T>
+void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+                      const LinearSetup& setup, int threads) {
+  const Index d = setup.d, dv = setup.dv;
+  state.reset(setup.m, dv);
+  const Index key_parts = part_count(nk, kPartRows);
+  if (key_parts == 1) {
+    absorb_keys(state, k, v, nk, k_pos0, setup);
+    return;
+  }
+  std::vector<LinearState<T>> parts(key_parts);
+  for (auto& part : parts) part.reset(setup.m, dv);
+  parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
+    const Index begin = split_point(nk, key_parts, t, kPartRows);
+    const Index end = split_point(nk, key_parts, t + 1, kPartRows);
+    absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
+  });
+  for (const auto& part : parts) merge(state, part);
+}
+
+template void absorb_key_parts<float>(LinearState<float>&, const float*, const float*, Index, Index,
+                                      const LinearSetup&, int);
+template void absorb_key_parts<double>(LinearState<double>&, const double*, const double*, Index,
+                                       Index, const LinearSetup&, int);
+
 // Keys cut into parts (part_count), each absorbed into its own state, the states merged in order;
 // then the queries read out in parts. Parts run on the OpenMP threads when `parallel`, else in
 // turn: the same arithmetic either way.
@@ -55,20 +68,7 @@ void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, Denom
   const Index d = setup.d, dv = setup.dv;
   const int threads = usable_threads(parallel);
   LinearState<T> state;
-  state.reset(setup.m, dv);
-  const Index key_parts = part_count(nk, kPartRows);
-  if (key_parts > 1) {
-    std::vector<LinearState<T>> parts(key_parts);
-    for (auto& part : parts) part.reset(setup.m, dv);
-    parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
-      const Index begin = split_point(nk, key_parts, t, kPartRows);
-      const Index end = split_point(nk, key_parts, t + 1, kPartRows);
-      absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
-    });
-    for (const auto& part : parts) merge(state, part);
-  } else {
-    absorb_keys(state, k, v, nk, k_pos0, setup);
-  }
+  absorb_key_parts(state, k, v, nk, k_pos0, setup, threads);
   // Query parts at multiples of read_out's block, so that every block of rows, and so every
   // product's shape, is the same whatever the cut.
   const Index block = block_rows(setup.m);

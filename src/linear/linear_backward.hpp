@@ -1,0 +1,194 @@
+// Private: the backward passes of linear attention, the gradients of the forms of
+// linear_kernel.hpp, and the pieces both the causal and the non-causal backward are made of.
+//
+// The algebra, on the stabilised scale of linear_kernel.hpp. Query i has numerator-side features
+// a_i = exp(alpha_i) a~_i, denominator-side ones b_i = exp(alpha_i) b~_i, reads the state S~_i,
+// z~_i at the log scale M_i (the largest key scale it sees), and D~_i = den~_i + eps exp(-(alpha_i
+// + M_i)), so that o_i = num~_i / D~_i. With g_i = dL/do_i:
+//   g~_i    = g_i / D~_i                          (the gradient of num~_i)
+//   Ga_i    = S~_i g~_i         = exp(alpha_i) dL/da_i
+//   delta_i = -<a~_i, Ga_i> / D~_i                (= -<g_i, o_i> / D~_i: <g~_i, num~_i> = <a~_i,
+//   Ga_i>) Gb_i    = delta_i z~_i      = exp(alpha_i) dL/db_i
+// Key j, with features c_j (numerator side), e_j (denominator side) and log scale gamma_j:
+//   Gc_j = sum_{i sees j} exp(gamma_j - M_i) (g~_i . v_j) a~_i     = exp(gamma_j) dL/dc_j
+//   Ge_j = sum_{i sees j} exp(gamma_j - M_i) delta_i b~_i          = exp(gamma_j) dL/de_j
+//   dv_j = sum_{i sees j} exp(gamma_j - M_i) <a~_i, c~_j> g~_i
+// Every weight exp(gamma_j - M_i) is at most 1 (M_i is the largest scale query i sees), so large
+// inputs give finite gradients, and a causal key's gradient, like a causal output, reads only what
+// may see it. The feature gradients are on the features' reciprocal scale, the form
+// FeatureMap::backward_rows takes: input_gradient turns them into dq and dk (through R^T where the
+// placement rotates). The keys' sums over queries are a reverse state (QueryState below), the
+// mirror of the forward's (S, z): the causal backward sweeps it from the last query to the first.
+#pragma once
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "linear/linear_blocks.hpp"
+
+namespace linrope::detail {
+
+// One head's rows and their gradients: q [n x d], k [nk x d], v [nk x dv], d_out [n x dv] ->
+// dq, dk, dv of the shapes of q, k, v (every row written), positions as in LinearHead.
+template <class T>
+struct LinearGradientHead {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* d_out;
+  T* dq;
+  T* dk;
+  T* dv;
+  Index n, nk;
+  Index q_pos0, k_pos0;
+};
+
+// The gradients of linear_noncausal and linear_causal (any method: the causal backward has one
+// form, chunked). `parallel` as for the forwards. Inputs must already be checked (finite, shapes);
+// never throw but std::bad_alloc.
+template <class T>
+void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
+                               bool parallel);
+template <class T>
+void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
+                            bool parallel);
+
+inline constexpr double kNoQueries = std::numeric_limits<double>::infinity();
+
+// What the queries absorbed so far give their keys: U = sum_i exp(K - M_i) a~_i g~_i^T [m x dv]
+// and y = sum_i exp(K - M_i) delta_i b~_i [m], at the log scale K, the smallest M_i absorbed
+// (+inf: none), so that every weight is at most 1 and key j reads them times exp(gamma_j - K).
+template <class T>
+struct QueryState {
+  Matrix<T> U;
+  Vector<T> y;
+  double K = kNoQueries;
+  void reset(Index m, Index dv) {
+    U.setZero(m, dv);
+    y.setZero(m);
+    K = kNoQueries;
+  }
+};
+
+// Lowers the state's scale to new_min (<= K).
+template <class T>
+void lower_scale(QueryState<T>& state, double new_min) {
+  if (new_min >= state.K) return;
+  if (state.K != kNoQueries) {
+    const T factor = T(std::exp(new_min - state.K));
+    state.U *= factor;
+    state.y *= factor;
+  }
+  state.K = new_min;
+}
+
+// state += other, both brought to the smaller of their scales.
+template <class T>
+void merge(QueryState<T>& state, const QueryState<T>& other) {
+  if (other.K == kNoQueries) return;
+  lower_scale(state, other.K);
+  const T factor = T(std::exp(state.K - other.K));
+  state.U += factor * other.U;
+  state.y += factor * other.y;
+}
+
+// One block of queries' terms: g~ [rows x dv], delta and M per row (M = kEmpty for a row whose
+// output is zero: it contributes nothing).
+template <class T>
+struct QueryTerms {
+  const T* g;
+  const double* delta;
+  const double* scale;
+};
+
+// Adds a block of queries (features `queries`, terms `terms`) to the state: U += a~^T diag(w) g~,
+// y += b~^T (w delta) with w_i = exp(K - M_i). weighted: scratch of at least rows x dv.
+template <class T>
+void absorb_queries(QueryState<T>& state, const FeatureBlock<T>& queries,
+                    const QueryTerms<T>& terms, T* weighted) {
+  const Index rows = queries.rows(), dv = queries.setup().dv;
+  double lowest = kNoQueries;
+  for (Index r = 0; r < rows; ++r)
+    if (terms.scale[r] != kEmpty) lowest = std::min(lowest, terms.scale[r]);
+  if (lowest == kNoQueries) return;  // every row's output is zero
+  lower_scale(state, lowest);
+  Vector<T> w(rows);
+  for (Index r = 0; r < rows; ++r)
+    w[r] = terms.scale[r] == kEmpty ? T(0) : T(std::exp(state.K - terms.scale[r]));
+  RowMap<T> g(weighted, rows, dv);
+  g = w.asDiagonal() * ConstRowMap<T>(terms.g, rows, dv);
+  gemm(const_view(queries.num()).transposed(), const_view(g), view(state.U), true);
+  for (Index r = 0; r < rows; ++r) w[r] *= T(terms.delta[r]);
+  state.y.noalias() += queries.den().transpose() * w;
+}
+
+// The keys' gradients from the queries in `state` (all of whom see every key of the block):
+//   Gc += f_j U v_j,  dv_j += f_j U^T c~_j,  Ge += f_j y  (into Gc when den and num features are
+// the same rows: every placement but NumeratorOnly),  f_j = exp(gamma_j - K).
+// gc, ge [rows x m], dv [rows x dv] are accumulated into; ge is used for NumeratorOnly only.
+template <class T>
+void key_terms_from_state(const QueryState<T>& state, const FeatureBlock<T>& keys, const T* v,
+                          T* gc, T* ge, T* dv, T* scratch_m, T* scratch_dv) {
+  if (state.K == kNoQueries) return;
+  const LinearSetup& setup = keys.setup();
+  const Index rows = keys.rows(), m = setup.m, dvw = setup.dv;
+  RowMap<T> from_u(scratch_m, rows, m), from_ut(scratch_dv, rows, dvw);
+  gemm(const_view(ConstRowMap<T>(v, rows, dvw)), const_view(state.U).transposed(), view(from_u),
+       false);
+  gemm(const_view(keys.num()), const_view(state.U), view(from_ut), false);
+  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
+  RowMap<T> c(gc, rows, m), e(separate ? ge : gc, rows, m), value(dv, rows, dvw);
+  for (Index j = 0; j < rows; ++j) {
+    const T f = T(std::exp(keys.log_scale(j) - state.K));
+    c.row(j) += f * from_u.row(j);
+    e.row(j) += f * state.y.transpose();
+    value.row(j) += f * from_ut.row(j);
+  }
+}
+
+// dx [rows x d], the gradient of the block's input rows, from the gradients of its numerator-side
+// features g_num [rows x m] (overwritten) and of its denominator-side ones g_den (null when the
+// caller has already added them into g_num: placements whose two sides are the same rows), both on
+// the features' reciprocal scale: through R^T where the placement rotates, then the map.
+template <class T>
+void input_gradient(const FeatureBlock<T>& block, Index first_position, T* g_num, const T* g_den,
+                    T* dx) {
+  const LinearSetup& setup = block.setup();
+  const Index rows = block.rows(), m = setup.m, d = setup.d;
+  if (rows == 0) return;
+  RowMap<T> g(g_num, rows, m);
+  const Rope* rope = setup.options.rope;
+  const auto add_den = [&] {
+    if (g_den) g += ConstRowMap<T>(g_den, rows, m);
+  };
+  switch (setup.options.placement) {
+    case RopePlacement::NumeratorOnly:  // den: the unrotated features
+      RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
+      add_den();
+      break;
+    case RopePlacement::Full:
+      add_den();
+      RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
+      break;
+    default:
+      add_den();
+      break;
+  }
+  FeatureMapAccess::backward<T>(*setup.map, block.map_input(), block.plain(), g,
+                                RowMap<T>(dx, rows, d));
+  if (setup.options.placement == RopePlacement::BeforeMap)
+    RopeAccess::rotate_rows(*rope, dx, rows, d, first_position, Turn::Transpose);
+}
+
+// g~_i = g_i / D~_i for one row (zeros when the output row is zero: divisor 0).
+template <class T>
+void scaled_gradient(const T* g, T* out, Index dv, double divisor) {
+  if (divisor == 0) {
+    std::fill(out, out + dv, T(0));
+    return;
+  }
+  for (Index c = 0; c < dv; ++c) out[c] = T(double(g[c]) / divisor);
+}
+
+}  // namespace linrope::detail

@@ -1,0 +1,109 @@
+// The gradient of non-causal linear attention (the algebra is in linear_backward.hpp). Every query
+// reads the same state (S~, z~) at the same scale M, so the pass is: the keys' state, as in the
+// forward; the queries in parts, each giving its rows of dq and its share of the query state
+// (U, y); the shares merged in order; then the keys in parts, each giving its rows of dk and dv.
+// The parts are those of the forward (part_count): the same bits for any number of threads.
+#include <vector>
+
+#include "linear/linear_backward.hpp"
+
+namespace linrope::detail {
+namespace {
+
+// Queries [0, n) against the complete key state: dq, and their query state.
+template <class T>
+void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T* dq, Index n,
+                Index q_pos0, const LinearSetup& setup, QueryState<T>& queries_state) {
+  const Index m = setup.m, d = setup.d, dv = setup.dv;
+  const Index block = std::min<Index>(block_rows(m), std::max<Index>(n, 1));
+  FeatureBlock<T> queries(setup, block, /*keep_plain=*/true);
+  Scratch<T> g_scratch(block * dv), ga_scratch(block * m), gb_scratch(block * m),
+      weighted(block * dv);
+  std::vector<double> delta(block), scale(block);
+  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
+  for (Index qs = 0; qs < n; qs += block) {
+    const Index rows = std::min(block, n - qs);
+    queries.compute(q + qs * d, rows, q_pos0 + qs);
+    RowMap<T> g(g_scratch.data(), rows, dv), ga(ga_scratch.data(), rows, m),
+        gb(gb_scratch.data(), rows, m);
+    const Vector<T> den = queries.den() * keys_state.z;
+    std::vector<double> divisor(rows);
+    for (Index r = 0; r < rows; ++r) {
+      const double log_scale = queries.log_scale(r) + keys_state.M;
+      divisor[r] = stabilized_divisor(double(den[r]), log_scale, setup.options.eps);
+      scale[r] = divisor[r] == 0 ? kEmpty : keys_state.M;
+      scaled_gradient(d_out + (qs + r) * dv, g.data() + r * dv, dv, divisor[r]);
+    }
+    gemm(const_view(g), const_view(keys_state.S).transposed(), view(ga), false);
+    RowMap<T>& den_side = separate ? gb : ga;
+    if (separate) gb.setZero();
+    for (Index r = 0; r < rows; ++r) {
+      delta[r] = divisor[r] == 0 ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / divisor[r];
+      den_side.row(r) += T(delta[r]) * keys_state.z.transpose();
+    }
+    absorb_queries(queries_state, queries, QueryTerms<T>{g.data(), delta.data(), scale.data()},
+                   weighted.data());
+    input_gradient(queries, q_pos0 + qs, ga.data(), separate ? gb.data() : nullptr, dq + qs * d);
+  }
+}
+
+// Keys [0, nk): dk and dv from the complete query state.
+template <class T>
+void key_pass(const QueryState<T>& queries_state, const T* k, const T* v, T* dk, T* dv, Index nk,
+              Index k_pos0, const LinearSetup& setup) {
+  const Index m = setup.m, d = setup.d, dvw = setup.dv;
+  const Index block = std::min<Index>(block_rows(m), std::max<Index>(nk, 1));
+  FeatureBlock<T> keys(setup, block, /*keep_plain=*/true);
+  Scratch<T> gc(block * m), ge(block * m), scratch_m(block * m), scratch_dv(block * dvw);
+  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
+  for (Index js = 0; js < nk; js += block) {
+    const Index rows = std::min(block, nk - js);
+    keys.compute(k + js * d, rows, k_pos0 + js);
+    RowMap<T>(gc.data(), rows, m).setZero();
+    if (separate) RowMap<T>(ge.data(), rows, m).setZero();
+    RowMap<T>(dv + js * dvw, rows, dvw).setZero();
+    key_terms_from_state(queries_state, keys, v + js * dvw, gc.data(), ge.data(), dv + js * dvw,
+                         scratch_m.data(), scratch_dv.data());
+    input_gradient(keys, k_pos0 + js, gc.data(), separate ? ge.data() : nullptr, dk + js * d);
+  }
+}
+
+}  // namespace
+
+template <class T>
+void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
+                               bool parallel) {
+  const Index n = head.n, nk = head.nk, d = setup.d, dv = setup.dv;
+  const int threads = usable_threads(parallel);
+  LinearState<T> keys_state;
+  absorb_key_parts(keys_state, head.k, head.v, nk, head.k_pos0, setup, threads);
+
+  const Index block = block_rows(setup.m);
+  const Index query_parts = part_count(n, block);
+  std::vector<QueryState<T>> parts(query_parts);
+  parallel_for(query_parts, threads, Schedule::Static, [&](Index t) {
+    const Index begin = split_point(n, query_parts, t, block);
+    const Index end = split_point(n, query_parts, t + 1, block);
+    parts[t].reset(setup.m, dv);
+    query_pass(keys_state, head.q + begin * d, head.d_out + begin * dv, head.dq + begin * d,
+               end - begin, head.q_pos0 + begin, setup, parts[t]);
+  });
+  QueryState<T> queries_state;
+  queries_state.reset(setup.m, dv);
+  for (const auto& part : parts) merge(queries_state, part);
+
+  const Index key_parts = part_count(nk, kPartRows);
+  parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
+    const Index begin = split_point(nk, key_parts, t, kPartRows);
+    const Index end = split_point(nk, key_parts, t + 1, kPartRows);
+    key_pass(queries_state, head.k + begin * d, head.v + begin * dv, head.dk + begin * d,
+             head.dv + begin * dv, end - begin, head.k_pos0 + begin, setup);
+  });
+}
+
+template void linear_noncausal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
+                                               bool);
+template void linear_noncausal_backward<double>(const LinearGradientHead<double>&,
+                                                const LinearSetup&, bool);
+
+}  // namespace linrope::detail

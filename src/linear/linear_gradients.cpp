@@ -1,0 +1,113 @@
+// The gradients of linear attention: argument checks and the entry points, single-head and
+// [batch, heads, n, d] (the kernels are linear_backward_noncausal.cpp and
+// linear_backward_causal.cpp).
+#include <linrope/attention.hpp>
+#include <linrope/batched.hpp>
+
+#include "common/check.hpp"
+#include "common/heads.hpp"
+#include "linear/linear_backward.hpp"
+
+namespace linrope {
+namespace {
+
+constexpr std::string_view kFn = "linear_attention_backward";
+
+template <class T>
+void run_head(const detail::LinearGradientHead<T>& head, const detail::LinearSetup& setup,
+              bool parallel) {
+  if (setup.options.causal)
+    detail::linear_causal_backward(head, setup, parallel);
+  else
+    detail::linear_noncausal_backward(head, setup, parallel);
+}
+
+template <class T>
+AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                                      const Matrix<T>& d_out, const FeatureMap& map,
+                                      const LinearOptions& options) {
+  if (k.cols() != q.cols())
+    detail::throw_invalid(kFn, "k is ", detail::shape_of(k), " but q has d = ", q.cols());
+  if (v.rows() != k.rows())
+    detail::throw_invalid(kFn, "v is ", detail::shape_of(v), " but k has ", k.rows(), " rows");
+  if (d_out.rows() != q.rows() || d_out.cols() != v.cols())
+    detail::throw_invalid(kFn, "d_out is ", detail::shape_of(d_out), " but expected ",
+                          detail::Shape{q.rows(), v.cols()}, " (q's rows x v's columns)");
+  detail::check_linear_setup(kFn, map, options, q.cols());
+  detail::require_positions(kFn, "options.q_offset", options.q_offset, q.rows());
+  detail::require_positions(kFn, "options.k_offset", options.k_offset, k.rows());
+  detail::require_finite(kFn, "q", q);
+  detail::require_finite(kFn, "k", k);
+  detail::require_finite(kFn, "v", v);
+  detail::require_finite(kFn, "d_out", d_out);
+  const detail::LinearSetup setup{&map, options, q.cols(), v.cols(), map.output_dim()};
+  AttentionGradients<T> grads{Matrix<T>(q.rows(), q.cols()), Matrix<T>(k.rows(), k.cols()),
+                              Matrix<T>(v.rows(), v.cols())};
+  run_head<T>({q.data(), k.data(), v.data(), d_out.data(), grads.dq.data(), grads.dk.data(),
+               grads.dv.data(), q.rows(), k.rows(), options.q_offset, options.k_offset},
+              setup, /*parallel=*/true);
+  return grads;
+}
+
+template <class T>
+void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<const T> d_out,
+                      Heads<T> dq, Heads<T> dk, Heads<T> dv, const FeatureMap& map,
+                      const LinearOptions& options) {
+  using detail::slice;
+  using detail::slice_out;
+  using detail::valid_rows;
+  detail::check_gradient_heads(kFn, q, k, v, d_out, dq, dk, dv);
+  detail::check_linear_setup(kFn, map, options, q.d);
+  detail::require_positions(kFn, "options.q_offset", options.q_offset, q.n);
+  detail::require_positions(kFn, "options.k_offset", options.k_offset, k.n);
+  detail::require_finite_heads(kFn, q, k, v);
+  detail::require_finite_gradient(kFn, d_out, q);
+  const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
+  const auto run = [&](Index b, Index h, bool parallel) {
+    const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+    run_head<T>(
+        {slice(q, b, h), slice(k, b, h), slice(v, b, h), slice(d_out, b, h), slice_out(dq, b, h),
+         slice_out(dk, b, h), slice_out(dv, b, h), n, nk, options.q_offset, options.k_offset},
+        setup, parallel);
+    detail::zero_rows_past(dq, b, h, n);
+    detail::zero_rows_past(dk, b, h, nk);
+    detail::zero_rows_past(dv, b, h, nk);
+  };
+  // As the forward: one slice per thread when there are enough, else each slice on all threads.
+  if (q.batch * q.heads >= detail::max_threads()) {
+    detail::for_each_slice(q.batch, q.heads, [&](Index b, Index h) { run(b, h, false); });
+  } else {
+    for (Index b = 0; b < q.batch; ++b)
+      for (Index h = 0; h < q.heads; ++h) run(b, h, true);
+  }
+}
+
+}  // namespace
+
+AttentionGradients<float> linear_attention_backward(const MatrixF& q, const MatrixF& k,
+                                                    const MatrixF& v, const MatrixF& d_out,
+                                                    const FeatureMap& map,
+                                                    const LinearOptions& options) {
+  return backward_single(q, k, v, d_out, map, options);
+}
+AttentionGradients<double> linear_attention_backward(const MatrixD& q, const MatrixD& k,
+                                                     const MatrixD& v, const MatrixD& d_out,
+                                                     const FeatureMap& map,
+                                                     const LinearOptions& options) {
+  return backward_single(q, k, v, d_out, map, options);
+}
+
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map,
+                               const LinearOptions& options) {
+  backward_batched(q, k, v, d_out, dq, dk, dv, map, options);
+}
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options) {
+  backward_batched(q, k, v, d_out, dq, dk, dv, map, options);
+}
+
+}  // namespace linrope
