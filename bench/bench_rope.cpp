@@ -1,5 +1,6 @@
 // RoPE apply on an [n x d] float matrix, in place, against two yardsticks measured in the same run:
 //   rope/apply        Rope::apply (element-wise form, angles reduced in double), both layouts
+//   rope/apply_transpose  Rope::apply_transpose (R^T, the gradient of apply), both layouts
 //   rope/naive_matrix the naive form: for every row, a dense (d x d) rotation matrix R(p) is built
 //                     (cos/sin of p theta_i in double, stored as float) and the row is replaced by
 //                     R(p) x with Eigen's GEMV. This is what "never build the rotation matrix in a
@@ -25,13 +26,18 @@ linrope::RopeLayout layout_of(const benchmark::State& state) {
   return state.range(2) == 0 ? linrope::RopeLayout::Interleaved : linrope::RopeLayout::Half;
 }
 
-void BM_RopeApply(benchmark::State& state) {
+// Rope::apply, or (transpose) Rope::apply_transpose: R^T, the gradient of apply, the same kernel
+// turning the other way.
+void BM_RopeApply(benchmark::State& state, bool transpose) {
   const Index n = state.range(0), d = state.range(1);
   const linrope::Rope rope({.dim = d, .layout = layout_of(state)});
   MatrixF x = MatrixF::Random(n, d);
   for (auto _ : state) {
     // Rotating the same buffer again and again is fine: rotations keep the values bounded.
-    rope.apply(x, 0);
+    if (transpose)
+      rope.apply_transpose(x, 0);
+    else
+      rope.apply(x, 0);
     benchmark::DoNotOptimize(x.data());
     benchmark::ClobberMemory();
   }
@@ -83,8 +89,12 @@ void BM_CopySameBytes(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_RopeApply)
+BENCHMARK_CAPTURE(BM_RopeApply, apply, false)
     ->Name("rope/apply")
+    ->ArgsProduct({{4096, 16384, 65536}, {64, 128}, {0, 1}})
+    ->ArgNames({"n", "d", "half"});
+BENCHMARK_CAPTURE(BM_RopeApply, transpose, true)
+    ->Name("rope/apply_transpose")
     ->ArgsProduct({{4096, 16384, 65536}, {64, 128}, {0, 1}})
     ->ArgNames({"n", "d", "half"});
 BENCHMARK(BM_RopeNaiveMatrix)

@@ -1,4 +1,5 @@
-// RoPE in linear attention, numerator only (RoFormer eq. 19), checked against exact softmax.
+// RoPE in linear attention, numerator only (RoFormer eq. 19), checked against exact softmax, and
+// its gradients.
 #include <cstdio>
 #include <linrope/linrope.hpp>
 
@@ -20,7 +21,14 @@ int main() {
   Rope rope({.dim = d});
   MatrixF exact = softmax_attention(q, k, v, {.causal = true, .rope = &rope});
 
-  std::printf("relative error %.3f, smallest denominator %.3g, %td non-positive\n",
-              (approx - exact).norm() / exact.norm(), stats.min, stats.nonpositive);
+  // Gradients of sum(d_out .* approx) with respect to q, k and v (exact, O(n) memory).
+  const MatrixF d_out = MatrixF::Random(n, d);
+  AttentionGradients<float> grads = linear_attention_backward(
+      q, k, v, d_out, *favor,
+      {.causal = true, .placement = RopePlacement::NumeratorOnly, .rope = &feature_rope});
+
+  std::printf("relative error %.3f, smallest denominator %.3g, %td non-positive, |dq| %.3g\n",
+              (approx - exact).norm() / exact.norm(), stats.min, stats.nonpositive,
+              grads.dq.norm());
   return stats.nonpositive == 0 ? 0 : 1;  // eq. 19 keeps the denominator positive
 }

@@ -127,6 +127,17 @@ Matrix<T> input(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) 
   return (gaussian(rows, cols, seed) * scale).cast<T>();
 }
 
+// The bytes of a backward's dq, dk and dv, one after another.
+template <class T>
+std::vector<unsigned char> bytes_of(const AttentionGradients<T>& g) {
+  std::vector<unsigned char> b = bytes_of(g.dq);
+  for (const Matrix<T>* m : {&g.dk, &g.dv}) {
+    const std::vector<unsigned char> more = bytes_of(*m);
+    b.insert(b.end(), more.begin(), more.end());
+  }
+  return b;
+}
+
 }  // namespace
 
 TEST_CASE("softmax_attention: the sliced causal key cache gives the same bits run after run") {
@@ -143,29 +154,56 @@ TEST_CASE("softmax_attention: the sliced causal key cache gives the same bits ru
   SUBCASE("float") { run_case(float{}); }
 }
 
-TEST_CASE("softmax_attention: same bits for any thread count, scheduling and heap state") {
+namespace {
+
+// The shapes the softmax forward and backward are swept over: several blocks of queries (and,
+// from 1024 queries, several parts whose dk and dv the backward adds), a sliced key cache (few
+// queries, many keys: the forward merges slices), an odd block size.
+struct SoftmaxShape {
+  Index n, n_k, q_offset, block_size;
+  bool causal;
+};
+constexpr SoftmaxShape kSoftmaxShapes[] = {{300, 300, 0, 0, true},
+                                           {300, 300, 0, 0, false},
+                                           {5, 3000, 2995, 0, true},
+                                           {37, 1500, 0, 13, false},
+                                           {1100, 1100, 0, 0, true}};
+
+// check(q, k, v, d_out, options) in double, then in float, for every shape: d = 16, d_v = 9, a
+// rope.
+template <class Check>
+void for_each_softmax_shape(Check check) {
   const Index d = 16, d_v = 9;
   const Rope rope({.dim = d});
-  struct Shape {
-    Index n, n_k, q_offset, block_size;
-    bool causal;
-  };
-  const Shape shapes[] = {{300, 300, 0, 0, true},
-                          {300, 300, 0, 0, false},
-                          {5, 3000, 2995, 0, true},
-                          {37, 1500, 0, 13, false}};
-  for (const Shape& s : shapes) {
+  for (const SoftmaxShape& s : kSoftmaxShapes) {
     CAPTURE(s.n);
     CAPTURE(s.n_k);
     CAPTURE(s.causal);
     const SoftmaxOptions options{
         .causal = s.causal, .rope = &rope, .q_offset = s.q_offset, .block_size = s.block_size};
     const MatrixD q = input<double>(s.n, d, 1), k = input<double>(s.n_k, d, 2),
-                  v = input<double>(s.n_k, d_v, 3);
-    const MatrixF qf = q.cast<float>(), kf = k.cast<float>(), vf = v.cast<float>();
-    check_reproducible([&] { return bytes_of(softmax_attention(q, k, v, options)); }, 10);
-    check_reproducible([&] { return bytes_of(softmax_attention(qf, kf, vf, options)); }, 10);
+                  v = input<double>(s.n_k, d_v, 3), d_out = input<double>(s.n, d_v, 4);
+    check(q, k, v, d_out, options);
+    check(MatrixF(q.cast<float>()), MatrixF(k.cast<float>()), MatrixF(v.cast<float>()),
+          MatrixF(d_out.cast<float>()), options);
   }
+}
+
+}  // namespace
+
+TEST_CASE("softmax_attention: same bits for any thread count, scheduling and heap state") {
+  for_each_softmax_shape(
+      [](const auto& q, const auto& k, const auto& v, const auto&, const SoftmaxOptions& options) {
+        check_reproducible([&] { return bytes_of(softmax_attention(q, k, v, options)); }, 10);
+      });
+}
+
+TEST_CASE("softmax_attention_backward: same bits for any thread count, scheduling and heap state") {
+  for_each_softmax_shape([](const auto& q, const auto& k, const auto& v, const auto& d_out,
+                            const SoftmaxOptions& options) {
+    check_reproducible(
+        [&] { return bytes_of(softmax_attention_backward(q, k, v, d_out, options)); }, 4);
+  });
 }
 
 namespace {
@@ -276,6 +314,42 @@ TEST_CASE("batched attention: same bits under varied scheduling, equal to the si
   }
 }
 
+TEST_CASE(
+    "batched softmax_attention_backward: same bits under varied scheduling, equal to the "
+    "single-head calls") {
+  // Six slices: 2-4 threads take one slice each (serial kernels), 1 thread runs each slice with
+  // the whole team; both must give the single-head bits.
+  const Index B = 2, H = 3, n = 300, d = 16, d_v = 8;
+  const MatrixF q = input<float>(B * H * n, d, 31), k = input<float>(B * H * n, d, 32),
+                v = input<float>(B * H * n, d_v, 33), d_out = input<float>(B * H * n, d_v, 34);
+  const Rope rope({.dim = d});
+  for (const bool causal : {false, true}) {
+    CAPTURE(causal);
+    const SoftmaxOptions options{.causal = causal, .rope = &rope};
+    const auto run = [&] {
+      AttentionGradients<float> g{MatrixF(B * H * n, d), MatrixF(B * H * n, d),
+                                  MatrixF(B * H * n, d_v)};
+      softmax_attention_backward(Heads<const float>{q.data(), B, H, n, d}, {k.data(), B, H, n, d},
+                                 {v.data(), B, H, n, d_v}, {d_out.data(), B, H, n, d_v},
+                                 {g.dq.data(), B, H, n, d}, {g.dk.data(), B, H, n, d},
+                                 {g.dv.data(), B, H, n, d_v}, options);
+      return g;
+    };
+    check_reproducible([&] { return bytes_of(run()); }, 3);
+    const ThreadCount one(1);
+    const AttentionGradients<float> batched = run();
+    for (Index s = 0; s < B * H; ++s) {
+      CAPTURE(s);
+      const auto rows = [&](const MatrixF& m) { return MatrixF(m.middleRows(s * n, n)); };
+      const auto single =
+          softmax_attention_backward(rows(q), rows(k), rows(v), rows(d_out), options);
+      CHECK(bytes_of(single.dq) == bytes_of(rows(batched.dq)));
+      CHECK(bytes_of(single.dk) == bytes_of(rows(batched.dk)));
+      CHECK(bytes_of(single.dv) == bytes_of(rows(batched.dv)));
+    }
+  }
+}
+
 namespace {
 
 // Offsets from a 64-byte boundary at which the caller's buffers are placed (multiples of the
@@ -339,6 +413,28 @@ void check_attention_offsets() {
     }
 }
 
+// The batched backward with every input and gradient buffer placed `offset` bytes past a 64-byte
+// boundary; the gradients' bytes.
+template <class T>
+void check_backward_offsets() {
+  const Index heads = 2, n = 45, n_k = 300, d = 13, d_v = 7;  // odd widths: rows start anywhere
+  const Matrix<T> q = input<T>(heads * n, d, 44), k = input<T>(heads * n_k, d, 45),
+                  v = input<T>(heads * n_k, d_v, 46), d_out = input<T>(heads * n, d_v, 47);
+  const SoftmaxOptions options{.causal = true, .q_offset = 255, .block_size = 7};
+  check_offsets<T>("softmax backward", [&](std::size_t offset) {
+    const Placed<T> pq(q, offset), pk(k, offset), pv(v, offset), pg(d_out, offset),
+        dq(q.size(), offset), dk(k.size(), offset), dv(v.size(), offset);
+    softmax_attention_backward(
+        Heads<const T>{pq.data(), 1, heads, n, d}, {pk.data(), 1, heads, n_k, d},
+        {pv.data(), 1, heads, n_k, d_v}, {pg.data(), 1, heads, n, d_v}, {dq.data(), 1, heads, n, d},
+        {dk.data(), 1, heads, n_k, d}, {dv.data(), 1, heads, n_k, d_v}, options);
+    std::vector<unsigned char> b = bytes_of(dq.data(), q.size());
+    for (const auto& more : {bytes_of(dk.data(), k.size()), bytes_of(dv.data(), v.size())})
+      b.insert(b.end(), more.begin(), more.end());
+    return b;
+  });
+}
+
 template <class T>
 void check_map_and_rope_offsets() {
   const Index n = 9, d = 13;
@@ -373,6 +469,11 @@ void check_map_and_rope_offsets() {
 TEST_CASE("attention: the same bits wherever the caller's buffers sit (4 to 48 bytes off 64)") {
   SUBCASE("float") { check_attention_offsets<float>(); }
   SUBCASE("double") { check_attention_offsets<double>(); }
+}
+
+TEST_CASE("softmax_attention_backward: the same bits wherever the caller's buffers sit") {
+  SUBCASE("float") { check_backward_offsets<float>(); }
+  SUBCASE("double") { check_backward_offsets<double>(); }
 }
 
 TEST_CASE("feature maps and RoPE: the same bits wherever the caller's buffers sit") {

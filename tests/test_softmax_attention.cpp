@@ -11,9 +11,9 @@
 #include <memory>
 #include <vector>
 
-#include "reference/random.hpp"
 #include "reference/softmax_reference.hpp"
 #include "softmax/softmax_kernel.hpp"  // the per-head kernel that batched.cpp calls
+#include "softmax_cases.hpp"
 #include "threads.hpp"
 
 namespace {
@@ -25,15 +25,17 @@ using linrope::Rope;
 using linrope::RopeConfig;
 using linrope::RopeLayout;
 using linrope::SoftmaxOptions;
+using linrope::testing::default_scale;
+using linrope::testing::input;
+using linrope::testing::kNoRope;
+using linrope::testing::kRopeCases;
 using linrope::testing::kSplitThreads;
+using linrope::testing::max_row_norm;
+using linrope::testing::RopeCase;
+using linrope::testing::Ropes;
+using linrope::testing::score_error;
 using linrope::testing::ThreadCount;
 namespace ref = linrope::reference;
-
-// Gaussian inputs rounded to float, so that the float and double runs and the reference all see
-// exactly the same numbers.
-MatrixD input(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
-  return linrope::testing::gaussian(rows, cols, seed, scale).cast<float>().cast<double>();
-}
 
 template <class T>
 MatrixD run(const MatrixD& q, const MatrixD& k, const MatrixD& v, const SoftmaxOptions& options) {
@@ -42,16 +44,8 @@ MatrixD run(const MatrixD& q, const MatrixD& k, const MatrixD& v, const SoftmaxO
   return linrope::softmax_attention(qt, kt, vt, options).template cast<double>();
 }
 
-double max_row_norm(const MatrixD& m) {
-  return m.rows() == 0 ? 0.0 : m.rowwise().norm().maxCoeff();
-}
-
 // Bound on |fast - reference| for every output, from the rounding of T (unit roundoff u):
-//  - a score scale <R q_i, R k_j> computed in T: the d-term dot product (<= d u), the scaling of
-//    q (u), and the rotations of q and k with cos/sin rounded to T (<= 4u each), all relative to
-//    scale |q_i| |k_j| (Cauchy-Schwarz); plus the angle p theta computed in double by both sides,
-//    off by <= |p| 2^-53 rad (theta <= 1), for q and k, twice over (fast and reference):
-//      e_s <= scale max|q_i| max|k_j| ((d + 10) u + 4 p_max 2^-53)
+//  - every score is off by <= e_s (score_error, softmax_cases.hpp);
 //  - moving every score by <= e_s moves a softmax average of v by <= 2 e_s max|v|;
 //  - the exp (a few ulp: 4u), the running sum and the P V accumulation over n_k terms
 //    (<= n_k u each) and the division (u): <= (2 n_k + 8) u max|v|.
@@ -61,38 +55,11 @@ template <class T>
 double tolerance(const MatrixD& q, const MatrixD& k, const MatrixD& v, double scale,
                  Index max_position) {
   const double u = std::numeric_limits<T>::epsilon() / 2;
-  const double d = double(q.cols()), n_k = double(k.rows());
-  const double e_s = scale * max_row_norm(q) * max_row_norm(k) *
-                     ((d + 10) * u + 4 * double(max_position) * 0x1.0p-53);
+  const double n_k = double(k.rows());
+  const double e_s = score_error<T>(q, k, scale, max_position);
   const double v_max = v.size() == 0 ? 0.0 : v.cwiseAbs().maxCoeff();
   return 4 * v_max * (2 * e_s + (2 * n_k + 8) * u);
 }
-
-double default_scale(Index d) { return d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0; }
-
-// A rope for the kernel and its independent twin for the reference.
-struct RopeCase {
-  const char* name;
-  Index rotary_dim;  // 0 = no rope; -1 = d; otherwise the partial width
-  RopeLayout layout;
-};
-constexpr RopeCase kNoRope{"none", 0, RopeLayout::Interleaved};
-constexpr RopeCase kRopeCases[] = {{"interleaved", -1, RopeLayout::Interleaved},
-                                   {"half, partial", -2, RopeLayout::Half}};
-
-struct Ropes {
-  Ropes(const RopeCase& c, Index d) {
-    if (c.rotary_dim == 0) return;
-    // -2: half of d, rounded down to even (d = 8 -> 4, d = 64 -> 32).
-    const Index r = c.rotary_dim == -1 ? d : std::max<Index>(2, d / 2 / 2 * 2);
-    rope = std::make_unique<Rope>(RopeConfig{.dim = d, .rotary_dim = r, .layout = c.layout});
-    plain = ref::PlainRope{.dim = d, .rotary_dim = r, .layout = c.layout};
-  }
-  const Rope* fast() const { return rope.get(); }
-  const ref::PlainRope* reference() const { return rope ? &plain : nullptr; }
-  std::unique_ptr<Rope> rope;
-  ref::PlainRope plain;
-};
 
 // Compares float and double runs of `options` (rope, block size and scale set by the caller) with
 // the reference, at the tolerance derived above.

@@ -87,6 +87,10 @@ struct DenominatorStats {
 // the timing). Cutting by length alone would cost the single-thread and batched paths a second
 // pass over the keys (about +50% work for FAVOR+ eq. 19), which is why it is not done. Results
 // differ between builds (AVX-512 or not, another compiler), as any floating-point code does.
+// The backward passes follow the same rules: every gradient is the same bits run after run, and
+// for any thread count too, except the causal linear backward on a single head long enough to
+// split (n >= 2 x max(256, 4 x L), L = 32, or chunk_size for the chunked method: 512 by default),
+// which likewise runs one segment per thread.
 
 // Linear attention, O((n + n_k) m d_v) time and O(m d_v) extra memory besides the features;
 // never an n x n matrix:
@@ -111,7 +115,10 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
 // causal gradient never depends on a later key. Memory O(n): nothing n x n is stored (softmax
 // keeps two numbers per query row, the linear forms O(n m) features and O(m d_v) states).
 // Rows of the forward's zero outputs (a query with no admissible key; den + eps == 0) get zero
-// gradients. Throws std::invalid_argument as the forward does, and when d_out is not
+// gradients. The causal linear backward has one form, chunked (masked products inside chunks of
+// 32 rows, or options.chunk_size when options.method is Chunked), whatever the forward's method:
+// a forward sweep gives dq, a reverse sweep dk and dv (Katharopoulos et al. 2020, sec. 3.3, with
+// the denominator and the stabilisers in the gradient). Throws std::invalid_argument as the forward does, and when d_out is not
 // [n x d_v] or holds a non-finite value.
 template <class T>
 struct AttentionGradients {

@@ -50,10 +50,20 @@ void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
                       " but expected a length in [0, ", h.n, "]");
 }
 
-// Shapes shared by both attentions: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v].
+// `name` (an output, or a backward's d_out and gradients) must be [q.batch, q.heads, n, d].
+template <class T, class Q>
+void check_shape(std::string_view fn, std::string_view name, const Heads<T>& h, const Heads<Q>& q,
+                 Index n, Index d) {
+  check_view(fn, name, h);
+  if (h.batch != q.batch || h.heads != q.heads || h.n != n || h.d != d)
+    throw_invalid(fn, name, " is ", describe(h), " but expected [", q.batch, ", ", q.heads, ", ", n,
+                  ", ", d, "]");
+}
+
+// The inputs both attentions share: q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v].
 template <class T>
-void check_input_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
-                       const Heads<const T>& v) {
+void check_inputs(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                  const Heads<const T>& v) {
   check_view(fn, "q", q);
   check_view(fn, "k", k);
   check_view(fn, "v", v);
@@ -68,30 +78,20 @@ void check_input_heads(std::string_view fn, const Heads<const T>& q, const Heads
   if (v.n != k.n) throw_invalid(fn, "v is ", describe(v), " but k has n = ", k.n);
 }
 
-// `name` [B,H,n,d] must be [q.batch, q.heads, n, d].
-template <class T, class U>
-void check_shape(std::string_view fn, std::string_view name, const Heads<U>& view,
-                 const Heads<const T>& q, Index n, Index d) {
-  check_view(fn, name, view);
-  if (view.batch != q.batch || view.heads != q.heads || view.n != n || view.d != d)
-    throw_invalid(fn, name, " is ", describe(view), " but expected [", q.batch, ", ", q.heads, ", ",
-                  n, ", ", d, "]");
-}
-
-// The forwards: the inputs, and out [B,H,n,d_v].
+// The forwards' views: the inputs, and out [B,H,n,d_v].
 template <class T>
 void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
                  const Heads<const T>& v, const Heads<T>& out) {
-  check_input_heads(fn, q, k, v);
+  check_inputs(fn, q, k, v);
   check_shape(fn, "out", out, q, q.n, v.d);
 }
 
-// The backwards: the inputs, d_out [B,H,n,d_v], and dq, dk, dv of the shapes of q, k, v.
+// The backwards' views: the inputs, d_out [B,H,n,d_v], and dq, dk, dv the shapes of q, k, v.
 template <class T>
-void check_gradient_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+void check_backward_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
                           const Heads<const T>& v, const Heads<const T>& d_out, const Heads<T>& dq,
                           const Heads<T>& dk, const Heads<T>& dv) {
-  check_input_heads(fn, q, k, v);
+  check_inputs(fn, q, k, v);
   check_shape(fn, "d_out", d_out, q, q.n, v.d);
   check_shape(fn, "dq", dq, q, q.n, q.d);
   check_shape(fn, "dk", dk, q, k.n, k.d);
@@ -106,18 +106,20 @@ Eigen::Map<const Matrix<T>> valid_slice(const Heads<const T>& h, Index s,
   return Eigen::Map<const Matrix<T>>(slice(h, b, s % h.heads), valid_rows(lengths_from, b), h.d);
 }
 
+// "q[b, h]": slice s of the view called `tensor`, for messages.
+inline std::string slice_name(std::string_view tensor, Index s, Index heads) {
+  std::ostringstream out;
+  out << tensor << '[' << s / heads << ", " << s % heads << ']';
+  return out.str();
+}
+
 // Throws naming the first non-finite value of slice s (q, then k, then v), if there is one.
 template <class T>
 void require_finite_slice(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
                           const Heads<const T>& v, Index s) {
-  const auto name = [&](char tensor) {
-    std::ostringstream out;
-    out << tensor << '[' << s / q.heads << ", " << s % q.heads << ']';
-    return out.str();
-  };
-  require_finite(fn, name('q'), valid_slice(q, s, q));
-  require_finite(fn, name('k'), valid_slice(k, s, k));
-  require_finite(fn, name('v'), valid_slice(v, s, k));
+  require_finite(fn, slice_name("q", s, q.heads), valid_slice(q, s, q));
+  require_finite(fn, slice_name("k", s, q.heads), valid_slice(k, s, k));
+  require_finite(fn, slice_name("v", s, q.heads), valid_slice(v, s, k));
 }
 
 // Every valid row finite, checked before softmax runs (the linear kernels check as they read).
@@ -136,25 +138,18 @@ void require_finite_heads(std::string_view fn, const Heads<const T>& q, const He
     if (!finite[s]) require_finite_slice(fn, q, k, v, s);
 }
 
-// Every row of d_out within q's lengths finite (the backwards), reported as require_finite_heads
-// does.
+// The same for one view `h` called `name` (a backward's d_out), its valid rows those of
+// `lengths_from`.
 template <class T>
-void require_finite_gradient(std::string_view fn, const Heads<const T>& d_out,
-                             const Heads<const T>& q) {
-  for (Index s = 0; s < d_out.batch * d_out.heads; ++s) {
-    const auto rows = valid_slice(d_out, s, q);
-    if (all_finite(rows)) continue;
-    std::ostringstream name;
-    name << "d_out[" << s / d_out.heads << ", " << s % d_out.heads << ']';
-    require_finite(fn, name.str(), rows);
-  }
-}
-
-// Zeros rows [from, n) of slice (b, h) of a view: the gradients past the lengths.
-template <class T>
-void zero_rows_past(const Heads<T>& h, Index b, Index head, Index from) {
-  T* data = h.data + (b * h.heads + head) * h.n * h.d;
-  std::fill(data + from * h.d, data + h.n * h.d, T(0));
+void require_finite_view(std::string_view fn, std::string_view name, const Heads<const T>& h,
+                         const Heads<const T>& lengths_from) {
+  const Index slices = h.batch * h.heads;
+  std::vector<char> finite(slices);
+  parallel_for(slices, max_threads(), Schedule::Dynamic,
+               [&](Index s) { finite[s] = all_finite(valid_slice(h, s, lengths_from)); });
+  for (Index s = 0; s < slices; ++s)
+    if (!finite[s])
+      require_finite(fn, slice_name(name, s, h.heads), valid_slice(h, s, lengths_from));
 }
 
 // Runs body(b, h) for every slice, one slice per task on the OpenMP threads.
@@ -162,6 +157,25 @@ template <class Body>
 void for_each_slice(Index batch, Index heads, Body body) {
   parallel_for(batch * heads, max_threads(), Schedule::Dynamic,
                [&](Index s) { body(s / heads, s % heads); });
+}
+
+// Runs run(b, h, parallel) on every slice: with enough slices for every thread, one slice per
+// thread (the kernel serial); otherwise each slice in turn, with all threads.
+template <class Run>
+void for_each_head(Index batch, Index heads, Run run) {
+  if (batch * heads >= max_threads()) {
+    for_each_slice(batch, heads, [&](Index b, Index h) { run(b, h, false); });
+  } else {
+    for (Index b = 0; b < batch; ++b)
+      for (Index h = 0; h < heads; ++h) run(b, h, true);
+  }
+}
+
+// Zeros rows [from, n) of slice (b, head) of a view: a backward's gradients past the lengths.
+template <class T>
+void zero_rows_past(const Heads<T>& h, Index b, Index head, Index from) {
+  T* data = h.data + (b * h.heads + head) * h.n * h.d;
+  std::fill(data + from * h.d, data + h.n * h.d, T(0));
 }
 
 }  // namespace linrope::detail

@@ -8,7 +8,11 @@
 // of buffers that grow as needed and are kept between calls, up to kKeptBytes each: after a
 // thread's first call, nothing is allocated. A larger buffer (a caller's huge chunk_size, say) is
 // released when the thread's outermost Scratch ends, so that one odd call does not pin its memory
-// to the thread for the rest of the program.
+// to the thread for the rest of the program, unless it was asked for as `lasting`: the backward
+// passes keep a whole sequence's features (O(n m), tens of MB) and are called once per training
+// step with the same shapes, and allocating those afresh cost ~10% of a causal FAVOR+ backward in
+// page faults and zeroing. A lasting buffer stays with the thread, at its largest size, until the
+// thread ends (what PyTorch's caching allocator does with its tensors).
 #pragma once
 
 #include <Eigen/Core>
@@ -24,19 +28,23 @@ namespace linrope::detail {
 template <class T>
 class Scratch {
  public:
-  explicit Scratch(Index count) {
+  explicit Scratch(Index count, bool lasting = false) {
     Stack& s = stack();
-    if (s.buffers.size() <= s.depth) s.buffers.emplace_back();
+    if (s.buffers.size() <= s.depth) {
+      s.buffers.emplace_back();
+      s.lasting.push_back(0);
+    }
     auto& buffer = s.buffers[s.depth];
     if (Index(buffer.size()) < count) buffer.resize(std::size_t(count));
     data_ = buffer.data();
+    if (lasting) s.lasting[s.depth] = 1;
     ++s.depth;  // only once nothing can throw any more
   }
   ~Scratch() {
     Stack& s = stack();
     if (--s.depth > 0) return;
-    for (auto& buffer : s.buffers)
-      if (buffer.capacity() * sizeof(T) > kKeptBytes) buffer = {};
+    for (std::size_t i = 0; i < s.buffers.size(); ++i)
+      if (!s.lasting[i] && s.buffers[i].capacity() * sizeof(T) > kKeptBytes) s.buffers[i] = {};
   }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -50,6 +58,7 @@ class Scratch {
   struct Stack {
     // Moving the outer vector keeps every inner buffer where it is.
     std::vector<std::vector<T, Eigen::aligned_allocator<T>>> buffers;
+    std::vector<char> lasting;  // per buffer: once asked for as lasting, never released
     std::size_t depth = 0;
   };
   static Stack& stack() {

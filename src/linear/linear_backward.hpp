@@ -105,15 +105,16 @@ struct QueryTerms {
 // Adds a block of queries (features `queries`, terms `terms`) to the state: U += a~^T diag(w) g~,
 // y += b~^T (w delta) with w_i = exp(K - M_i). weighted: scratch of at least rows x dv.
 template <class T>
-void absorb_queries(QueryState<T>& state, const FeatureBlock<T>& queries,
-                    const QueryTerms<T>& terms, T* weighted) {
+void absorb_queries(QueryState<T>& state, const FeatureRows<T>& queries, const QueryTerms<T>& terms,
+                    T* weighted) {
   const Index rows = queries.rows(), dv = queries.setup().dv;
   double lowest = kNoQueries;
   for (Index r = 0; r < rows; ++r)
     if (terms.scale[r] != kEmpty) lowest = std::min(lowest, terms.scale[r]);
   if (lowest == kNoQueries) return;  // every row's output is zero
   lower_scale(state, lowest);
-  Vector<T> w(rows);
+  Scratch<T> weights(rows);
+  Eigen::Map<Vector<T>> w(weights.data(), rows);
   for (Index r = 0; r < rows; ++r)
     w[r] = terms.scale[r] == kEmpty ? T(0) : T(std::exp(state.K - terms.scale[r]));
   RowMap<T> g(weighted, rows, dv);
@@ -128,8 +129,8 @@ void absorb_queries(QueryState<T>& state, const FeatureBlock<T>& queries,
 // the same rows: every placement but NumeratorOnly),  f_j = exp(gamma_j - K).
 // gc, ge [rows x m], dv [rows x dv] are accumulated into; ge is used for NumeratorOnly only.
 template <class T>
-void key_terms_from_state(const QueryState<T>& state, const FeatureBlock<T>& keys, const T* v,
-                          T* gc, T* ge, T* dv, T* scratch_m, T* scratch_dv) {
+void key_terms_from_state(const QueryState<T>& state, const FeatureRows<T>& keys, const T* v, T* gc,
+                          T* ge, T* dv, T* scratch_m, T* scratch_dv) {
   if (state.K == kNoQueries) return;
   const LinearSetup& setup = keys.setup();
   const Index rows = keys.rows(), m = setup.m, dvw = setup.dv;
@@ -147,13 +148,14 @@ void key_terms_from_state(const QueryState<T>& state, const FeatureBlock<T>& key
   }
 }
 
-// dx [rows x d], the gradient of the block's input rows, from the gradients of its numerator-side
-// features g_num [rows x m] (overwritten) and of its denominator-side ones g_den (null when the
-// caller has already added them into g_num: placements whose two sides are the same rows), both on
-// the features' reciprocal scale: through R^T where the placement rotates, then the map.
+// dx [rows x d], the gradient of the input rows x [rows x d] whose features are `block`, from the
+// gradients of their numerator-side features g_num [rows x m] (overwritten) and of their
+// denominator-side ones g_den (null when the caller has already added them into g_num: placements
+// whose two sides are the same rows), both on the features' reciprocal scale: through R^T where
+// the placement rotates, then the map.
 template <class T>
-void input_gradient(const FeatureBlock<T>& block, Index first_position, T* g_num, const T* g_den,
-                    T* dx) {
+void input_gradient(const FeatureRows<T>& block, const T* x, Index first_position, T* g_num,
+                    const T* g_den, T* dx) {
   const LinearSetup& setup = block.setup();
   const Index rows = block.rows(), m = setup.m, d = setup.d;
   if (rows == 0) return;
@@ -175,10 +177,14 @@ void input_gradient(const FeatureBlock<T>& block, Index first_position, T* g_num
       add_den();
       break;
   }
-  FeatureMapAccess::backward<T>(*setup.map, block.map_input(), block.plain(), g,
-                                RowMap<T>(dx, rows, d));
-  if (setup.options.placement == RopePlacement::BeforeMap)
+  if (setup.options.placement == RopePlacement::BeforeMap) {
+    FeatureMapAccess::backward<T>(*setup.map, block.rotated_input(), block.plain(), g,
+                                  RowMap<T>(dx, rows, d));
     RopeAccess::rotate_rows(*rope, dx, rows, d, first_position, Turn::Transpose);
+  } else {
+    FeatureMapAccess::backward<T>(*setup.map, ConstRowMap<T>(x, rows, d), block.plain(), g,
+                                  RowMap<T>(dx, rows, d));
+  }
 }
 
 // g~_i = g_i / D~_i for one row (zeros when the output row is zero: divisor 0).

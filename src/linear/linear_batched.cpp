@@ -9,8 +9,6 @@ namespace linrope {
 namespace {
 
 using detail::check_heads;
-using detail::for_each_slice;
-using detail::max_threads;
 using detail::slice;
 using detail::slice_out;
 using detail::valid_rows;
@@ -46,13 +44,7 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
       detail::linear_noncausal(head, setup_of_slice, tally, parallel);
     }
   };
-  // As for softmax: one slice per thread when there are enough, else each slice on all threads.
-  if (q.batch * q.heads >= max_threads()) {
-    for_each_slice(q.batch, q.heads, [&](Index b, Index h) { run(b, h, false); });
-  } else {
-    for (Index b = 0; b < q.batch; ++b)
-      for (Index h = 0; h < q.heads; ++h) run(b, h, true);
-  }
+  detail::for_each_head(q.batch, q.heads, run);
   for (Index s = 0; s < slices; ++s)
     if (nonfinite[s].raised()) detail::require_finite_slice(fn, q, k, v, s);
   if (stats) {

@@ -26,15 +26,57 @@ void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
   if (setup.nonfinite) setup.nonfinite->check(x, rows, cols);
 }
 
-// Stabilised feature rows of one block of tokens, in the form the placement needs:
+// Some rows of stabilised features (a FeatureBlock's, or a part of them), in the form the
+// placement needs:
 //   num(): features on the numerator side (rotated by R_i for NumeratorOnly and Full),
 //   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
-//   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features.
-// For the backward (keep_plain), also what the map's gradient needs: plain(), the map's own
-// output before any rotation, and map_input(), the rows the map was applied to (the rotated
-// input for BeforeMap).
-// Its memory is per-thread scratch (scratch.hpp): no allocation after a thread's first call.
+//   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features;
+// and, for the backward, plain(): the map's own output before any rotation (kept for Full only
+// when asked, keep_plain), rotated_input(): BeforeMap's rotated rows, the map's input there.
 template <class T>
+class FeatureRows {
+ public:
+  FeatureRows(const LinearSetup& setup, const T* num, const T* den, const T* plain,
+              const T* rotated_input, const double* log_scale, Index rows)
+      : setup_(&setup),
+        num_(num),
+        den_(den),
+        plain_(plain),
+        rotated_(rotated_input),
+        log_scale_(log_scale),
+        rows_(rows) {}
+
+  const LinearSetup& setup() const { return *setup_; }
+  Index rows() const { return rows_; }
+  ConstRowMap<T> num() const { return ConstRowMap<T>(num_, rows_, setup_->m); }
+  ConstRowMap<T> den() const { return ConstRowMap<T>(den_, rows_, setup_->m); }
+  ConstRowMap<T> plain() const { return ConstRowMap<T>(plain_, rows_, setup_->m); }
+  ConstRowMap<T> rotated_input() const { return ConstRowMap<T>(rotated_, rows_, setup_->d); }
+  double log_scale(Index i) const { return log_scale_[i]; }
+  double max_log_scale() const {
+    return rows_ ? *std::max_element(log_scale_, log_scale_ + rows_) : kEmpty;
+  }
+
+ private:
+  const LinearSetup* setup_;
+  const T *num_, *den_, *plain_, *rotated_;
+  const double* log_scale_;
+  Index rows_;
+};
+
+// Memory for a FeatureBlock that a backward keeps between its passes (a whole sequence's
+// features): the calling thread's scratch, kept after the call (scratch.hpp, `lasting`), so that a
+// training loop's calls allocate nothing after the first. Other threads may read and write it
+// while it lives.
+template <class T>
+class LastingScratch : public Scratch<T> {
+ public:
+  explicit LastingScratch(Index count) : Scratch<T>(count, /*lasting=*/true) {}
+};
+
+// The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
+// per-thread scratch (scratch.hpp: no allocation after a thread's first call), or LastingScratch.
+template <class T, template <class> class Buffer = Scratch>
 class FeatureBlock {
  public:
   FeatureBlock(const LinearSetup& setup, Index capacity, bool keep_plain = false)
@@ -46,38 +88,44 @@ class FeatureBlock {
                               (setup.options.placement == RopePlacement::BeforeMap ? setup.d : 0))),
         log_scale_(capacity) {}
 
-  // Features of rows x [rows x d] at positions first_position, first_position + 1, ...
+  // Features of rows x [rows x d] at positions first_position, first_position + 1, ...; they
+  // become rows [0, rows).
   void compute(const T* x, Index rows, Index first_position) {
+    compute_at(0, x, rows, first_position);
     rows_ = rows;
-    input_ = x;
+  }
+  // The same into rows [at, at + rows), leaving rows() as it is (see fill()).
+  void compute_at(Index at, const T* x, Index rows, Index first_position) {
     check_input(setup_, x, rows, setup_.d);
     const FeatureMap& map = *setup_.map;
     const Rope* rope = setup_.options.rope;
     const Index m = setup_.m, d = setup_.d;
     ConstRowMap<T> input(x, rows, d);
+    T* num = num_data() + at * m;
+    T* plain = plain_data() + at * m;
+    double* log_scale = log_scale_.data() + at;
     const auto map_rows = [&](const auto& from, T* to) {
-      FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale_.data());
+      FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale);
     };
     switch (setup_.options.placement) {
       case RopePlacement::None:
-        map_rows(input, num_data());
+        map_rows(input, num);
         break;
       case RopePlacement::BeforeMap: {
-        RowMap<T> rotated(rotated_input_data(), rows, d);
+        RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
         rotated = input;
         RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
-        map_rows(rotated, num_data());
+        map_rows(rotated, num);
         break;
       }
       case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
       case RopePlacement::Full:
         if (separate_plain_) {
-          map_rows(input, plain_data());
-          RopeAccess::rotate_rows<T>(*rope, plain_data(), num_data(), rows, m, first_position,
-                                     Turn::Apply);
+          map_rows(input, plain);
+          RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, first_position, Turn::Apply);
         } else {
-          map_rows(input, num_data());
-          RopeAccess::rotate_rows(*rope, num_data(), rows, m, first_position, Turn::Apply);
+          map_rows(input, num);
+          RopeAccess::rotate_rows(*rope, num, rows, m, first_position, Turn::Apply);
         }
         break;
       default:  // check_linear_setup rejects any other value before a kernel runs
@@ -85,23 +133,24 @@ class FeatureBlock {
         break;
     }
   }
+  // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
+  void fill(Index rows) { rows_ = rows; }
 
   const LinearSetup& setup() const { return setup_; }
   Index capacity() const { return capacity_; }
   Index rows() const { return rows_; }
   ConstRowMap<T> num() const { return ConstRowMap<T>(num_data(), rows_, setup_.m); }
   ConstRowMap<T> den() const { return ConstRowMap<T>(den_data(), rows_, setup_.m); }
-  // The map's output (keep_plain for Full) and its input rows.
-  ConstRowMap<T> plain() const { return ConstRowMap<T>(plain_data(), rows_, setup_.m); }
-  ConstRowMap<T> map_input() const {
-    return ConstRowMap<T>(
-        setup_.options.placement == RopePlacement::BeforeMap ? rotated_input_data() : input_, rows_,
-        setup_.d);
-  }
   double log_scale(Index i) const { return log_scale_.data()[i]; }
-  double max_log_scale() const {
-    return rows_ ? *std::max_element(log_scale_.data(), log_scale_.data() + rows_) : kEmpty;
+  double max_log_scale() const { return range(0, rows_).max_log_scale(); }
+  // Rows [first, first + rows).
+  FeatureRows<T> range(Index first, Index rows) const {
+    const Index m = setup_.m;
+    return FeatureRows<T>(setup_, num_data() + first * m, den_data() + first * m,
+                          plain_data() + first * m, rotated_input_data() + first * setup_.d,
+                          log_scale_.data() + first, rows);
   }
+  FeatureRows<T> all() const { return range(0, rows_); }
 
  private:
   // [num | plain (NumeratorOnly; Full for the backward) | rotated input (BeforeMap)], each
@@ -120,11 +169,14 @@ class FeatureBlock {
   const LinearSetup& setup_;
   Index capacity_;
   bool separate_plain_;
-  Scratch<T> features_;
-  Scratch<double> log_scale_;
+  Buffer<T> features_;
+  Buffer<double> log_scale_;
   Index rows_ = 0;
-  const T* input_ = nullptr;
 };
+
+// A whole sequence's features, kept between the passes of a backward.
+template <class T>
+using KeptFeatures = FeatureBlock<T, LastingScratch>;
 
 // Rescales the state to log scale new_max (>= state.M).
 template <class T>
@@ -143,8 +195,8 @@ void raise_scale(LinearState<T>& state, double new_max) {
 // (d_v wide) rather than those of the features (m wide), and are skipped when every w_j is 1
 // (maps that need no stabilisation, elu+1, relu and 1+cos, have c_j = 0 = M throughout).
 // `next`: what the caller reads next, fetched during the product (gemm.hpp).
-template <class T>
-void absorb(LinearState<T>& state, const FeatureBlock<T>& keys, const T* v, Matrix<T>& weighted_v,
+template <class T, class Keys>
+void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weighted_v,
             Vector<T>& weights, const Prefetch& next = {}) {
   const Index rows = keys.rows(), dv = keys.setup().dv;
   if (rows == 0) return;
@@ -227,23 +279,29 @@ Prefetch::Range rows_of(const T* x, Index cols, Index first, Index rows) {
 }
 
 // Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time: the non-causal form,
-// and the first pass of the causal form split across threads. Each block's state update fetches
-// the next block's keys and values (gemm.hpp's Prefetch): elu+1's rows are cheap enough to map
-// that waiting for them, not the arithmetic, was much of its time. With read_out's fetches,
-// elu+1 non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
+// and the first pass of the causal form split across threads. With `keep`, their features are
+// computed into rows [keep_at, keep_at + nk) of it instead of scratch (the backward reuses them).
+// Each block's state update fetches the next block's keys and values (gemm.hpp's Prefetch): elu+1's
+// rows are cheap enough to map that waiting for them, not the arithmetic, was much of its time.
+// With read_out's fetches, elu+1 non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
 template <class T>
 void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
-                 const LinearSetup& setup) {
+                 const LinearSetup& setup, KeptFeatures<T>* keep = nullptr, Index keep_at = 0) {
   const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(nk, 1));
-  FeatureBlock<T> keys(setup, block);
+  FeatureBlock<T> keys(setup, keep ? 0 : block);
   Matrix<T> weighted;
   Vector<T> weights;
   for (Index js = 0; js < nk; js += block) {
     const Index rows = std::min(block, nk - js), next_rows = std::min(block, nk - js - rows);
-    keys.compute(k + js * setup.d, rows, k_pos0 + js);
-    absorb(state, keys, v + js * setup.dv, weighted, weights,
-           Prefetch{{rows_of(k, setup.d, js + rows, next_rows),
-                     rows_of(v, setup.dv, js + rows, next_rows)}});
+    const Prefetch next{
+        {rows_of(k, setup.d, js + rows, next_rows), rows_of(v, setup.dv, js + rows, next_rows)}};
+    if (keep) {
+      keep->compute_at(keep_at + js, k + js * setup.d, rows, k_pos0 + js);
+      absorb(state, keep->range(keep_at + js, rows), v + js * setup.dv, weighted, weights, next);
+    } else {
+      keys.compute(k + js * setup.d, rows, k_pos0 + js);
+      absorb(state, keys, v + js * setup.dv, weighted, weights, next);
+    }
   }
 }
 
@@ -263,7 +321,7 @@ inline Index part_count(Index rows, Index unit) {
 // threads, the parts merged in order (linear_noncausal.cpp).
 template <class T>
 void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
-                      const LinearSetup& setup, int threads);
+                      const LinearSetup& setup, int threads, KeptFeatures<T>* keep = nullptr);
 
 // state += other, both brought to the larger of their two scales.
 template <class T>

@@ -56,12 +56,12 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
   using detail::slice;
   using detail::slice_out;
   using detail::valid_rows;
-  detail::check_gradient_heads(kFn, q, k, v, d_out, dq, dk, dv);
+  detail::check_backward_heads(kFn, q, k, v, d_out, dq, dk, dv);
   detail::check_linear_setup(kFn, map, options, q.d);
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.n);
   detail::require_finite_heads(kFn, q, k, v);
-  detail::require_finite_gradient(kFn, d_out, q);
+  detail::require_finite_view(kFn, "d_out", d_out, q);
   const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
   const auto run = [&](Index b, Index h, bool parallel) {
     const Index n = valid_rows(q, b), nk = valid_rows(k, b);
@@ -73,13 +73,7 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
     detail::zero_rows_past(dk, b, h, nk);
     detail::zero_rows_past(dv, b, h, nk);
   };
-  // As the forward: one slice per thread when there are enough, else each slice on all threads.
-  if (q.batch * q.heads >= detail::max_threads()) {
-    detail::for_each_slice(q.batch, q.heads, [&](Index b, Index h) { run(b, h, false); });
-  } else {
-    for (Index b = 0; b < q.batch; ++b)
-      for (Index h = 0; h < q.heads; ++h) run(b, h, true);
-  }
+  detail::for_each_head(q.batch, q.heads, run);
 }
 
 }  // namespace

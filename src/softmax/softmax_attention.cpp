@@ -1,9 +1,10 @@
-// Exact softmax attention: argument checks and the single-head entry points (the kernel is
-// softmax_kernel.cpp).
+// Exact softmax attention: argument checks and the single-head entry points, forward and backward
+// (the kernels are softmax_kernel.cpp and softmax_backward.cpp).
 #include <cmath>
 #include <linrope/attention.hpp>
 
 #include "common/check.hpp"
+#include "softmax/softmax_backward.hpp"
 #include "softmax/softmax_kernel.hpp"
 
 namespace linrope {
@@ -29,24 +30,50 @@ double softmax_scale(Index d, const SoftmaxOptions& options) {
 
 namespace {
 
+// What the forward and the backward both check: q [n x d], k [n_k x d], v [n_k x d_v], the
+// options, the positions and that every input is finite.
+template <class T>
+void check_inputs(std::string_view fn, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                  const SoftmaxOptions& options) {
+  const Index n = q.rows(), d = q.cols(), n_k = k.rows();
+  if (k.cols() != d) detail::throw_invalid(fn, "k is ", detail::shape_of(k), " but q has d = ", d);
+  if (v.rows() != n_k)
+    detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but k has n_k = ", n_k, " rows");
+  detail::check_softmax_options(fn, d, options);
+  detail::require_positions(fn, "options.q_offset", options.q_offset, n);
+  detail::require_positions(fn, "options.k_offset", options.k_offset, n_k);
+  detail::require_finite(fn, "q", q);
+  detail::require_finite(fn, "k", k);
+  detail::require_finite(fn, "v", v);
+}
+
 template <class T>
 Matrix<T> softmax_attention_impl(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                                  const SoftmaxOptions& options) {
-  constexpr std::string_view kFn = "softmax_attention";
+  check_inputs("softmax_attention", q, k, v, options);
   const Index n = q.rows(), d = q.cols(), n_k = k.rows(), d_v = v.cols();
-  if (k.cols() != d) detail::throw_invalid(kFn, "k is ", detail::shape_of(k), " but q has d = ", d);
-  if (v.rows() != n_k)
-    detail::throw_invalid(kFn, "v is ", detail::shape_of(v), " but k has n_k = ", n_k, " rows");
-  detail::check_softmax_options(kFn, d, options);
-  detail::require_positions(kFn, "options.q_offset", options.q_offset, n);
-  detail::require_positions(kFn, "options.k_offset", options.k_offset, n_k);
-  detail::require_finite(kFn, "q", q);
-  detail::require_finite(kFn, "k", k);
-  detail::require_finite(kFn, "v", v);
   Matrix<T> out(n, d_v);
   detail::softmax_head<T>({q.data(), k.data(), v.data(), out.data(), n, n_k, d, d_v}, options,
                           /*parallel=*/true);
   return out;
+}
+
+template <class T>
+AttentionGradients<T> softmax_attention_backward_impl(const Matrix<T>& q, const Matrix<T>& k,
+                                                      const Matrix<T>& v, const Matrix<T>& d_out,
+                                                      const SoftmaxOptions& options) {
+  constexpr std::string_view kFn = "softmax_attention_backward";
+  check_inputs(kFn, q, k, v, options);
+  const Index n = q.rows(), d = q.cols(), n_k = k.rows(), d_v = v.cols();
+  if (d_out.rows() != n || d_out.cols() != d_v)
+    detail::throw_invalid(kFn, "d_out is ", detail::shape_of(d_out), " but expected ",
+                          detail::Shape{n, d_v});
+  detail::require_finite(kFn, "d_out", d_out);
+  AttentionGradients<T> g{Matrix<T>(n, d), Matrix<T>(n_k, d), Matrix<T>(n_k, d_v)};
+  detail::softmax_head_backward<T>({q.data(), k.data(), v.data(), d_out.data(), g.dq.data(),
+                                    g.dk.data(), g.dv.data(), n, n_k, d, d_v},
+                                   options, /*parallel=*/true);
+  return g;
 }
 
 }  // namespace
@@ -58,6 +85,17 @@ MatrixF softmax_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
 MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                           const SoftmaxOptions& options) {
   return softmax_attention_impl(q, k, v, options);
+}
+
+AttentionGradients<float> softmax_attention_backward(const MatrixF& q, const MatrixF& k,
+                                                     const MatrixF& v, const MatrixF& d_out,
+                                                     const SoftmaxOptions& options) {
+  return softmax_attention_backward_impl(q, k, v, d_out, options);
+}
+AttentionGradients<double> softmax_attention_backward(const MatrixD& q, const MatrixD& k,
+                                                      const MatrixD& v, const MatrixD& d_out,
+                                                      const SoftmaxOptions& options) {
+  return softmax_attention_backward_impl(q, k, v, d_out, options);
 }
 
 }  // namespace linrope

@@ -1,30 +1,38 @@
-// Softmax attention over [batch, heads, n, d] buffers: checks, then one single-head kernel per
-// (batch, head) slice, the slices spread over the OpenMP threads.
+// Softmax attention over [batch, heads, n, d] buffers, forward and backward: checks, then one
+// single-head kernel per (batch, head) slice, the slices spread over the OpenMP threads.
+#include <algorithm>
 #include <linrope/batched.hpp>
 
 #include "common/heads.hpp"
+#include "softmax/softmax_backward.hpp"
 #include "softmax/softmax_kernel.hpp"
 
 namespace linrope {
 namespace {
 
 using detail::check_heads;
-using detail::for_each_slice;
-using detail::max_threads;
+using detail::for_each_head;
 using detail::require_finite_heads;
 using detail::slice;
 using detail::slice_out;
 using detail::valid_rows;
+
+// What the forward and the backward both check of q, k, v and the options (shapes first).
+template <class T>
+void check_inputs(std::string_view fn, Heads<const T> q, Heads<const T> k, Heads<const T> v,
+                  const SoftmaxOptions& options) {
+  require_finite_heads(fn, q, k, v);
+  detail::check_softmax_options(fn, q.d, options);
+  detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
+  detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
+}
 
 template <class T>
 void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<T> out,
                      const SoftmaxOptions& options) {
   constexpr std::string_view fn = "softmax_attention";
   check_heads(fn, q, k, v, out);
-  require_finite_heads(fn, q, k, v);
-  detail::check_softmax_options(fn, q.d, options);
-  detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
-  detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
+  check_inputs(fn, q, k, v, options);
   const auto run = [&](Index b, Index h, bool parallel) {
     const detail::SoftmaxHead<T> head{slice(q, b, h),
                                       slice(k, b, h),
@@ -36,13 +44,38 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
                                       v.d};
     detail::softmax_head(head, options, parallel);
   };
-  // Enough slices for every thread: one slice per thread. Otherwise each slice uses all threads.
-  if (q.batch * q.heads >= max_threads()) {
-    for_each_slice(q.batch, q.heads, [&](Index b, Index h) { run(b, h, false); });
-  } else {
-    for (Index b = 0; b < q.batch; ++b)
-      for (Index h = 0; h < q.heads; ++h) run(b, h, true);
-  }
+  for_each_head(q.batch, q.heads, run);
+}
+
+// Rows at or past the lengths are not handed to the kernel (so d_out's are never read); their
+// gradients are zeroed here.
+template <class T>
+void softmax_batched_backward(Heads<const T> q, Heads<const T> k, Heads<const T> v,
+                              Heads<const T> d_out, Heads<T> dq, Heads<T> dk, Heads<T> dv,
+                              const SoftmaxOptions& options) {
+  constexpr std::string_view fn = "softmax_attention_backward";
+  detail::check_backward_heads(fn, q, k, v, d_out, dq, dk, dv);
+  check_inputs(fn, q, k, v, options);
+  detail::require_finite_view(fn, "d_out", d_out, q);
+  const auto run = [&](Index b, Index h, bool parallel) {
+    const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
+    const detail::SoftmaxBackwardHead<T> head{slice(q, b, h),
+                                              slice(k, b, h),
+                                              slice(v, b, h),
+                                              slice(d_out, b, h),
+                                              slice_out(dq, b, h),
+                                              slice_out(dk, b, h),
+                                              slice_out(dv, b, h),
+                                              n,
+                                              n_k,
+                                              q.d,
+                                              v.d};
+    detail::softmax_head_backward(head, options, parallel);
+    detail::zero_rows_past(dq, b, h, n);
+    detail::zero_rows_past(dk, b, h, n_k);
+    detail::zero_rows_past(dv, b, h, n_k);
+  };
+  for_each_head(q.batch, q.heads, run);
 }
 
 }  // namespace
@@ -55,4 +88,15 @@ void softmax_attention(Heads<const double> q, Heads<const double> k, Heads<const
                        Heads<double> out, const SoftmaxOptions& options) {
   softmax_batched(q, k, v, out, options);
 }
+void softmax_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                                Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                                Heads<float> dv, const SoftmaxOptions& options) {
+  softmax_batched_backward(q, k, v, d_out, dq, dk, dv, options);
+}
+void softmax_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                                Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                                Heads<double> dv, const SoftmaxOptions& options) {
+  softmax_batched_backward(q, k, v, d_out, dq, dk, dv, options);
+}
+
 }  // namespace linrope

@@ -4,76 +4,21 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <linrope/attention.hpp>
-#include <memory>
-#include <new>
 #include <vector>
 
 #include "common/check.hpp"
 #include "common/gemm.hpp"
 #include "common/parallel.hpp"
 #include "rope/rope_access.hpp"
+#include "softmax/softmax_blocks.hpp"
 
 namespace linrope {
 namespace detail {
 namespace {
 
-// Keys per streamed block when options.block_size is 0, and the largest block of queries. A block
-// of 128 queries x 256 keys keeps S (128 KiB in float) and the packed GEMM operands in L2, and each
-// GEMM (128 x 256 x 64: 4 MFLOP) is large enough for Eigen's packing to cost a few percent.
-constexpr Index kDefaultKeyBlock = 256;
-constexpr Index kMaxQueryBlock = 128;
-// Blocks of queries are multiples of this (the register tile of Eigen's float GEMM is 16-48 rows).
-constexpr Index kQueryBlockQuantum = 16;
-
-using detail::max_threads;
-using detail::thread_id;
-
-// Queries per block: at most kMaxQueryBlock, but small enough that every thread gets several
-// blocks (dynamic scheduling then balances the causal triangle). Depends on n only, never on the
-// thread count, so that the result does not depend on how many threads run.
-Index query_block_size(Index n) {
-  const Index target = (n + 7) / 8;  // >= 8 blocks when n allows
-  const Index rounded = (target + kQueryBlockQuantum - 1) / kQueryBlockQuantum * kQueryBlockQuantum;
-  return std::clamp(rounded, kQueryBlockQuantum, kMaxQueryBlock);
-}
-
-template <class T>
-using RowMap = Eigen::Map<Matrix<T>>;
-template <class T>
-using ConstRowMap = Eigen::Map<const Matrix<T>>;
-template <class T>
-using StridedRowMap = Eigen::Map<Matrix<T>, Eigen::Aligned64, Eigen::OuterStride<>>;
-// A row of scores that starts on a 64-byte boundary.
-template <class T>
-using AlignedRow = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>, Eigen::Aligned64>;
-
-// Why alignment matters for more than speed: Eigen's vectorised sum, max and exp handle the
-// elements before the first aligned address with scalar code (std::exp, another summation order),
-// so the same row at another address rounds differently. Every row of scores starts on a 64-byte
-// boundary, so the result never depends on where a thread's scratch happens to be allocated.
-constexpr std::size_t kAlign = 64;
-
-template <class T>
-Index aligned_stride(Index cols) {
-  constexpr Index per_line = Index(kAlign / sizeof(T));
-  return (cols + per_line - 1) / per_line * per_line;
-}
-
-template <class T>
-struct AlignedFree {
-  void operator()(T* p) const { std::free(p); }
-};
-template <class T>
-std::unique_ptr<T[], AlignedFree<T>> aligned_array(Index count) {
-  const std::size_t bytes =
-      (std::size_t(std::max<Index>(count, 1)) * sizeof(T) + kAlign - 1) / kAlign * kAlign;
-  T* p = static_cast<T*>(std::aligned_alloc(kAlign, bytes));
-  if (p == nullptr) throw std::bad_alloc();
-  return std::unique_ptr<T[], AlignedFree<T>>(p);
-}
+using namespace detail::softmax;
 
 // Per-thread scratch, allocated before the parallel region so that nothing inside it can throw.
 template <class T>
@@ -85,11 +30,11 @@ struct Workspace {
         acc(aligned_array<T>(bq * d_v)),
         row_max(aligned_array<T>(bq)),
         row_sum(aligned_array<T>(bq)) {}
-  Index s_stride;                            // row stride of s, a multiple of 64 bytes
-  std::unique_ptr<T[], AlignedFree<T>> q;    // [bq x d] scaled (and rotated) queries
-  std::unique_ptr<T[], AlignedFree<T>> s;    // [bq x bk] scores, then probabilities
-  std::unique_ptr<T[], AlignedFree<T>> acc;  // [bq x d_v] unnormalised output
-  std::unique_ptr<T[], AlignedFree<T>> row_max, row_sum;
+  Index s_stride;       // row stride of s, a multiple of 64 bytes
+  AlignedArray<T> q;    // [bq x d] scaled (and rotated) queries
+  AlignedArray<T> s;    // [bq x bk] scores, then probabilities
+  AlignedArray<T> acc;  // [bq x d_v] unnormalised output
+  AlignedArray<T> row_max, row_sum;
 };
 
 struct Geometry {
@@ -121,11 +66,8 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
   std::fill_n(row_max, rows, -std::numeric_limits<T>::infinity());
   std::fill_n(row_sum, rows, T(0));
 
-  // Keys [0, key_end) can matter to some row of this block (causal: k_offset + j <= q_offset + i).
   const Index first_pos = options.q_offset + i0;  // position of the block's first query
-  Index key_end = g.n_k;
-  if (options.causal)
-    key_end = std::clamp(first_pos + rows - 1 - options.k_offset + 1, Index(0), g.n_k);
+  const Index key_end = keys_admitted_by_block(options, first_pos, rows, g.n_k);
   const Index j_begin = kb_begin * bk, j_end = std::min(kb_end * bk, key_end);
   if (j_begin >= j_end) return;
 
@@ -140,13 +82,9 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
     StridedRowMap<T> s(ws.s.get(), rows, cols, Eigen::OuterStride<>(ws.s_stride));
     gemm(const_view(qb), const_view(ConstRowMap<T>(k + j0 * d, cols, d)).transposed(), view(s),
          false);
-    // Masking is needed only when the block's last key lies past the block's first query.
-    const bool masked = options.causal && options.k_offset + j0 + cols - 1 > first_pos;
     for (Index i = 0; i < rows; ++i) {
       T* srow = ws.s.get() + i * ws.s_stride;
-      // Admissible keys of row i in this block: j0 + c with k_offset + j0 + c <= q_offset + i0 + i.
-      const Index len =
-          masked ? std::clamp(first_pos + i - options.k_offset - j0 + 1, Index(0), cols) : cols;
+      const Index len = keys_admitted(options, first_pos + i, j0, cols);
       if (len == 0) {  // no admissible key here: zero weights, running state unchanged
         std::fill_n(srow, cols, T(0));
         continue;
@@ -168,15 +106,24 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
   }
 }
 
-// out_i = acc_i / sum_i, or a zero row when no key was admissible.
+// The log-sum-exp of a row's scaled scores, max + log(sum) (the backward's P = exp(s - lse));
+// -inf when no key was admissible.
 template <class T>
-void normalise(const BlockState<T>& state, Index rows, Index d_v, T* out) {
+T log_sum_exp(T max, T sum) {
+  return sum > T(0) ? max + std::log(sum) : -std::numeric_limits<T>::infinity();
+}
+
+// out_i = acc_i / sum_i, or a zero row when no key was admissible; lse (if not null) its
+// log-sum-exp.
+template <class T>
+void normalise(const BlockState<T>& state, Index rows, Index d_v, T* out, T* lse) {
   for (Index i = 0; i < rows; ++i) {
     RowMap<T> o(out + i * d_v, 1, d_v);
     if (state.row_sum[i] > T(0))
       o = ConstRowMap<T>(state.acc + i * d_v, 1, d_v) / state.row_sum[i];
     else
       o.setZero();
+    if (lse != nullptr) lse[i] = log_sum_exp(state.row_max[i], state.row_sum[i]);
   }
 }
 
@@ -184,13 +131,14 @@ void normalise(const BlockState<T>& state, Index rows, Index d_v, T* out) {
 // common max M, o_i = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. Slices are added in order,
 // so the result does not depend on which thread computed which slice.
 template <class T>
-void merge_slices(const std::vector<BlockState<T>>& slices, Index i0, Index rows, Index d_v,
-                  T* out) {
+void merge_slices(const std::vector<BlockState<T>>& slices, Index i0, Index rows, Index d_v, T* out,
+                  T* lse) {
   for (Index i = i0; i < i0 + rows; ++i) {
     T m = -std::numeric_limits<T>::infinity();
     for (const BlockState<T>& s : slices) m = std::max(m, s.row_max[i]);
     RowMap<T> o(out + i * d_v, 1, d_v);
     o.setZero();
+    if (lse != nullptr) lse[i] = -std::numeric_limits<T>::infinity();
     if (m == -std::numeric_limits<T>::infinity()) continue;  // no admissible key at all
     T total = 0;
     for (const BlockState<T>& s : slices) {
@@ -204,6 +152,7 @@ void merge_slices(const std::vector<BlockState<T>>& slices, Index i0, Index rows
       for (Index c = 0; c < d_v; ++c) o(0, c) = std::fma(w, acc[c], o(0, c));
     }
     o /= total;
+    if (lse != nullptr) lse[i] = log_sum_exp(m, total);
   }
 }
 
@@ -226,17 +175,19 @@ template <class T>
 void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, bool parallel) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
+  T* lse = head.lse;
   const Index n = head.n, n_k = head.n_k, d = head.d, d_v = head.d_v;
   if (n == 0 || d_v == 0) return;
   if (n_k == 0) {
     std::fill_n(out, n * d_v, T(0));
+    if (lse != nullptr) std::fill_n(lse, n, -std::numeric_limits<T>::infinity());
     return;
   }
   const T scale = T(softmax_scale(d, options));
   Geometry g{};
   g.n = n, g.n_k = n_k, g.d = d, g.d_v = d_v;
-  g.bq = query_block_size(n);
-  g.bk = std::min(options.block_size > 0 ? options.block_size : kDefaultKeyBlock, n_k);
+  g.bq = task_block_size(n);
+  g.bk = stream_block_size(options.block_size, n_k);
   g.key_blocks = (n_k + g.bk - 1) / g.bk;
   const Index query_blocks = (n + g.bq - 1) / g.bq;
   g.splits = key_splits(query_blocks, g.key_blocks, g.bk);
@@ -250,10 +201,7 @@ void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, boo
     k = k_rotated.data();
   }
 
-  // Tiny problems (under 1e5 multiply-adds) run in the calling thread: waking a team would cost
-  // more than it saves.
-  const bool tiny = double(n) * double(n_k) * double(d + d_v) < 1e5;
-  const int threads = parallel && !tiny ? max_threads() : 1;
+  const int threads = pass_threads(n, n_k, d + d_v, parallel);
   std::vector<Workspace<T>> workspaces;
   workspaces.reserve(threads);
   for (int t = 0; t < threads; ++t) workspaces.emplace_back(g.bq, g.bk, d, d_v);
@@ -285,21 +233,17 @@ void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, boo
     if (g.splits == 1) {
       const BlockState<T> state{ws.acc.get(), ws.row_max.get(), ws.row_sum.get()};
       stream_keys(q, k, v, i0, rows, kb_begin, kb_end, g, options, scale, ws, state);
-      normalise(state, rows, d_v, out + i0 * d_v);
+      normalise(state, rows, d_v, out + i0 * d_v, lse != nullptr ? lse + i0 : nullptr);
       return;
     }
     const BlockState<T>& s = slices[split];
     stream_keys(q, k, v, i0, rows, kb_begin, kb_end, g, options, scale, ws,
                 BlockState<T>{s.acc + i0 * d_v, s.row_max + i0, s.row_sum + i0});
     if (pending[qblock].fetch_sub(1, std::memory_order_acq_rel) == 1)
-      merge_slices(slices, i0, rows, d_v, out);
+      merge_slices(slices, i0, rows, d_v, out, lse);
   };
 
-  // Inside a team each thread uses its own workspace; run serially (one thread, or one task),
-  // the caller's thread uses the first, whatever its number in an enclosing team.
-  const bool team = threads > 1 && tasks > 1;
-  parallel_for(tasks, threads, Schedule::Dynamic,
-               [&](Index t) { run(t, workspaces[team ? thread_id() : 0]); });
+  run_tasks(tasks, workspaces, run);
 }
 
 template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, bool);

@@ -39,6 +39,10 @@ struct SoftmaxHead {
   const T* v;  // [n_k x d_v]
   T* out;      // [n x d_v]
   Index n, n_k, d, d_v;
+  // Optional, [n]: each row's log-sum-exp of its scaled scores, max_j s_ij + log sum_j
+  // exp(s_ij - max_j s_ij) over the admissible j (-inf for a row with none): the statistic a
+  // FlashAttention-style backward saves (ours recomputes it, see softmax_backward.hpp).
+  T* lse = nullptr;
 };
 template <class T>
 void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, bool parallel);
