@@ -641,6 +641,235 @@ TEST_CASE_TEMPLATE("apply_inverse undoes apply", T, float, double) {
       }
 }
 
+// R^T, the gradient of apply (DESIGN.md, "Gradients"): a rotation by -p theta_i times the
+// magnitude g. Checked three ways: against the transpose of the explicit reference matrix, through
+// the adjoint identity <R x, y> == <x, R^T y> with the library's own apply, and against
+// apply_inverse (bitwise the same when g == 1, g^2 times it under Yarn with s > 1).
+
+namespace {
+// The scalings of kScalings plus Yarn with s = 0.5 (magnitude exactly 1 although it is Yarn).
+std::vector<RopeScaling> transpose_scalings() {
+  std::vector<RopeScaling> s = kScalings;
+  s.push_back({.kind = RopeScalingKind::Yarn, .factor = 0.5, .original_max_position = 256});
+  return s;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("Rope::apply_transpose is the transpose of the explicit rotation matrix", T,
+                   float, double) {
+  // The reference builds R(p)^T from R(p) (a transposed matrix, not R(-p)), so a sign or a
+  // magnitude mistake in the reverse turn shows as an O(1) error. Per element the library's error
+  // is bounded as for apply (rope_tolerance: the same cos, sin and magnitude, the opposite sign
+  // of sin). Widths: full and partial rotary (dim 35, r = 32; dim 9, r = 4); positions on both
+  // sides of 0 and runs that cross it.
+  const std::vector<Width> widths = {{8, 8}, {9, 4}, {35, 32}, {66, 64}};
+  const std::vector<Index> offsets = {-100, -3, 0, 61, 10000000};
+  int counter = 0;
+  for (const RopeScaling& s : transpose_scalings())
+    for (RopeLayout layout : kLayouts)
+      for (const Width& w : widths)
+        for (Index first : offsets) {
+          const std::string scaling_s = scaling_name(s);
+          CAPTURE(scaling_s);
+          const std::string layout_s = layout_name(layout);
+          CAPTURE(layout_s);
+          CAPTURE(w.dim);
+          CAPTURE(w.rotary);
+          CAPTURE(first);
+          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
+          const Rope rope(c);
+          const Index rows = 7;
+          const Matrix<T> x0 = input<T>(rows, w.dim, 900 + std::uint64_t(counter++));
+          const MatrixD xd = x0.template cast<double>();
+          // Positions as consecutive offsets (the offset overload) and as a list with jumps, both
+          // signs and repeats (the positions overload).
+          const std::vector<Index> run = reference::consecutive(rows, first);
+          const std::vector<Index> list = {first, -first - 7, 0, 3, 3, -1, first / 2 + 5};
+          for (const bool use_list : {false, true}) {
+            CAPTURE(use_list);
+            const std::vector<Index>& positions = use_list ? list : run;
+            Matrix<T> x = x0;
+            if (use_list) {
+              rope.apply_transpose(x, std::span<const Index>(positions));
+            } else {
+              rope.apply_transpose(x, first);
+            }
+            MatrixD expected(rows, w.dim);
+            for (Index i = 0; i < rows; ++i)
+              expected.row(i) =
+                  (reference::rotation_matrix(c, (long double)positions[std::size_t(i)])
+                       .transpose() *
+                   xd.row(i).transpose())
+                      .transpose();
+            const double err = (x.template cast<double>() - expected).cwiseAbs().maxCoeff();
+            const double tol =
+                rope_tolerance<T>(c, xd.cwiseAbs().maxCoeff(), max_abs_position(positions));
+            CAPTURE(err);
+            CAPTURE(tol);
+            CHECK(err <= tol);
+            CHECK(x.rightCols(w.dim - w.rotary) == x0.rightCols(w.dim - w.rotary));
+          }
+        }
+}
+
+TEST_CASE_TEMPLATE("<R x, y> == <x, R^T y> for every scaling, layout, partial width and position",
+                   T, float, double) {
+  // Both sides in the library: R x by apply, R^T y by apply_transpose, the inner products of the
+  // rounded T results taken in double. Each rotated element errs by at most rope_tolerance (in
+  // terms of the largest input entry), so
+  //   |<R x, y> - <x, R^T y>| <= tol(x) sum|y| + tol(y) sum|x| + (rows dim) u_d sum|R x||y|,
+  // with |R x| <= 2 g max|x| element-wise for the last (double summation) term. A wrong sign in
+  // the reverse turn, a missing or inverted magnitude (1/g instead of g under Yarn) or a pair
+  // mix-up breaks the identity at O(1).
+  const std::vector<Width> widths = {{8, 8}, {9, 4}, {35, 32}, {130, 128}};
+  const std::vector<Index> offsets = {-1000003, -65, -2, 0, 17, 4094};
+  int counter = 0;
+  for (const RopeScaling& s : transpose_scalings())
+    for (RopeLayout layout : kLayouts)
+      for (const Width& w : widths)
+        for (Index first : offsets) {
+          const std::string scaling_s = scaling_name(s);
+          CAPTURE(scaling_s);
+          const std::string layout_s = layout_name(layout);
+          CAPTURE(layout_s);
+          CAPTURE(w.dim);
+          CAPTURE(w.rotary);
+          CAPTURE(first);
+          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
+          const Rope rope(c);
+          const Index rows = 9;
+          const std::uint64_t seed = 2000 + 2 * std::uint64_t(counter++);
+          const Matrix<T> x0 = input<T>(rows, w.dim, seed), y0 = input<T>(rows, w.dim, seed + 1);
+          const MatrixD xd = x0.template cast<double>(), yd = y0.template cast<double>();
+          const double g = rope.magnitude();
+          const double max_x = xd.cwiseAbs().maxCoeff(), max_y = yd.cwiseAbs().maxCoeff();
+          const double sum_x = xd.cwiseAbs().sum(), sum_y = yd.cwiseAbs().sum();
+          std::vector<Index> list(rows);
+          for (Index i = 0; i < rows; ++i)  // alternating signs around `first`
+            list[std::size_t(i)] = (i % 2 == 0 ? first : -first) + 3 * i - 13;
+          for (const bool use_list : {false, true}) {
+            CAPTURE(use_list);
+            const std::vector<Index> positions =
+                use_list ? list : reference::consecutive(rows, first);
+            Matrix<T> rx = x0, rty = y0;
+            if (use_list) {
+              rope.apply(rx, std::span<const Index>(positions));
+              rope.apply_transpose(rty, std::span<const Index>(positions));
+            } else {
+              rope.apply(rx, first);
+              rope.apply_transpose(rty, first);
+            }
+            const double lhs = (rx.template cast<double>().array() * yd.array()).sum();
+            const double rhs = (xd.array() * rty.template cast<double>().array()).sum();
+            const double p_max = max_abs_position(positions);
+            const double tol = rope_tolerance<T>(c, max_x, p_max) * sum_y +
+                               rope_tolerance<T>(c, max_y, p_max) * sum_x +
+                               double(rows * w.dim) * kUd * 2 * g * (max_x * sum_y + max_y * sum_x);
+            CAPTURE(lhs);
+            CAPTURE(rhs);
+            CAPTURE(tol);
+            CHECK(std::abs(lhs - rhs) <= tol);
+          }
+        }
+}
+
+TEST_CASE_TEMPLATE("apply_transpose equals apply_inverse bitwise when the magnitude is 1", T, float,
+                   double) {
+  // With g = 1 both turn by -p theta and multiply by 1 (= 1/g): the same kernel call, the same
+  // bits. Under Yarn with s > 1, R^T = g^2 R^-1: the two differ by the factor g^2 = 1.46 (s = 8)
+  // or 1.63 (s = 16) on the rotated dimensions, and agree bitwise on the pass-through ones.
+  for (const RopeScaling& s : transpose_scalings())
+    for (RopeLayout layout : kLayouts)
+      for (Index first : {Index(-70), Index(0), Index(61)}) {
+        const std::string scaling_s = scaling_name(s);
+        CAPTURE(scaling_s);
+        const std::string layout_s = layout_name(layout);
+        CAPTURE(layout_s);
+        CAPTURE(first);
+        const RopeConfig c{.dim = 35, .rotary_dim = 32, .layout = layout, .scaling = s};
+        const Rope rope(c);
+        const Matrix<T> x0 = input<T>(65, 35, 610);
+        Matrix<T> transposed = x0, inverted = x0;
+        rope.apply_transpose(transposed, first);
+        rope.apply_inverse(inverted, first);
+        const std::vector<Index> positions = {first, -first, 5, -5, 0};
+        Matrix<T> transposed_list = x0.topRows(5), inverted_list = x0.topRows(5);
+        rope.apply_transpose(transposed_list, std::span<const Index>(positions));
+        rope.apply_inverse(inverted_list, std::span<const Index>(positions));
+        CHECK(transposed.rightCols(3) == inverted.rightCols(3));
+        const double g = rope.magnitude();
+        if (s.kind != RopeScalingKind::Yarn || s.factor <= 1) {
+          REQUIRE(g == 1.0);
+          CHECK(transposed == inverted);
+          CHECK(transposed_list == inverted_list);
+        } else {
+          REQUIRE(g > 1.2);
+          CHECK(transposed != inverted);
+          CHECK(transposed_list != inverted_list);
+          // R^T y = g^2 R^-1 y: each side is within rope_tolerance (times g for the inverse's
+          // 1/g, times g^2 for the scaling) of the exact value, in terms of max |x|.
+          const double tol = 2 * g * g *
+                             rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
+                                               double(std::abs(first) + 65));
+          const MatrixD scaled = g * g * inverted.template cast<double>().leftCols(32);
+          CHECK((transposed.template cast<double>().leftCols(32) - scaled).cwiseAbs().maxCoeff() <=
+                tol);
+          // ... and the difference itself is O(1): (g^2 - 1) times the rotated entries.
+          const double diff =
+              (transposed.template cast<double>() - inverted.template cast<double>())
+                  .leftCols(32)
+                  .cwiseAbs()
+                  .maxCoeff();
+          CHECK(diff >= 0.1 * (g * g - 1));
+        }
+      }
+}
+
+TEST_CASE("Rope::apply_transpose rejects bad input and names itself") {
+  using doctest::Contains;
+  const Rope rope({.dim = 8});
+  MatrixF f(3, 7);
+  MatrixD d(3, 9);
+  f.setZero();
+  d.setZero();
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(f, 0),
+                       Contains("Rope::apply_transpose: x is [3 x 7] but the rope has dim = 8"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(d, -4),
+                       Contains("Rope::apply_transpose: x is [3 x 9] but the rope has dim = 8"),
+                       std::invalid_argument);
+  const std::vector<Index> three = {0, 1, 2}, two = {0, 1};
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(f, std::span<const Index>(three)),
+                       Contains("Rope::apply_transpose: x is [3 x 7] but the rope has dim = 8"),
+                       std::invalid_argument);
+  MatrixF good_f = MatrixF::Ones(3, 8);
+  MatrixD good_d = MatrixD::Ones(3, 8);
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(good_f, std::span<const Index>(two)),
+                       Contains("Rope::apply_transpose: positions has 2 entries but x has 3 rows"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(good_d, std::span<const Index>(two)),
+                       Contains("Rope::apply_transpose: positions has 2 entries but x has 3 rows"),
+                       std::invalid_argument);
+  const Index big = Index(1) << 53;
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(good_f, big - 1),
+                       Contains("Rope::apply_transpose: first_position is 9007199254740991 with 3 "
+                                "rows but expected every position within +-2^53"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(good_d, -big - 1),
+                       Contains("Rope::apply_transpose: first_position is -9007199254740993"),
+                       std::invalid_argument);
+  const std::vector<Index> far = {0, std::numeric_limits<Index>::min(), 1};
+  CHECK_THROWS_WITH_AS(rope.apply_transpose(good_d, std::span<const Index>(far)),
+                       Contains("Rope::apply_transpose: positions[1] is -9223372036854775808"),
+                       std::invalid_argument);
+  // A rejected call leaves x alone; zero rows are accepted.
+  CHECK((good_f.array() == 1.0f).all());
+  CHECK((good_d.array() == 1.0).all());
+  MatrixD empty(0, 8);
+  CHECK_NOTHROW(rope.apply_transpose(empty, 3));
+  CHECK_NOTHROW(rope.apply_transpose(empty, std::span<const Index>()));
+}
+
 TEST_CASE("float at large positions matches double to ~1e-6 relative") {
   // Per element, the float result differs from the exact rotation by at most 6 u_f g (|a| + |b|)
   // (rope_tolerance: cos and sin within 4 u_f g, one rounding per product and one per

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "feature_map_reference.hpp"
+#include "rope_reference.hpp"
 
 namespace linrope::reference {
 
@@ -48,14 +49,23 @@ struct RopeSpec {
   Index rotary_dim = 0;  // r: leading dims that rotate (even); the rest pass through
   double base = 10000.0;
   RopeLayout layout = RopeLayout::Interleaved;
+  // Scaled ropes: theta_i after scaling (empty: plain base^(-2i/r)) and the factor g on the
+  // rotated dims (YaRN's 0.1 ln s + 1), both from rope_reference.hpp's own formulas.
+  std::vector<double> frequencies = {};
+  double magnitude = 1.0;
 };
 
-// The same rope as a RopeConfig describes (plain RoPE only: the scalings are not modelled here).
+// The same rope as a RopeConfig describes. Scaled kinds (Linear, Ntk, Yarn) take their frequencies
+// and magnitude from rope_reference.hpp (long double, written from the documented formulas; no
+// code shared with src/).
 inline RopeSpec rope_spec(const RopeConfig& config) {
-  if (config.scaling.kind != RopeScalingKind::None)
-    throw std::logic_error("reference::rope_spec: only unscaled RoPE is modelled");
-  return {config.dim, config.rotary_dim == 0 ? config.dim : config.rotary_dim, config.base,
-          config.layout};
+  RopeSpec spec{config.dim, config.rotary_dim == 0 ? config.dim : config.rotary_dim, config.base,
+                config.layout};
+  if (config.scaling.kind != RopeScalingKind::None) {
+    spec.frequencies = frequencies(config);
+    spec.magnitude = magnitude(config);
+  }
+  return spec;
 }
 
 // Rotary pair i as (cosine slot, sine partner): (2i, 2i+1) interleaved, (i, i + r/2) half.
@@ -70,20 +80,21 @@ inline std::vector<std::pair<Index, Index>> rotary_pairs(const RopeSpec& spec) {
   return pairs;
 }
 
-// theta_i = base^(-2i/r), i = 0 .. r/2 - 1.
+// theta_i = base^(-2i/r), i = 0 .. r/2 - 1 (or the scaled frequencies when the spec has them).
 inline double frequency(const RopeSpec& spec, Index i) {
+  if (!spec.frequencies.empty()) return spec.frequencies.at(std::size_t(i));
   return std::pow(spec.base, -2.0 * double(i) / double(spec.rotary_dim));
 }
 
-// R(p) [dim x dim], acting on column vectors: pair (a, b) -> (a cos - b sin, a sin + b cos) with
-// angle p * theta_i; identity on the pass-through dims.
+// R(p) [dim x dim], acting on column vectors: pair (a, b) -> g (a cos - b sin, a sin + b cos) with
+// angle p * theta_i and g = spec.magnitude (1 but for YaRN); identity on the pass-through dims.
 inline MatrixD rotation_matrix(const RopeSpec& spec, Index position) {
   MatrixD r = MatrixD::Identity(spec.dim, spec.dim);
   const auto pairs = rotary_pairs(spec);
   for (Index i = 0; i < Index(pairs.size()); ++i) {
     const auto [a, b] = pairs[std::size_t(i)];
     const double angle = double(position) * frequency(spec, i);
-    const double c = std::cos(angle), s = std::sin(angle);
+    const double c = spec.magnitude * std::cos(angle), s = spec.magnitude * std::sin(angle);
     r(a, a) = c;
     r(a, b) = -s;
     r(b, a) = s;
@@ -161,7 +172,8 @@ struct LinearResult {
 };
 
 // Row-wise magnitudes for the error bound of inner products of (possibly rotated) features:
-// entry p is |a| + |b| for rotary pair p = (a, b), then |x_l| for each pass-through dim l. For two
+// entry p is g (|a| + |b|) for rotary pair p = (a, b) (g = the rope's magnitude, 1 but for YaRN),
+// then |x_l| for each pass-through dim l. For two
 // rows x, y, mag(x) . mag(y) bounds |<R x, R' y>| pair by pair (|<R(a,b), R'(c,e)>| <=
 // |(a,b)| |(c,e)| <= (|a|+|b|)(|c|+|e|)), the sums of |products| inside any evaluation order of
 // <R x, R' y> or <x, y>, and the rounding of the rotation itself (each rotated entry is a
@@ -173,8 +185,8 @@ inline MatrixD magnitude_rows(const MatrixD& x, const std::optional<RopeSpec>& s
   MatrixD out(x.rows(), np + pass);
   for (Index i = 0; i < x.rows(); ++i) {
     for (Index p = 0; p < np; ++p)
-      out(i, p) = std::abs(x(i, pairs[std::size_t(p)].first)) +
-                  std::abs(x(i, pairs[std::size_t(p)].second));
+      out(i, p) = spec->magnitude * (std::abs(x(i, pairs[std::size_t(p)].first)) +
+                                     std::abs(x(i, pairs[std::size_t(p)].second)));
     for (Index l = 0; l < pass; ++l) out(i, np + l) = std::abs(x(i, spec->rotary_dim + l));
   }
   return out;
