@@ -62,6 +62,7 @@ BATCH, HEADS, DIM, FEATURES, CHUNK = 1, 8, 64, 256, 64
 SIZES = [1024, 4096, 16384]
 EPS = 1e-6
 TOLERANCE = 1e-3
+GRAD_TOLERANCE = 1e-3
 
 
 def parse_args():
@@ -202,7 +203,8 @@ def rope_interleaved(x, base=10000.0):
 # Agreement on a small case.
 
 def run_compare_io(tmp, kind, causal, placement="none", method="chunked", n=200, heads=2,
-                   seed=11):
+                   seed=11, backward=False):
+    """Our output [1, heads, n, d], or with backward=True our (dq, dk, dv) for tmp/d_out.bin."""
     out = os.path.join(tmp, "out.bin")
     command = [os.path.join(args.build_dir, "bench", "compare_io"), "--kind", kind,
                "--causal", str(int(causal)), "--placement", placement, "--method", method,
@@ -210,8 +212,16 @@ def run_compare_io(tmp, kind, causal, placement="none", method="chunked", n=200,
                "--batch", "1", "--heads", str(heads), "--n", str(n), "--d", str(DIM),
                "--q", os.path.join(tmp, "q.bin"), "--k", os.path.join(tmp, "k.bin"),
                "--v", os.path.join(tmp, "v.bin"), "--out", out, "--w", os.path.join(tmp, "w.bin")]
+    grads = [os.path.join(tmp, name + ".bin") for name in ("dq", "dk", "dv")]
+    if backward:
+        command += ["--d-out", os.path.join(tmp, "d_out.bin"), "--dq", grads[0], "--dk", grads[1],
+                    "--dv", grads[2]]
     subprocess.run(command, check=True, env=our_env())
-    return torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(1, heads, n, DIM))
+
+    def load(path):
+        return torch.from_numpy(np.fromfile(path, dtype=np.float32).reshape(1, heads, n, DIM))
+
+    return tuple(load(path) for path in grads) if backward else load(out)
 
 
 def check_agreement():
@@ -263,6 +273,105 @@ def check_agreement():
         say("AGREEMENT CHECK FAILED (> %g): %s" % (TOLERANCE, "; ".join(failures)))
         sys.exit(1)
     say(f"All agree (worst {worst:.2e}).\n")
+
+
+def torch_linear(kind, form, placement="none"):
+    """PyTorch's linear attention as a function of (q, k, v, w), w used by FAVOR+ only.
+
+    form: einsum (non-causal), cumsum or chunked (causal); placement none, numerator_only (eq. 19
+    written here: rotated features in the numerator) or full (rotated features everywhere)."""
+    def attention(q, k, v, w):
+        phi = phi_elu if kind == "elu" else (lambda x: phi_favor(x, w))
+        fq, fk = phi(q), phi(k)
+        num = (None, None)
+        if placement != "none":
+            rq, rk = rope_interleaved(fq), rope_interleaved(fk)
+            if placement == "full":
+                fq, fk = rq, rk
+            else:
+                num = (rq, rk)
+        if form == "chunked":
+            assert placement == "none"
+            return linear_causal_chunked(fq, fk, v)
+        return (linear_noncausal if form == "einsum" else linear_causal_cumsum)(fq, fk, v, *num)
+    return attention
+
+
+def torch_gradients(fn, q, k, v, w, d_out, dtype):
+    """dL/dq, dL/dk, dL/dv of L = sum(d_out * fn(q, k, v, w)) by autograd, computed in dtype."""
+    with torch.enable_grad():
+        leaves = [x.detach().to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        loss = (fn(*leaves, w.to(dtype)) * d_out.to(dtype)).sum()
+        loss.backward()
+    return [x.grad for x in leaves]
+
+
+def check_gradients():
+    say("## Agreement of the gradients (L = sum(d_out * out); the same q, k, v, W and one d_out "
+        "on both sides)\n")
+    say("Batch 1, 2 heads, n = 200, d = 64, m = 256, float32 (the last row: 1 head, n = 1100, "
+        "which our causal backward cuts into one segment per thread). Ours: compare_io "
+        "(batched *_backward); PyTorch: autograd through its implementations above. "
+        "max|ours - torch| / max|torch| per gradient; a failure is > %g. The last two columns "
+        "(the worst of dq, dk, dv) measure rounding: PyTorch's float32 gradients and ours "
+        "against PyTorch's in float64 from the same inputs.\n" % GRAD_TOLERANCE)
+    softmax = [(f"softmax {'causal (masked)' if c else 'non-causal'}", ("softmax", c),
+                lambda q, k, v, w, c=c: torch_softmax(q, k, v, c)) for c in (False, True)]
+    cases = [(label, call, fn, 200, 2) for label, call, fn in softmax]
+    for kind, label in (("elu", "elu+1"), ("favor", "favor+")):
+        cases += [(label + " " + text, call, fn, 200, 2) for text, call, fn in (
+            ("non-causal (einsum)", (kind, False), torch_linear(kind, "einsum")),
+            ("causal: ours (default) vs torch cumsum", (kind, True, "none", "scan"),
+             torch_linear(kind, "cumsum")),
+            ("causal: ours chunked vs torch chunked", (kind, True, "none", "chunked"),
+             torch_linear(kind, "chunked")),
+            ("numerator_only non-causal (eq. 19 written here)", (kind, False, "numerator_only"),
+             torch_linear(kind, "einsum", "numerator_only")),
+            ("numerator_only causal: ours (default) vs torch cumsum",
+             (kind, True, "numerator_only", "scan"), torch_linear(kind, "cumsum", "numerator_only")),
+            ("numerator_only causal: ours chunked vs torch cumsum",
+             (kind, True, "numerator_only", "chunked"),
+             torch_linear(kind, "cumsum", "numerator_only")),
+            ("full non-causal (written here)", (kind, False, "full"),
+             torch_linear(kind, "einsum", "full")),
+            ("full causal: ours (default) vs torch cumsum", (kind, True, "full", "scan"),
+             torch_linear(kind, "cumsum", "full")))]
+    cases.append(("favor+ numerator_only causal, 1 head, n = 1100: ours (default, in segments) "
+                  "vs torch cumsum", ("favor", True, "numerator_only", "scan"),
+                  torch_linear("favor", "cumsum", "numerator_only"), 1100, 1))
+    say("| computation | dq | dk | dv | torch f32 vs f64 | ours vs f64 |\n|---|---|---|---|---|---|")
+    worst, failures, inputs = 0.0, [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, call, fn, n, heads in cases:
+            if (n, heads) not in inputs:  # q, k, v, d_out per shape, seeded by it
+                gen = torch.Generator().manual_seed(5 + n + heads)
+                inputs[(n, heads)] = [torch.randn(1, heads, n, DIM, generator=gen)
+                                      for _ in range(4)]
+            q, k, v, d_out = inputs[(n, heads)]
+            for name, x in (("q", q), ("k", k), ("v", v), ("d_out", d_out)):
+                x.numpy().tofile(os.path.join(tmp, name + ".bin"))
+            ours = run_compare_io(tmp, *call, n=n, heads=heads, backward=True)  # also writes W
+            w = (torch.from_numpy(np.fromfile(os.path.join(tmp, "w.bin"), dtype=np.float32)
+                                  .reshape(FEATURES, DIM)) if call[0] == "favor"
+                 else torch.zeros(FEATURES, DIM))  # only FAVOR+ has a W
+            expected = torch_gradients(fn, q, k, v, w, d_out, torch.float32)
+            exact = torch_gradients(fn, q, k, v, w, d_out, torch.float64)
+            diffs = [float((o - e).abs().max() / e.abs().max()) for o, e in zip(ours, expected)]
+            def against_exact(grads):
+                return max(float((g.double() - x).abs().max() / x.abs().max())
+                           for g, x in zip(grads, exact))
+            floor, mine = against_exact(expected), against_exact(ours)
+            worst = max([worst] + diffs)
+            bad = [g for g, diff in zip(("dq", "dk", "dv"), diffs) if diff > GRAD_TOLERANCE]
+            if bad:
+                failures.append(f"{label} ({', '.join(bad)})")
+            say(f"| {label} | " + " | ".join(f"{diff:.2e}" for diff in diffs)
+                + f" | {floor:.2e} | {mine:.2e} |" + ("  **FAILED**" if bad else ""))
+    say("")
+    if failures:
+        say("GRADIENT CHECK FAILED (> %g): %s" % (GRAD_TOLERANCE, "; ".join(failures)))
+        sys.exit(1)
+    say(f"All gradients agree (worst {worst:.2e}).\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,6 +702,7 @@ def main():
            " ".join(f"{x:.2f}" for x in os.getloadavg())))
     if not args.skip_check:
         check_agreement()
+        check_gradients()
     if args.check_only:
         return
     table = medians(run_bench())
