@@ -596,7 +596,8 @@ def torch_cases(n, w, backward=False):
     scores = bh * n * n * 4
     # Softmax: scores and their softmax, 2 x scores per call, but the peak over the calls of
     # time_call reaches ~6x under the tunables (freed scores are not reused; see the docstring).
-    # With the backward, 9.2x and 10.4x were measured (n = 2048 and 1024, 7 calls, ru_maxrss).
+    # With the backward, 9.2x and 10.4x were measured (n = 2048 and 1024, 7 calls, ru_maxrss):
+    # 11x.
     forms = [("softmax/noncausal", lambda q, k, v: torch_softmax(q, k, v, False), 6 * scores,
               11 * scores),
              ("softmax/causal", lambda q, k, v: torch_softmax(q, k, v, True), 6 * scores + n * n,
@@ -609,10 +610,10 @@ def torch_cases(n, w, backward=False):
              0, 0),
             # The [B,H,n,m,d_v] prefix sums, and the copy einsum makes of them for its bmm; with
             # the backward, their gradients too: 6.3x the prefix sums measured (FAVOR+, n = 1024
-            # and 2048, 7 calls).
+            # and 2048, 7 calls), 7x taken.
             (f"{kind}/cumsum", lambda q, k, v, phi=phi: linear_causal_cumsum(phi(q), phi(k), v),
              2 * prefix_sums, 7 * prefix_sums),
-            # Measured with the backward: 11-12x (FAVOR+, n = 1024 and 2048).
+            # Measured with the backward: 11-12x (FAVOR+, n = 1024 and 2048), 13x taken.
             (f"{kind}/chunked", lambda q, k, v, phi=phi: linear_causal_chunked(phi(q), phi(k), v),
              chunked, 13 * chunked)]
     if not backward:
