@@ -15,6 +15,8 @@
 //                                       (dq, dk, dv from d_out; the causal backward has one form)
 //   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
 //   softmax/<noncausal|causal>/n:<n>    batched softmax_attention
+//   softmax_backward/<noncausal|causal>/n:<n>  batched softmax_attention_backward (no FLOP
+//                                       model either: read it against the forward)
 //   machine/peak_fma, machine/sgemm_1024, machine/copy   what this machine can do
 //
 // FLOP model (per (batch, head) slice, times B * H; n = n_k here). exp, elu, the RoPE rotations,
@@ -210,6 +212,30 @@ void BM_Softmax(benchmark::State& state, bool causal) {
   state.counters["threads"] = linrope::bench::threads();
 }
 
+// The backward of BM_Softmax's problem (d_out ~ N(0, 1)), here beside the linear backward so that
+// compare_pytorch.py takes every forward and backward time from one run. bench_softmax times it
+// too (softmax/batched_h8_backward, uniform inputs, n <= 4096), with a FLOP model.
+void BM_SoftmaxBackward(benchmark::State& state, bool causal) {
+  const Index n = state.range(0);
+  Problem problem(n);
+  const std::vector<float> d_out = gaussian_buffer(kBatch * kHeads * n * kDim, 4);
+  std::vector<float> dq(d_out.size()), dk(d_out.size()), dv(d_out.size());
+  const auto out = [&](std::vector<float>& x) {
+    return linrope::Heads<float>{
+        .data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
+  };
+  const linrope::SoftmaxOptions options{.causal = causal};
+  for (auto _ : state) {
+    linrope::softmax_attention_backward(problem.in(problem.q), problem.in(problem.k),
+                                        problem.in(problem.v), problem.in(d_out), out(dq), out(dk),
+                                        out(dv), options);
+    benchmark::DoNotOptimize(dq.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * kBatch * n);
+  state.counters["threads"] = linrope::bench::threads();
+}
+
 // Decoding: one head, one token per step, the state carried across steps (positions keep growing,
 // which costs nothing extra: memory and work per step are O(m d_v) whatever the position).
 void BM_Stream(benchmark::State& state, FeatureMapKind kind, RopePlacement placement) {
@@ -300,6 +326,13 @@ bool register_all() {
     benchmark::RegisterBenchmark(causal ? "softmax/causal" : "softmax/noncausal", BM_Softmax,
                                  causal)
         ->ArgsProduct({{256, 512, 1024, 2048, 4096, 16384}})
+        ->ArgNames({"n"})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  for (const bool causal : {false, true})
+    benchmark::RegisterBenchmark(causal ? "softmax_backward/causal" : "softmax_backward/noncausal",
+                                 BM_SoftmaxBackward, causal)
+        ->ArgsProduct({sizes})
         ->ArgNames({"n"})
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();

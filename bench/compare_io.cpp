@@ -5,13 +5,18 @@
 //              --placement none|numerator_only|full|before_map --method chunked|scan
 //              --chunk C --seed S --m M --batch B --heads H --n N --d D
 //              --q q.bin --k k.bin --v v.bin --out out.bin [--w w.bin] [--repeat R]
+//   compare_io ... (the same) --d-out d_out.bin --dq dq.bin --dk dk.bin --dv dv.bin
 //
+
 // q, k, v: float32, [B, H, N, D] contiguous (PyTorch's x.contiguous().numpy().tofile()); d_v = D.
 // out: float32 [B, H, N, D]. kind favor: FavorPositive with M orthogonal features drawn from seed S
 // (elu: m = D, M ignored); --w writes its projection W [M x D] (double in linrope, written as
 // float32 row-major) so that PyTorch can build the same features. RoPE (placements other than
 // none): interleaved, base 10000, width D for before_map, m otherwise. Softmax: scale 1/sqrt(D),
 // no rope. --repeat R > 0 runs the call R more times and prints "median_ms <t>" (wall clock).
+// Backward (--d-out given): the gradients of L = sum(d_out * out) instead of the output, through
+// the batched *_backward call with the same options; d_out, dq, dk, dv float32 [B, H, N, D]
+// (--out is then not read; --repeat times the backward call).
 // Exit status 1 with a message on stderr for bad arguments or an error thrown by linrope.
 #include <algorithm>
 #include <chrono>
@@ -87,13 +92,20 @@ int run(const Args& args) {
   const std::vector<float> q = read_floats(args.get("q"), count),
                            k = read_floats(args.get("k"), count),
                            v = read_floats(args.get("v"), count);
-  std::vector<float> out(static_cast<std::size_t>(count));
+  // Backward mode: d_out in, and one buffer per gradient (dq, dk, dv) besides out.
+  const bool backward = args.values.count("d-out") != 0;
+  const std::vector<float> d_out =
+      backward ? read_floats(args.get("d-out"), count) : std::vector<float>();
+  std::vector<float> out(static_cast<std::size_t>(count)), dq, dk, dv;
+  if (backward) dq = dk = dv = out;
   const auto view = [&](const std::vector<float>& x) {
     return linrope::Heads<const float>{
         .data = x.data(), .batch = batch, .heads = heads, .n = n, .d = d};
   };
-  const linrope::Heads<float> out_view{
-      .data = out.data(), .batch = batch, .heads = heads, .n = n, .d = d};
+  const auto writable = [&](std::vector<float>& x) {
+    return linrope::Heads<float>{.data = x.data(), .batch = batch, .heads = heads, .n = n, .d = d};
+  };
+  const linrope::Heads<float> out_view = writable(out);
 
   std::unique_ptr<linrope::FeatureMap> map;
   std::optional<linrope::Rope> rope;
@@ -128,13 +140,25 @@ int run(const Args& args) {
   }
 
   const auto call = [&] {
-    if (map)
+    if (backward && map)
+      linrope::linear_attention_backward(view(q), view(k), view(v), view(d_out), writable(dq),
+                                         writable(dk), writable(dv), *map, linear);
+    else if (backward)
+      linrope::softmax_attention_backward(view(q), view(k), view(v), view(d_out), writable(dq),
+                                          writable(dk), writable(dv), {.causal = causal});
+    else if (map)
       linrope::linear_attention(view(q), view(k), view(v), out_view, *map, linear);
     else
       linrope::softmax_attention(view(q), view(k), view(v), out_view, {.causal = causal});
   };
   call();
-  write_floats(args.get("out"), out.data(), count);
+  if (backward) {
+    write_floats(args.get("dq"), dq.data(), count);
+    write_floats(args.get("dk"), dk.data(), count);
+    write_floats(args.get("dv"), dv.data(), count);
+  } else {
+    write_floats(args.get("out"), out.data(), count);
+  }
 
   const Index repeat = args.number("repeat", "0");
   if (repeat > 0) {

@@ -6,6 +6,17 @@ What it does, in order:
      run by linrope (bench/compare_io, raw float32 files) and by PyTorch on the same q, k, v
      and, for FAVOR+, the same projection W (written by compare_io); prints
      max|ours - torch| / max|torch| per computation and exits 1 if any exceeds 1e-3.
+     Then the gradients of L = sum(d_out * out), one d_out file for both sides: ours from
+     compare_io --d-out (the batched *_backward calls), PyTorch's by autograd through its
+     implementations below (loss = (out * d_out).sum(); loss.backward()); prints
+     max|ours - torch| / max|torch| for dq, dk and dv, beside PyTorch's and our own distance to
+     PyTorch's float64 gradients, and exits 1 if any exceeds 1e-3. Cases: every forward case,
+     placement full too (rotated features in the denominator as well), and one head of n = 1100,
+     which our causal backward cuts into one segment per thread.
+     Why 1e-3, for both: float32 rounding on either side stays near 1e-6 (measured up to 3.5e-6,
+     and 3.5e-4 for PyTorch's own float32 FAVOR+ full causal gradients, whose denominators come
+     close to 0), while the smallest bug worth catching, one key too many or too few in a row's
+     sum, a lost term of the quotient rule, moves a row by ~1/n of the maximum, 5e-3 at n = 200.
   2. Our timings: runs build/bench/bench_linear once (every case, 5 randomly interleaved
      repetitions, Google Benchmark median of real time) unless --bench-json gives a saved run;
      prints every case with GFLOP/s, its fraction of machine/peak_fma and of machine/sgemm_1024
@@ -13,6 +24,23 @@ What it does, in order:
      crossover and the targets.
   3. PyTorch timings (batch 1, 8 heads, d = 64, m = 256, float32, n in 1024, 4096, 16384; median
      of 5 calls, 3 at n = 16384, after one warm-up call) and one table: ours, PyTorch, ratio.
+  4. Forward + backward, the same problem: PyTorch's forward call plus loss.backward() by
+     autograd (q, k, v requiring grad, their .grad reset before each call; median as in 3.), and
+     ours, bench_linear's forward time plus its backward time (linear_backward/...,
+     softmax_backward/...) from the run of 2.; causal linear: our default forward, the scan. One
+     table: ours fwd, bwd, fwd+bwd, PyTorch fwd+bwd, ratio, and the targets (at n = 4096, faster
+     than PyTorch autograd by >= 4x on FAVOR+ causal chunked, >= 5x on elu+1 causal chunked, >= 2x
+     on softmax causal). Then our backward / forward time for every backward timed, the log-log
+     slope of the backward's time from n/4 to n, and their targets (<= 2.5x for FAVOR+ eq. 19 and
+     full, causal and not, at n = 16384; <= 3x for elu+1 causal and softmax causal at n = 4096;
+     slope in [0.9, 1.15]).
+
+Shorter runs: --sizes (the PyTorch sizes), --bench-filter (a regex of bench_linear cases; a
+target whose cases did not run prints "not timed"), --skip-forward (no forward PyTorch timings,
+table or targets), --skip-backward (the script as it was before the gradients), --skip-check,
+--check-only, --bench-json (a saved run). Forward + backward at n = 1024 and 4096 only:
+  /usr/bin/python3 bench/compare_pytorch.py --skip-forward --sizes 1024,4096 --bench-filter \
+    '^(machine/(peak_fma|sgemm)|linear(_backward)?/(elu|favor)/(none|numerator_only|full)/[a-z]+/n:(1024|4096|16384)/|softmax(_backward)?/(noncausal|causal)/n:(1024|4096)/)'
 
 PyTorch is written the way a PyTorch user would write it:
   softmax        (q * scale) @ k^T, masked_fill with a triu mask when causal, softmax, @ v
@@ -41,6 +69,9 @@ cumsum form runs (2 x 8.6 GB of prefix sums; skipped with --max-gb below 17.2), 
 skipped: under the tunables above glibc does not reuse the freed scores for the next call's, and
 the peak grows over the timed calls to ~6x the scores (measured: 12.6 GB for 2.15 GB of scores at
 n = 8192), 52 GB at n = 16384, where the kernel kills the process.
+Forward + backward: autograd keeps more (peaks measured with ru_maxrss over 7 calls under the
+tunables): softmax ~10x the scores, the cumsum form ~6.3x its prefix sums (at n = 16384 FAVOR+'s
+is skipped, 60 GB, and elu+1's runs, 15 GB), the chunked form ~12x its blocks.
 """
 
 import argparse
@@ -62,6 +93,7 @@ BATCH, HEADS, DIM, FEATURES, CHUNK = 1, 8, 64, 256, 64
 SIZES = [1024, 4096, 16384]
 EPS = 1e-6
 TOLERANCE = 1e-3
+GRAD_TOLERANCE = 1e-3
 
 
 def parse_args():
@@ -80,11 +112,20 @@ def parse_args():
                         help="use this saved bench_linear JSON instead of running it")
     parser.add_argument("--save-json", help="write the bench_linear JSON of this run here")
     parser.add_argument("--repetitions", type=int, default=5, help="bench_linear repetitions")
+    parser.add_argument("--bench-filter",
+                        help="run only the bench_linear cases matching this regex "
+                             "(--benchmark_filter; keep machine/ in it: the report needs it)")
     parser.add_argument("--max-gb", type=float, default=20.0,
                         help="skip PyTorch cases needing more memory than this (GB)")
     parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
     parser.add_argument("--check-only", action="store_true", help="only the agreement check")
     parser.add_argument("--skip-torch-timing", action="store_true")
+    parser.add_argument("--skip-forward", action="store_true",
+                        help="no PyTorch forward timings, forward table or forward targets")
+    parser.add_argument("--skip-backward", action="store_true",
+                        help="no gradient check, PyTorch forward + backward timings, "
+                             "forward + backward table or backward targets (the script as it "
+                             "was before the gradients)")
     parser.add_argument("--wait-load", type=float, default=0.0,
                         help="before each timing phase, wait (up to --wait-max s) until the "
                              "1-minute load average is below this (0: do not wait); other work "
@@ -202,7 +243,8 @@ def rope_interleaved(x, base=10000.0):
 # Agreement on a small case.
 
 def run_compare_io(tmp, kind, causal, placement="none", method="chunked", n=200, heads=2,
-                   seed=11):
+                   seed=11, backward=False):
+    """Our output [1, heads, n, d], or with backward=True our (dq, dk, dv) for tmp/d_out.bin."""
     out = os.path.join(tmp, "out.bin")
     command = [os.path.join(args.build_dir, "bench", "compare_io"), "--kind", kind,
                "--causal", str(int(causal)), "--placement", placement, "--method", method,
@@ -210,8 +252,16 @@ def run_compare_io(tmp, kind, causal, placement="none", method="chunked", n=200,
                "--batch", "1", "--heads", str(heads), "--n", str(n), "--d", str(DIM),
                "--q", os.path.join(tmp, "q.bin"), "--k", os.path.join(tmp, "k.bin"),
                "--v", os.path.join(tmp, "v.bin"), "--out", out, "--w", os.path.join(tmp, "w.bin")]
+    grads = [os.path.join(tmp, name + ".bin") for name in ("dq", "dk", "dv")]
+    if backward:
+        command += ["--d-out", os.path.join(tmp, "d_out.bin"), "--dq", grads[0], "--dk", grads[1],
+                    "--dv", grads[2]]
     subprocess.run(command, check=True, env=our_env())
-    return torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(1, heads, n, DIM))
+
+    def load(path):
+        return torch.from_numpy(np.fromfile(path, dtype=np.float32).reshape(1, heads, n, DIM))
+
+    return tuple(load(path) for path in grads) if backward else load(out)
 
 
 def check_agreement():
@@ -265,6 +315,105 @@ def check_agreement():
     say(f"All agree (worst {worst:.2e}).\n")
 
 
+def torch_linear(kind, form, placement="none"):
+    """PyTorch's linear attention as a function of (q, k, v, w), w used by FAVOR+ only.
+
+    form: einsum (non-causal), cumsum or chunked (causal); placement none, numerator_only (eq. 19
+    written here: rotated features in the numerator) or full (rotated features everywhere)."""
+    def attention(q, k, v, w):
+        phi = phi_elu if kind == "elu" else (lambda x: phi_favor(x, w))
+        fq, fk = phi(q), phi(k)
+        num = (None, None)
+        if placement != "none":
+            rq, rk = rope_interleaved(fq), rope_interleaved(fk)
+            if placement == "full":
+                fq, fk = rq, rk
+            else:
+                num = (rq, rk)
+        if form == "chunked":
+            assert placement == "none"
+            return linear_causal_chunked(fq, fk, v)
+        return (linear_noncausal if form == "einsum" else linear_causal_cumsum)(fq, fk, v, *num)
+    return attention
+
+
+def torch_gradients(fn, q, k, v, w, d_out, dtype):
+    """dL/dq, dL/dk, dL/dv of L = sum(d_out * fn(q, k, v, w)) by autograd, computed in dtype."""
+    with torch.enable_grad():
+        leaves = [x.detach().to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        loss = (fn(*leaves, w.to(dtype)) * d_out.to(dtype)).sum()
+        loss.backward()
+    return [x.grad for x in leaves]
+
+
+def check_gradients():
+    say("## Agreement of the gradients (L = sum(d_out * out); the same q, k, v, W and one d_out "
+        "on both sides)\n")
+    say("Batch 1, 2 heads, n = 200, d = 64, m = 256, float32 (the last row: 1 head, n = 1100, "
+        "which our causal backward cuts into one segment per thread). Ours: compare_io "
+        "(batched *_backward); PyTorch: autograd through its implementations above. "
+        "max|ours - torch| / max|torch| per gradient; a failure is > %g. The last two columns "
+        "(the worst of dq, dk, dv) measure rounding: PyTorch's float32 gradients and ours "
+        "against PyTorch's in float64 from the same inputs.\n" % GRAD_TOLERANCE)
+    softmax = [(f"softmax {'causal (masked)' if c else 'non-causal'}", ("softmax", c),
+                lambda q, k, v, w, c=c: torch_softmax(q, k, v, c)) for c in (False, True)]
+    cases = [(label, call, fn, 200, 2) for label, call, fn in softmax]
+    for kind, label in (("elu", "elu+1"), ("favor", "favor+")):
+        cases += [(label + " " + text, call, fn, 200, 2) for text, call, fn in (
+            ("non-causal (einsum)", (kind, False), torch_linear(kind, "einsum")),
+            ("causal: ours (default) vs torch cumsum", (kind, True, "none", "scan"),
+             torch_linear(kind, "cumsum")),
+            ("causal: ours chunked vs torch chunked", (kind, True, "none", "chunked"),
+             torch_linear(kind, "chunked")),
+            ("numerator_only non-causal (eq. 19 written here)", (kind, False, "numerator_only"),
+             torch_linear(kind, "einsum", "numerator_only")),
+            ("numerator_only causal: ours (default) vs torch cumsum",
+             (kind, True, "numerator_only", "scan"), torch_linear(kind, "cumsum", "numerator_only")),
+            ("numerator_only causal: ours chunked vs torch cumsum",
+             (kind, True, "numerator_only", "chunked"),
+             torch_linear(kind, "cumsum", "numerator_only")),
+            ("full non-causal (written here)", (kind, False, "full"),
+             torch_linear(kind, "einsum", "full")),
+            ("full causal: ours (default) vs torch cumsum", (kind, True, "full", "scan"),
+             torch_linear(kind, "cumsum", "full")))]
+    cases.append(("favor+ numerator_only causal, 1 head, n = 1100: ours (default, in segments) "
+                  "vs torch cumsum", ("favor", True, "numerator_only", "scan"),
+                  torch_linear("favor", "cumsum", "numerator_only"), 1100, 1))
+    say("| computation | dq | dk | dv | torch f32 vs f64 | ours vs f64 |\n|---|---|---|---|---|---|")
+    worst, failures, inputs = 0.0, [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, call, fn, n, heads in cases:
+            if (n, heads) not in inputs:  # q, k, v, d_out per shape, seeded by it
+                gen = torch.Generator().manual_seed(5 + n + heads)
+                inputs[(n, heads)] = [torch.randn(1, heads, n, DIM, generator=gen)
+                                      for _ in range(4)]
+            q, k, v, d_out = inputs[(n, heads)]
+            for name, x in (("q", q), ("k", k), ("v", v), ("d_out", d_out)):
+                x.numpy().tofile(os.path.join(tmp, name + ".bin"))
+            ours = run_compare_io(tmp, *call, n=n, heads=heads, backward=True)  # also writes W
+            w = (torch.from_numpy(np.fromfile(os.path.join(tmp, "w.bin"), dtype=np.float32)
+                                  .reshape(FEATURES, DIM)) if call[0] == "favor"
+                 else torch.zeros(FEATURES, DIM))  # only FAVOR+ has a W
+            expected = torch_gradients(fn, q, k, v, w, d_out, torch.float32)
+            exact = torch_gradients(fn, q, k, v, w, d_out, torch.float64)
+            diffs = [float((o - e).abs().max() / e.abs().max()) for o, e in zip(ours, expected)]
+            def against_exact(grads):
+                return max(float((g.double() - x).abs().max() / x.abs().max())
+                           for g, x in zip(grads, exact))
+            floor, mine = against_exact(expected), against_exact(ours)
+            worst = max([worst] + diffs)
+            bad = [g for g, diff in zip(("dq", "dk", "dv"), diffs) if diff > GRAD_TOLERANCE]
+            if bad:
+                failures.append(f"{label} ({', '.join(bad)})")
+            say(f"| {label} | " + " | ".join(f"{diff:.2e}" for diff in diffs)
+                + f" | {floor:.2e} | {mine:.2e} |" + ("  **FAILED**" if bad else ""))
+    say("")
+    if failures:
+        say("GRADIENT CHECK FAILED (> %g): %s" % (GRAD_TOLERANCE, "; ".join(failures)))
+        sys.exit(1)
+    say(f"All gradients agree (worst {worst:.2e}).\n")
+
+
 # ---------------------------------------------------------------------------------------------
 # Our timings, from bench_linear.
 
@@ -298,6 +447,8 @@ def run_bench():
                # then spoils one repetition of several cases, not every repetition of one case.
                "--benchmark_enable_random_interleaving=true",
                "--benchmark_report_aggregates_only=true"]
+    if args.bench_filter:
+        command.append(f"--benchmark_filter={args.bench_filter}")
     quiet_machine("bench_linear")
     say("Running: OMP_NUM_THREADS=%d %s" % (args.threads, " ".join(command)))
     start = time.time()
@@ -434,29 +585,55 @@ def time_call(fn, reps):
     return times[len(times) // 2]
 
 
-def torch_cases(n, w):
-    """(key, function, bytes of large temporaries) for one n."""
+def torch_cases(n, w, backward=False):
+    """(key, function, bytes of large temporaries) for one n.
+
+    backward: each function runs the forward and the backward of L = sum(d_out * out) by autograd
+    (q, k, v require grad; their .grad reset first), as a training step would."""
     gen = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(BATCH, HEADS, n, DIM, generator=gen) for _ in range(3))
     bh = BATCH * HEADS
     scores = bh * n * n * 4
     # Softmax: scores and their softmax, 2 x scores per call, but the peak over the calls of
     # time_call reaches ~6x under the tunables (freed scores are not reused; see the docstring).
-    cases = [("softmax/noncausal", lambda: torch_softmax(q, k, v, False), 6 * scores),
-             ("softmax/causal", lambda: torch_softmax(q, k, v, True), 6 * scores + n * n)]
+    # With the backward, 9.2x and 10.4x were measured (n = 2048 and 1024, 7 calls, ru_maxrss):
+    # 11x.
+    forms = [("softmax/noncausal", lambda q, k, v: torch_softmax(q, k, v, False), 6 * scores,
+              11 * scores),
+             ("softmax/causal", lambda q, k, v: torch_softmax(q, k, v, True), 6 * scores + n * n,
+              11 * scores + n * n)]
     for kind, m, phi in (("elu", DIM, phi_elu), ("favor", FEATURES, lambda x: phi_favor(x, w))):
-        cases += [
-            (f"{kind}/noncausal", lambda phi=phi: linear_noncausal(phi(q), phi(k), v), 0),
-            # The [B,H,n,m,d_v] prefix sums, and the copy einsum makes of them for its bmm.
-            (f"{kind}/cumsum", lambda phi=phi: linear_causal_cumsum(phi(q), phi(k), v),
-             2 * bh * n * m * DIM * 4),
-            (f"{kind}/chunked", lambda phi=phi: linear_causal_chunked(phi(q), phi(k), v),
-             bh * n * (CHUNK + 2 * m) * 4)]
-    return cases
+        prefix_sums = bh * n * m * DIM * 4
+        chunked = bh * n * (CHUNK + 2 * m) * 4
+        forms += [
+            (f"{kind}/noncausal", lambda q, k, v, phi=phi: linear_noncausal(phi(q), phi(k), v),
+             0, 0),
+            # The [B,H,n,m,d_v] prefix sums, and the copy einsum makes of them for its bmm; with
+            # the backward, their gradients too: 6.3x the prefix sums measured (FAVOR+, n = 1024
+            # and 2048, 7 calls), 7x taken.
+            (f"{kind}/cumsum", lambda q, k, v, phi=phi: linear_causal_cumsum(phi(q), phi(k), v),
+             2 * prefix_sums, 7 * prefix_sums),
+            # Measured with the backward: 11-12x (FAVOR+, n = 1024 and 2048), 13x taken.
+            (f"{kind}/chunked", lambda q, k, v, phi=phi: linear_causal_chunked(phi(q), phi(k), v),
+             chunked, 13 * chunked)]
+    if not backward:
+        return [(key, lambda f=f: f(q, k, v), forward) for key, f, forward, _ in forms]
+    d_out = torch.randn(BATCH, HEADS, n, DIM, generator=gen)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+
+    def step(f):
+        for x in leaves:
+            x.grad = None  # as optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            loss = (f(*leaves) * d_out).sum()
+            loss.backward()
+
+    return [(key, lambda f=f: step(f), train) for key, f, _, train in forms]
 
 
-def torch_timings(sizes):
-    say("## PyTorch timings\n")
+def torch_timings(sizes, backward=False):
+    what = "forward + backward (autograd), " if backward else ""
+    say("## PyTorch timings" + (": forward + backward (autograd)" if backward else "") + "\n")
     blas = loaded_blas()
     say("PyTorch %s, %d threads, BLAS loaded: %s" % (torch.__version__, torch.get_num_threads(),
                                                      ", ".join(blas) or "none found"))
@@ -469,8 +646,8 @@ def torch_timings(sizes):
     results, previous = {}, {}
     for n in sizes:
         reps = 3 if n >= 16384 else 5
-        quiet_machine(f"PyTorch n = {n}")
-        for key, fn, temporaries in torch_cases(n, w):
+        quiet_machine(f"PyTorch {what}n = {n}")
+        for key, fn, temporaries in torch_cases(n, w, backward):
             if temporaries > args.max_gb * 1e9:
                 results[(key, n)] = "skipped: needs %.1f GB" % (temporaries / 1e9)
             elif key in previous and previous[key][1] * (n / previous[key][0]) ** (
@@ -545,17 +722,32 @@ def targets(ours, ratios, sizes):
     def row(target, measured, met):
         say(f"| {target} | {measured} | {'yes' if met else 'NO'} |")
 
-    fr = {n: bench[f"linear/favor/numerator_only/noncausal/n:{n}"]["GFLOP/s"] / peak
-          for n in SIZES}
-    row("FAVOR+ numerator-only non-causal >= 50% of fp32 peak",
-        ", ".join(f"n={n}: {f:.1%}" for n, f in fr.items()), all(f >= 0.5 for f in fr.values()))
+    def timed(values):  # a target none of whose cases ran (--bench-filter) is not judged
+        return {key: value for key, value in values.items() if value is not None}
+
+    def rate(name):
+        return bench[name]["GFLOP/s"] / peak if name in bench else None
+
+    def ratio(a, b):
+        return t(a) / t(b) if t(a) and t(b) else None
+
+    def judged(target, measured, values, met):
+        if values:
+            row(target, measured, met)
+        else:
+            say(f"| {target} | not timed | - |")
+
+    fr = timed({n: rate(f"linear/favor/numerator_only/noncausal/n:{n}") for n in SIZES})
+    judged("FAVOR+ numerator-only non-causal >= 50% of fp32 peak",
+           ", ".join(f"n={n}: {f:.1%}" for n, f in fr.items()), fr,
+           all(f >= 0.5 for f in fr.values()))
     for method, placement in (("chunked", "numerator_only"), ("chunked", "none"),
                               ("scan", "numerator_only"), ("scan", "none")):
-        cr = {n: t(f"linear/favor/{placement}/{method}/n:{n}")
-              / t(f"linear/favor/{placement}/noncausal/n:{n}") for n in SIZES}
-        row(f"FAVOR+ causal {method} <= 1.5x non-causal ({placement})",
-            ", ".join(f"n={n}: {r:.2f}x" for n, r in cr.items()),
-            all(r <= 1.5 for r in cr.values()))
+        cr = timed({n: ratio(f"linear/favor/{placement}/{method}/n:{n}",
+                             f"linear/favor/{placement}/noncausal/n:{n}") for n in SIZES})
+        judged(f"FAVOR+ causal {method} <= 1.5x non-causal ({placement})",
+               ", ".join(f"n={n}: {r:.2f}x" for n, r in cr.items()), cr,
+               all(r <= 1.5 for r in cr.values()))
     for ours_key, key, goal, what in (
             ("linear/elu/none/noncausal", "elu/noncausal", 3.0, "PyTorch non-causal (einsum)"),
             ("linear/elu/none/chunked", "elu/chunked", 5.0, "PyTorch chunked causal (ours chunked)"),
@@ -564,26 +756,162 @@ def targets(ours, ratios, sizes):
         row(f"elu+1 linear >= {goal:g}x faster than {what}",
             ", ".join(f"n={n}: {r:.2f}x" if r else f"n={n}: -" for n, r in rs.items()),
             all(r and r >= goal for r in rs.values()))
-    sf = {f"{c} n={n}": bench[f"softmax/{c}/n:{n}"]["GFLOP/s"] / peak
-          for c in ("noncausal", "causal") for n in SIZES}
-    row("streaming softmax >= 50% of peak", ", ".join(f"{k}: {f:.1%}" for k, f in sf.items()),
-        all(f >= 0.5 for f in sf.values()))
+    sf = timed({f"{c} n={n}": rate(f"softmax/{c}/n:{n}")
+                for c in ("noncausal", "causal") for n in SIZES})
+    judged("streaming softmax >= 50% of peak", ", ".join(f"{k}: {f:.1%}" for k, f in sf.items()),
+           sf, all(f >= 0.5 for f in sf.values()))
     s = ours["slope"]
-    row("linear log-log slope in [0.95, 1.1] (2k..32k)", f"{s:.3f}", 0.95 <= s <= 1.1)
+    judged("linear log-log slope in [0.95, 1.1] (2k..32k)", f"{s:.3f}", not math.isnan(s),
+           0.95 <= s <= 1.1)
     # Judged on each form a user gets by default (causal: the scan); the chunked form is shown.
-    lin_1024 = {lbl: t(f"{lin}/n:1024") < t(f"{soft}/n:1024") for lbl, lin, soft in (
+    lin_1024 = timed({lbl: t(f"{lin}/n:1024") < t(f"{soft}/n:1024")
+                      if t(f"{lin}/n:1024") and t(f"{soft}/n:1024") else None
+                      for lbl, lin, soft in (
         ("favor+ num_only non-causal", "linear/favor/numerator_only/noncausal",
          "softmax/noncausal"),
         ("elu+1 num_only non-causal", "linear/elu/numerator_only/noncausal", "softmax/noncausal"),
         ("favor+ num_only causal scan", "linear/favor/numerator_only/scan", "softmax/causal"),
-        ("elu+1 num_only causal scan", "linear/elu/numerator_only/scan", "softmax/causal"))}
-    chunked_1024 = {lbl: t(f"{lin}/n:1024") < t("softmax/causal/n:1024") for lbl, lin in (
+        ("elu+1 num_only causal scan", "linear/elu/numerator_only/scan", "softmax/causal"))})
+    chunked_1024 = timed({lbl: t(f"{lin}/n:1024") < t("softmax/causal/n:1024")
+                          if t(f"{lin}/n:1024") and t("softmax/causal/n:1024") else None
+                          for lbl, lin in (
         ("favor+ num_only causal chunked", "linear/favor/numerator_only/chunked"),
-        ("elu+1 num_only causal chunked", "linear/elu/numerator_only/chunked"))}
-    row("linear overtakes exact softmax at n <= 1024 (default forms; chunked not required)",
-        "; ".join(f"{k}: {'faster' if v else 'slower'} at 1024"
-                  for k, v in {**lin_1024, **chunked_1024}.items()),
-        all(lin_1024.values()))
+        ("elu+1 num_only causal chunked", "linear/elu/numerator_only/chunked"))})
+    judged("linear overtakes exact softmax at n <= 1024 (default forms; chunked not required)",
+           "; ".join(f"{k}: {'faster' if v else 'slower'} at 1024"
+                     for k, v in {**lin_1024, **chunked_1024}.items()),
+           lin_1024, all(lin_1024.values()))
+    say("")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: forward + backward. Ours: the forward and the backward benchmark of the same problem
+# from the one bench_linear run, added; a causal forward is the scan (the default, what a training
+# loop calls), whose backward is bench_linear's one causal form.
+
+TRAINING_ROWS = [
+    # (label, our forward, our backward, PyTorch case)
+    ("softmax non-causal: matmul + softmax", "softmax/noncausal", "softmax_backward/noncausal",
+     "softmax/noncausal"),
+    ("softmax causal: matmul + mask + softmax", "softmax/causal", "softmax_backward/causal",
+     "softmax/causal"),
+    *((f"{label} non-causal: einsum", f"linear/{kind}/none/noncausal",
+       f"linear_backward/{kind}/none/noncausal", f"{kind}/noncausal")
+      for kind, label in (("elu", "elu+1"), ("favor", "favor+"))),
+    *((f"{label} causal: ours / torch {form}", f"linear/{kind}/none/scan",
+       f"linear_backward/{kind}/none/causal", f"{kind}/{form}")
+      for kind, label in (("elu", "elu+1"), ("favor", "favor+")) for form in ("chunked", "cumsum")),
+]
+
+
+def training_table(ours, torch_results, sizes):
+    t = ours["t"]
+    say("## linrope vs PyTorch, forward + backward (batch 1, 8 heads, d = 64, m = 256 for favor+, "
+        f"float32, {args.threads} threads; ms, median)\n")
+    say("Ours: bench_linear's forward + backward times (placement `none`; causal: the default "
+        "scan forward). PyTorch: the forward call plus loss.backward() by autograd, "
+        "loss = (out * d_out).sum(), q, k, v requiring grad. Ratio = PyTorch / ours "
+        "(> 1: ours faster).\n")
+    say("| computation | n | ours fwd | ours bwd | ours fwd+bwd | PyTorch fwd+bwd | ratio |\n"
+        "|---|---|---|---|---|---|---|")
+    ratios = {}
+    for label, forward, backward, torch_key in TRAINING_ROWS:
+        for n in sizes:
+            f, b = t(f"{forward}/n:{n}"), t(f"{backward}/n:{n}")
+            theirs = torch_results.get((torch_key, n), "not timed")
+            if not (f and b):
+                say(f"| {label} | {n} | - | - | - | " + (f"{theirs:.2f}" if isinstance(
+                    theirs, float) else theirs) + " | - |")
+                continue
+            if isinstance(theirs, float):
+                ratios[(torch_key, n)] = theirs / (f + b)
+                say(f"| {label} | {n} | {f:.2f} | {b:.2f} | {f + b:.2f} | {theirs:.2f} "
+                    f"| {theirs / (f + b):.2f}x |")
+            else:
+                say(f"| {label} | {n} | {f:.2f} | {b:.2f} | {f + b:.2f} | {theirs} | - |")
+    say("")
+    return ratios
+
+
+def backward_ratios(ours):
+    """Our backward time / forward time per case and size, and the log-log slope of the backward's
+    time from n/4 to n; returns {(backward name, n): ratio} and {(backward name, n): slope}."""
+    t, bench = ours["t"], ours["table"]
+    cases = sorted({re.sub(r"/n:\d+$", "", name) for name in bench
+                    if name.startswith(("linear_backward/", "softmax_backward/"))})
+    sizes = sorted({int(name.rsplit(":", 1)[1]) for name in bench
+                    if name.startswith(("linear_backward/", "softmax_backward/"))})
+    pairs = [(n // 4, n) for n in sizes if n // 4 in sizes]
+    say("## Our backward / forward time (bench_linear, the same run)\n")
+    say("Forward of a causal linear case: the scan (the default). Slope: log-log slope of the "
+        "backward's time from n/4 to n.\n")
+    say("| backward | " + " | ".join(f"n={n}" for n in sizes) + " | "
+        + " | ".join(f"slope {a}..{b}" for a, b in pairs) + " |")
+    say("|---|" + "---|" * (len(sizes) + len(pairs)))
+    ratios, slopes = {}, {}
+    for case in cases:
+        forward = (case.replace("_backward", "").replace("/causal", "/scan")
+                   if case.startswith("linear") else case.replace("_backward", ""))
+        cells = []
+        for n in sizes:
+            if t(f"{case}/n:{n}") and t(f"{forward}/n:{n}"):
+                ratios[(case, n)] = t(f"{case}/n:{n}") / t(f"{forward}/n:{n}")
+                cells.append(f"{ratios[(case, n)]:.2f}x")
+            else:
+                cells.append("-")
+        for a, b in pairs:
+            if t(f"{case}/n:{a}") and t(f"{case}/n:{b}"):
+                slopes[(case, b)] = slope([(a, t(f"{case}/n:{a}")), (b, t(f"{case}/n:{b}"))])
+                cells.append(f"{slopes[(case, b)]:.3f}")
+            else:
+                cells.append("-")
+        say(f"| {case} | " + " | ".join(cells) + " |")
+    say("")
+    return ratios, slopes
+
+
+def training_targets(train_ratios, bwd_ratios, slopes):
+    say("## Targets: forward + backward\n")
+    say("| target | measured | met? |\n|---|---|---|")
+
+    def judged(target, values, goal, at_least):
+        if not values:
+            say(f"| {target} | not timed | - |")
+            return
+        met = all(v >= goal if at_least else v <= goal for v in values.values())
+        say(f"| {target} | " + ", ".join(f"{k}: {v:.2f}x" for k, v in values.items())
+            + f" | {'yes' if met else 'NO'} |")
+
+    def pick(table, keys):
+        return {label: table[key] for label, key in keys if key in table}
+
+    for goal, key, what in ((4.0, "favor/chunked", "FAVOR+ causal (torch chunked)"),
+                            (5.0, "elu/chunked", "elu+1 causal (torch chunked)"),
+                            (2.0, "softmax/causal", "softmax causal")):
+        judged(f"fwd+bwd >= {goal:g}x faster than PyTorch autograd, {what}, n = 4096",
+               pick(train_ratios, [("n=4096", (key, 4096))]), goal, True)
+    n = 16384
+    judged(f"backward <= 2.5x forward, FAVOR+ eq. 19 and full, n = {n}",
+           pick(bwd_ratios, [(f"{p} {c}", (f"linear_backward/favor/{p}/{c}", n))
+                             for p in ("numerator_only", "full")
+                             for c in ("causal", "noncausal")]), 2.5, False)
+    judged("backward <= 3x forward, elu+1 causal and softmax causal, n = 4096",
+           pick(bwd_ratios, [(f"elu+1 {p}", (f"linear_backward/elu/{p}/causal", 4096))
+                             for p in ("none", "numerator_only")]
+                + [("softmax", ("softmax_backward/causal", 4096))]), 3.0, False)
+    # The slope over the largest n/4 -> n pair timed, every linear backward.
+    largest = max((b for _, b in slopes), default=None)
+    linear_slopes = {case.replace("linear_backward/", ""): v for (case, b), v in slopes.items()
+                     if b == largest and case.startswith("linear_backward/")}
+    if linear_slopes:
+        lo, hi = min(linear_slopes.values()), max(linear_slopes.values())
+        met = 0.9 <= lo and hi <= 1.15
+        say(f"| log-log slope of our linear backward's time, n = {largest // 4}..{largest}, "
+            f"in [0.9, 1.15] | {lo:.3f} ({min(linear_slopes, key=linear_slopes.get)}) .. "
+            f"{hi:.3f} ({max(linear_slopes, key=linear_slopes.get)}) | "
+            f"{'yes' if met else 'NO'} |")
+    else:
+        say("| log-log slope of our linear backward's time in [0.9, 1.15] | not timed | - |")
     say("")
 
 
@@ -593,15 +921,23 @@ def main():
            " ".join(f"{x:.2f}" for x in os.getloadavg())))
     if not args.skip_check:
         check_agreement()
+        if not args.skip_backward:
+            check_gradients()
     if args.check_only:
         return
     table = medians(run_bench())
     ours = report_bench(table)
     ours["table"] = table
     sizes = [int(x) for x in args.sizes.split(",")]
-    torch_results = {} if args.skip_torch_timing else torch_timings(sizes)
-    ratios = comparison_table(ours, torch_results, sizes)
-    targets(ours, ratios, sizes)
+    if not args.skip_forward:
+        torch_results = {} if args.skip_torch_timing else torch_timings(sizes)
+        ratios = comparison_table(ours, torch_results, sizes)
+        targets(ours, ratios, sizes)
+    if not args.skip_backward:
+        torch_train = {} if args.skip_torch_timing else torch_timings(sizes, backward=True)
+        train_ratios = training_table(ours, torch_train, sizes)
+        bwd_ratios, slopes = backward_ratios(ours)
+        training_targets(train_ratios, bwd_ratios, slopes)
     say("Load average at the end: %s" % load_average())
 
 
