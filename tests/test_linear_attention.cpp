@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "linear_cases.hpp"
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
 #include "threads.hpp"
@@ -45,17 +46,12 @@ namespace {
 using namespace linrope;
 namespace ref = linrope::reference;
 using linrope::testing::gaussian;
+using linrope::testing::kCausalMethods;
+using linrope::testing::kMaps;
+using linrope::testing::kPlacements;
 using linrope::testing::kSplitThreads;
 using linrope::testing::ThreadCount;
 using ref::VectorD;
-
-constexpr FeatureMapKind kMaps[] = {FeatureMapKind::EluPlusOne,    FeatureMapKind::Relu,
-                                    FeatureMapKind::FavorPositive, FeatureMapKind::FavorTrig,
-                                    FeatureMapKind::OnePlusCosine, FeatureMapKind::FavorHyperbolic};
-constexpr RopePlacement kPlacements[] = {RopePlacement::None, RopePlacement::BeforeMap,
-                                         RopePlacement::NumeratorOnly, RopePlacement::Full};
-// Every causal method, the default (Scan) first. Non-causal calls have one method and ignore it.
-constexpr CausalMethod kCausalMethods[] = {CausalMethod::Scan, CausalMethod::Chunked};
 
 bool is_favor(FeatureMapKind kind) {
   return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||

@@ -57,6 +57,7 @@
 #include <utility>
 #include <vector>
 
+#include "linear_cases.hpp"
 #include "reference/finite_difference.hpp"
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
@@ -67,15 +68,11 @@ namespace {
 using namespace linrope;
 namespace ref = linrope::reference;
 using linrope::testing::gaussian;
+using linrope::testing::kMaps;
+using linrope::testing::kPlacements;
 using linrope::testing::kSplitThreads;
 using linrope::testing::ThreadCount;
 using ref::VectorD;
-
-constexpr FeatureMapKind kMaps[] = {FeatureMapKind::EluPlusOne,    FeatureMapKind::Relu,
-                                    FeatureMapKind::FavorPositive, FeatureMapKind::FavorTrig,
-                                    FeatureMapKind::OnePlusCosine, FeatureMapKind::FavorHyperbolic};
-constexpr RopePlacement kPlacements[] = {RopePlacement::None, RopePlacement::BeforeMap,
-                                         RopePlacement::NumeratorOnly, RopePlacement::Full};
 
 constexpr double kUnitDouble = std::numeric_limits<double>::epsilon() / 2;
 
