@@ -272,6 +272,42 @@ TEST_CASE(
       }
 }
 
+TEST_CASE(
+    "linear_attention_backward: same bits under varied scheduling and heap state, every map and "
+    "placement") {
+  // n = 1100 as above: the non-causal backward cuts queries and keys into parts, the causal one
+  // cuts the sequence into one segment per thread (so its bits may change with the thread count,
+  // never with the timing).
+  const Index n = 1100, d = 16, d_v = 10;
+  const MatrixD q = input<double>(n, d, 21, 1.5), k = input<double>(n, d, 22, 1.5),
+                v = input<double>(n, d_v, 23), d_out = input<double>(n, d_v, 24);
+  const MatrixF qf = q.cast<float>(), kf = k.cast<float>(), vf = v.cast<float>(),
+                gf = d_out.cast<float>();
+  // Every placement with elu+1 and FAVOR+, every map with eq. 19: the backward's code paths, at
+  // half the forward sweep's cost (the suite runs under sanitizers too).
+  for (const LinearCase& c : linear_cases())
+    for (const bool causal : {false, true}) {
+      if (c.placement != RopePlacement::NumeratorOnly && c.kind != FeatureMapKind::EluPlusOne &&
+          c.kind != FeatureMapKind::FavorPositive)
+        continue;
+      const std::string map_name = to_string(c.kind), placement = to_string(c.placement);
+      CAPTURE(map_name);
+      CAPTURE(placement);
+      CAPTURE(causal);
+      const LinearSetupForTest setup(c, d, causal, CausalMethod::Scan);
+      check_reproducible(
+          [&] {
+            return bytes_of(linear_attention_backward(qf, kf, vf, gf, *setup.map, setup.options));
+          },
+          2, causal);
+      check_reproducible(
+          [&] {
+            return bytes_of(linear_attention_backward(q, k, v, d_out, *setup.map, setup.options));
+          },
+          1, causal);
+    }
+}
+
 TEST_CASE("batched attention: same bits under varied scheduling, equal to the single-head calls") {
   // Six slices, so that 2-4 threads take one slice each (serial kernels) while 1 thread runs each
   // slice with the whole team: both must give the single-head bits (non-causal linear and
@@ -413,6 +449,16 @@ void check_attention_offsets() {
     }
 }
 
+// The bytes of placed dq, dk and dv (sizes given), one after another.
+template <class T>
+std::vector<unsigned char> gradient_bytes(const Placed<T>& dq, Index nq, const Placed<T>& dk,
+                                          Index nk, const Placed<T>& dv, Index nv) {
+  std::vector<unsigned char> b = bytes_of(dq.data(), nq);
+  for (const auto& more : {bytes_of(dk.data(), nk), bytes_of(dv.data(), nv)})
+    b.insert(b.end(), more.begin(), more.end());
+  return b;
+}
+
 // The batched backward with every input and gradient buffer placed `offset` bytes past a 64-byte
 // boundary; the gradients' bytes.
 template <class T>
@@ -428,10 +474,32 @@ void check_backward_offsets() {
         Heads<const T>{pq.data(), 1, heads, n, d}, {pk.data(), 1, heads, n_k, d},
         {pv.data(), 1, heads, n_k, d_v}, {pg.data(), 1, heads, n, d_v}, {dq.data(), 1, heads, n, d},
         {dk.data(), 1, heads, n_k, d}, {dv.data(), 1, heads, n_k, d_v}, options);
-    std::vector<unsigned char> b = bytes_of(dq.data(), q.size());
-    for (const auto& more : {bytes_of(dk.data(), k.size()), bytes_of(dv.data(), v.size())})
-      b.insert(b.end(), more.begin(), more.end());
-    return b;
+    return gradient_bytes(dq, q.size(), dk, k.size(), dv, v.size());
+  });
+}
+
+// The same for the linear backward (FAVOR+ eq. 19, causal: the kept features and the per-query
+// terms live in scratch, the caller's rows anywhere).
+template <class T>
+void check_linear_backward_offsets() {
+  const Index heads = 2, n = 45, n_k = 60, d = 13, d_v = 7;
+  const Matrix<T> q = input<T>(heads * n, d, 54), k = input<T>(heads * n_k, d, 55),
+                  v = input<T>(heads * n_k, d_v, 56), d_out = input<T>(heads * n, d_v, 57);
+  const auto map = make_feature_map(
+      {.kind = FeatureMapKind::FavorPositive, .input_dim = d, .num_features = 11, .seed = 3});
+  const Rope features_rope({.dim = 11, .rotary_dim = 10});  // partial: 10 of the 11 features
+  const LinearOptions options{.causal = true,
+                              .placement = RopePlacement::NumeratorOnly,
+                              .rope = &features_rope,
+                              .q_offset = 20};
+  check_offsets<T>("linear backward", [&](std::size_t offset) {
+    const Placed<T> pq(q, offset), pk(k, offset), pv(v, offset), pg(d_out, offset),
+        dq(q.size(), offset), dk(k.size(), offset), dv(v.size(), offset);
+    linear_attention_backward(
+        Heads<const T>{pq.data(), 1, heads, n, d}, {pk.data(), 1, heads, n_k, d},
+        {pv.data(), 1, heads, n_k, d_v}, {pg.data(), 1, heads, n, d_v}, {dq.data(), 1, heads, n, d},
+        {dk.data(), 1, heads, n_k, d}, {dv.data(), 1, heads, n_k, d_v}, *map, options);
+    return gradient_bytes(dq, q.size(), dk, k.size(), dv, v.size());
   });
 }
 
@@ -474,6 +542,11 @@ TEST_CASE("attention: the same bits wherever the caller's buffers sit (4 to 48 b
 TEST_CASE("softmax_attention_backward: the same bits wherever the caller's buffers sit") {
   SUBCASE("float") { check_backward_offsets<float>(); }
   SUBCASE("double") { check_backward_offsets<double>(); }
+}
+
+TEST_CASE("linear_attention_backward: the same bits wherever the caller's buffers sit") {
+  check_linear_backward_offsets<float>();
+  check_linear_backward_offsets<double>();
 }
 
 TEST_CASE("feature maps and RoPE: the same bits wherever the caller's buffers sit") {
