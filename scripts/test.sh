@@ -26,8 +26,11 @@ if [ "${LINROPE_SKIP_NO_OPENMP:-0}" != 1 ]; then
   ctest --test-dir "$ROOT/build/no-openmp" -j "$JOBS" --output-on-failure -LE install
 fi
 if [ "${LINROPE_SKIP_SANITIZERS:-0}" != 1 ]; then
+  # -g1: line tables for the sanitizers' backtraces, without the full debug information of -g,
+  # which made this pass's build ~20% slower (test_linear_backward.cpp alone: 118 s against 96 s).
   build_tree "$ROOT/build/sanitize" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINROPE_WERROR=ON \
-    -DLINROPE_SANITIZE=ON -DLINROPE_BUILD_BENCHMARKS=OFF
+    -DLINROPE_SANITIZE=ON -DLINROPE_BUILD_BENCHMARKS=OFF \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
   # The install check links a separate project; the Release pass covers it.
   ASAN_OPTIONS=detect_leaks=1 ctest --test-dir "$ROOT/build/sanitize" -j "$JOBS" \
     --output-on-failure -LE install
