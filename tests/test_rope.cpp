@@ -1156,3 +1156,27 @@ TEST_CASE("bad input throws std::invalid_argument naming the argument, expected 
                          std::invalid_argument);
   }
 }
+
+TEST_CASE("layout and scaling names round-trip and unknown names list the valid ones") {
+  const char* layouts[] = {"interleaved", "half"};
+  for (int i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    CHECK(std::string(to_string(static_cast<RopeLayout>(i))) == layouts[i]);
+    CHECK(rope_layout_from_string(layouts[i]) == static_cast<RopeLayout>(i));
+  }
+  const char* scalings[] = {"none", "linear", "ntk", "yarn"};
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    CHECK(std::string(to_string(static_cast<RopeScalingKind>(i))) == scalings[i]);
+    CHECK(rope_scaling_kind_from_string(scalings[i]) == static_cast<RopeScalingKind>(i));
+  }
+  CHECK_THROWS_WITH_AS(rope_layout_from_string("neox"),
+                       doctest::Contains("rope_layout_from_string: layout is \"neox\" but expected "
+                                         "one of interleaved, half"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(rope_scaling_kind_from_string("NTK"),
+                       doctest::Contains("scaling is \"NTK\" but expected one of none, linear, "
+                                         "ntk, yarn"),
+                       std::invalid_argument);
+  CHECK_THROWS_AS(to_string(static_cast<RopeLayout>(2)), std::invalid_argument);
+}

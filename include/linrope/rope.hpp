@@ -15,6 +15,7 @@
 #include <linrope/types.hpp>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace linrope {
@@ -127,5 +128,12 @@ class Rope {
 // plots it for dim 128, m = 0 .. 256. Uses frequencies() of the given rope, so scalings apply too.
 std::vector<double> rope_decay_curve(const Rope& rope, Index max_distance);
 std::vector<double> rope_decay_curve(Index dim, double base, Index max_distance);
+
+// Names used on the command line and in Python: "interleaved", "half"; "none", "linear", "ntk",
+// "yarn"; and their inverses (throw std::invalid_argument listing the valid names).
+const char* to_string(RopeLayout layout);
+RopeLayout rope_layout_from_string(std::string_view name);
+const char* to_string(RopeScalingKind kind);
+RopeScalingKind rope_scaling_kind_from_string(std::string_view name);
 
 }  // namespace linrope

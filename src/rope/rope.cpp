@@ -1,11 +1,14 @@
 // RoPE: configuration checks, the scaled frequencies and angle tables a Rope holds, and the
 // checked public calls (the kernel is rope_kernel.cpp).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <linrope/rope.hpp>
 #include <memory>
 #include <numbers>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/check.hpp"
@@ -185,6 +188,45 @@ void Rope::apply_transpose(Eigen::Ref<MatrixF> x, std::span<const Index> p) cons
 }
 void Rope::apply_transpose(Eigen::Ref<MatrixD> x, std::span<const Index> p) const {
   apply_checked<double>(x, p, Turn::Transpose);
+}
+
+namespace {
+
+constexpr std::array<const char*, 2> kLayoutNames = {"interleaved", "half"};
+constexpr std::array<const char*, 4> kScalingNames = {"none", "linear", "ntk", "yarn"};
+
+// One lookup for both enums: the name of value e in `names`, and back.
+template <class Enum, std::size_t N>
+const char* name_of(Enum e, const std::array<const char*, N>& names, std::string_view type) {
+  const int i = static_cast<int>(e);
+  if (i < 0 || i >= int(N))
+    detail::throw_invalid("to_string", type, " is ", i, " but expected a value in [0, ", N - 1,
+                          "]");
+  return names[std::size_t(i)];
+}
+
+template <class Enum, std::size_t N>
+Enum value_of(std::string_view name, const std::array<const char*, N>& names,
+              std::string_view function, std::string_view what) {
+  std::string valid;
+  for (std::size_t i = 0; i < N; ++i) {
+    if (name == names[i]) return static_cast<Enum>(i);
+    valid += (i == 0 ? "" : ", ") + std::string(names[i]);
+  }
+  detail::throw_invalid(function, what, " is \"", name, "\" but expected one of ", valid);
+}
+
+}  // namespace
+
+const char* to_string(RopeLayout layout) { return name_of(layout, kLayoutNames, "RopeLayout"); }
+RopeLayout rope_layout_from_string(std::string_view name) {
+  return value_of<RopeLayout>(name, kLayoutNames, "rope_layout_from_string", "layout");
+}
+const char* to_string(RopeScalingKind kind) {
+  return name_of(kind, kScalingNames, "RopeScalingKind");
+}
+RopeScalingKind rope_scaling_kind_from_string(std::string_view name) {
+  return value_of<RopeScalingKind>(name, kScalingNames, "rope_scaling_kind_from_string", "scaling");
 }
 
 }  // namespace linrope
