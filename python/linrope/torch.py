@@ -1,0 +1,292 @@
+"""linrope.torch: linrope's kernels as differentiable PyTorch functions and layers (CPU tensors).
+
+Functions (torch.autograd.Function over the C++ forward and backward; each saves only q, k, v
+and its options, and its backward calls the C++ backward):
+    softmax_attention(q, k, v, *, causal, scale, rope, q_offset, k_offset)
+    linear_attention(q, k, v, feature_map, *, causal, placement, rope, eps, q_offset, k_offset,
+                     return_stats, stats_threshold)
+    rope_apply(x, rope, first_position), feature_map_apply(x, feature_map)
+Tensors are float32 or float64, shaped (n, d) or (B, H, n, d), as in ``linrope``; arguments and
+names are those of the NumPy functions. Contiguous tensors reach the kernels without a copy
+(torch and NumPy share the memory), outputs are new tensors.
+
+Layers (torch.nn.Module):
+    RotaryEmbedding  RoPE on (n, d) or (B, H, n, d) tensors, differentiable.
+    MultiheadAttention  q/k/v/out projections and attention chosen by name: "softmax" (exact, RoPE
+        on q and k) or "linear" (a feature map, a RoPE placement, eps, feature redraws).
+"""
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from linrope import _core
+
+__all__ = [
+    "softmax_attention", "linear_attention", "rope_apply", "feature_map_apply",
+    "RotaryEmbedding", "MultiheadAttention",
+]
+
+
+def _array(t, function, name):
+    """A NumPy view of the CPU tensor t (the same memory: the kernels read t in place)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{function}: {name} is a {type(t).__name__} but expected a torch.Tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"{function}: {name} is on {t.device} but linrope runs on the CPU")
+    # bfloat16 has no NumPy dtype: say so here rather than let .numpy() raise a TypeError.
+    if t.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{function}: {name} has dtype {t.dtype} but expected torch.float32 or "
+                         f"torch.float64")
+    return t.detach().numpy()
+
+
+def _tensors(arrays):
+    return tuple(torch.from_numpy(a) for a in arrays)
+
+
+class _SoftmaxAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        fn = "softmax_attention"
+        ctx.options = options
+        ctx.save_for_backward(q, k, v)
+        out = _core.softmax_attention(_array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
+                                      **options)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        fn = "softmax_attention_backward"
+        q, k, v = ctx.saved_tensors
+        grads = _core.softmax_attention_backward(
+            _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
+            _array(d_out, fn, "d_out"), **ctx.options)
+        return (*_tensors(grads), None)
+
+
+class _LinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, feature_map, options, stats, stats_threshold):
+        fn = "linear_attention"
+        ctx.feature_map, ctx.options = feature_map, options
+        # The backward needs the W of this forward: a redraw in between would silently give the
+        # gradient of another function, so the seed is checked (MultiheadAttention redraws by
+        # making a new map instead, which leaves this one, held here, unchanged).
+        ctx.seed = feature_map.seed
+        ctx.save_for_backward(q, k, v)
+        result = _core.linear_attention(
+            _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"), feature_map,
+            return_stats=stats is not None, stats_threshold=stats_threshold, **options)
+        if stats is None:
+            return torch.from_numpy(result)
+        out, values = result
+        stats.update(values)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        fn = "linear_attention_backward"
+        if ctx.feature_map.seed != ctx.seed:
+            raise RuntimeError(
+                f"{fn}: the feature map was redrawn (seed {ctx.seed} -> {ctx.feature_map.seed}) "
+                f"between the forward and the backward; redraw after backward(), or use a new "
+                f"FeatureMap")
+        q, k, v = ctx.saved_tensors
+        grads = _core.linear_attention_backward(
+            _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
+            _array(d_out, fn, "d_out"), ctx.feature_map, **ctx.options)
+        return (*_tensors(grads), None, None, None, None)
+
+
+class _RopeApply(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rope, first_position):
+        ctx.rope, ctx.first_position = rope, first_position
+        return torch.from_numpy(rope.apply(_array(x, "Rope.apply", "x"), first_position))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        dx = ctx.rope.apply_transpose(_array(d_out, "Rope.apply_transpose", "d_out"),
+                                      ctx.first_position)
+        return torch.from_numpy(dx), None, None
+
+
+class _FeatureMapApply(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, feature_map):
+        ctx.feature_map, ctx.seed = feature_map, feature_map.seed
+        ctx.save_for_backward(x)
+        return torch.from_numpy(feature_map.apply(_array(x, "FeatureMap.apply", "x")))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        fn = "FeatureMap.backward"
+        if ctx.feature_map.seed != ctx.seed:
+            raise RuntimeError(f"{fn}: the feature map was redrawn between forward and backward")
+        (x,) = ctx.saved_tensors
+        dx = ctx.feature_map.backward(_array(x, fn, "x"), _array(d_out, fn, "d_out"))
+        return torch.from_numpy(dx), None
+
+
+def softmax_attention(q, k, v, *, causal=False, scale=None, rope=None, q_offset=0, k_offset=0):
+    """Exact softmax attention, differentiable in q, k and v; see linrope.softmax_attention."""
+    options = dict(causal=causal, scale=scale, rope=rope, q_offset=q_offset, k_offset=k_offset)
+    return _SoftmaxAttention.apply(q, k, v, options)
+
+
+def linear_attention(q, k, v, feature_map, *, causal=False, placement="numerator_only", rope=None,
+                     eps=1e-6, q_offset=0, k_offset=0, return_stats=False,
+                     stats_threshold=1e-3):
+    """Linear attention, differentiable in q, k and v (W held fixed); see
+    linrope.linear_attention. With return_stats=True returns (out, stats), stats a dict of the
+    denominator statistics (min, nonpositive, below_threshold, threshold, count)."""
+    options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
+                   k_offset=k_offset)
+    stats = {} if return_stats else None
+    out = _LinearAttention.apply(q, k, v, feature_map, options, stats, stats_threshold)
+    return (out, stats) if return_stats else out
+
+
+def rope_apply(x, rope, first_position=0):
+    """R x for a linrope.Rope, differentiable (the gradient is R^T)."""
+    return _RopeApply.apply(x, rope, first_position)
+
+
+def feature_map_apply(x, feature_map):
+    """phi(x) row by row for a linrope.FeatureMap, differentiable in x (W held fixed)."""
+    return _FeatureMapApply.apply(x, feature_map)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE of width dim on (n, dim) or (B, H, n, dim) tensors: forward(x, first_position=0).
+    Arguments as linrope.Rope (layout "interleaved" or "half"; scaling "none", "linear", "ntk",
+    "yarn")."""
+
+    def __init__(self, dim, rotary_dim=0, base=10000.0, layout="interleaved", scaling="none",
+                 factor=1.0, original_max_position=0):
+        super().__init__()
+        self.rope = _core.Rope(dim, rotary_dim=rotary_dim, base=base, layout=layout,
+                               scaling=scaling, factor=factor,
+                               original_max_position=original_max_position)
+
+    def forward(self, x, first_position=0):
+        return rope_apply(x, self.rope, first_position)
+
+    def extra_repr(self):
+        r = self.rope
+        return (f"dim={r.dim}, rotary_dim={r.rotary_dim}, base={r.base}, layout={r.layout!r}, "
+                f"scaling={r.scaling!r}")
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head attention with q/k/v/out projections over linrope's kernels.
+
+    forward(query, key=None, value=None, *, first_position=0): query [B, n, embed_dim], key and
+    value [B, n_k, embed_dim] (default: self-attention) -> [B, n, embed_dim]. Tokens sit at
+    positions first_position + i (for RoPE and the causal mask).
+
+    attention="softmax": exact softmax attention, RoPE (width head_dim) on q and k when rope=True.
+    attention="linear": linear attention with feature_map ("elu+1", "relu", "favor+",
+        "favor-trig", "1+cos", "favor-hyp"; num_features for the favor maps, default
+        4 * head_dim, the m = 256 at d = 64 that linrope's benchmarks use) and RoPE placement
+        ("none", "before_map", "numerator_only", "full"; default "numerator_only" when rope=True,
+        else "none"), eps as in the C++ API. redraw_interval=k > 0 draws a new W every k forward
+        calls in training mode (Performer's feature redrawing); the current seed is the buffer
+        feature_seed, so a state_dict restores W.
+    track_stats=True keeps the last forward's denominator statistics in last_stats (linear only).
+    """
+
+    def __init__(self, embed_dim, num_heads, attention="softmax", *, causal=False, rope=True,
+                 rope_base=10000.0, rope_layout="interleaved", feature_map="favor+",
+                 num_features=None, orthogonal=True, placement=None, eps=1e-6, redraw_interval=0,
+                 seed=0, bias=True, track_stats=False, device=None, dtype=None):
+        super().__init__()
+        if attention not in ("softmax", "linear"):
+            raise ValueError(f"MultiheadAttention: attention is {attention!r} but expected one of "
+                             f"softmax, linear")
+        if num_heads < 1 or embed_dim % num_heads != 0:
+            raise ValueError(f"MultiheadAttention: embed_dim {embed_dim} is not a multiple of "
+                             f"num_heads {num_heads}")
+        if redraw_interval < 0:
+            raise ValueError(f"MultiheadAttention: redraw_interval is {redraw_interval} but "
+                             f"expected >= 0 (0: never)")
+        factory = dict(device=device, dtype=dtype)
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.attention, self.causal, self.eps = attention, causal, eps
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.track_stats, self.last_stats = track_stats, None
+        self.redraw_interval, self._forwards = redraw_interval, 0
+        self.feature_map, self.rope = None, None
+        if attention == "softmax":
+            self.placement = None
+            if rope:
+                self.rope = _core.Rope(self.head_dim, base=rope_base, layout=rope_layout)
+            return
+        self.placement = placement if placement is not None else (
+            "numerator_only" if rope else "none")
+        self._map_args = dict(kind=feature_map, input_dim=self.head_dim,
+                              num_features=num_features or 4 * self.head_dim,
+                              orthogonal=orthogonal)
+        self.register_buffer("feature_seed", torch.tensor(seed, dtype=torch.int64))
+        self.feature_map = _core.FeatureMap(seed=seed, **self._map_args)
+        if self.placement != "none":
+            # numerator_only and full rotate the features (width m), before_map the inputs (d).
+            width = self.head_dim if self.placement == "before_map" else self.feature_map.output_dim
+            # 1+cos has m = d + 1: the constant feature passes through (rotary width d).
+            self.rope = _core.Rope(width, rotary_dim=width - width % 2, base=rope_base,
+                                   layout=rope_layout)
+
+    def redraw_features(self, seed=None):
+        """A new W from seed (default: the current seed + 1). A new FeatureMap, not an in-place
+        redraw, so that a forward awaiting its backward keeps the W it used."""
+        if self.feature_map is None:
+            raise ValueError("MultiheadAttention: redraw_features needs attention='linear'")
+        self.feature_seed.fill_(int(self.feature_seed) + 1 if seed is None else seed)
+        self.feature_map = _core.FeatureMap(seed=int(self.feature_seed), **self._map_args)
+
+    def _heads(self, x, n):
+        # [B, n, E] -> [B, H, n, head_dim], contiguous: the layout linrope reads in place.
+        return x.view(x.shape[0], n, self.num_heads, self.head_dim).transpose(1, 2).contiguous()
+
+    def forward(self, query, key=None, value=None, *, first_position=0):
+        key = query if key is None else key
+        value = key if value is None else value
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(f"MultiheadAttention: query, key and value are "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)} "
+                             f"but expected [B, n, embed_dim = {self.embed_dim}]")
+        batch, n, n_k = query.shape[0], query.shape[1], key.shape[1]
+        q = self._heads(self.q_proj(query), n)
+        k = self._heads(self.k_proj(key), n_k)
+        v = self._heads(self.v_proj(value), n_k)
+        offsets = dict(q_offset=first_position, k_offset=first_position)
+        if self.attention == "softmax":
+            out = softmax_attention(q, k, v, causal=self.causal, rope=self.rope, **offsets)
+        else:
+            if self.training and self.redraw_interval:
+                if self._forwards and self._forwards % self.redraw_interval == 0:
+                    self.redraw_features()
+                self._forwards += 1
+            if self.feature_map.seed != int(self.feature_seed):  # after load_state_dict
+                self.feature_map = _core.FeatureMap(seed=int(self.feature_seed), **self._map_args)
+            result = linear_attention(q, k, v, self.feature_map, causal=self.causal,
+                                      placement=self.placement, rope=self.rope, eps=self.eps,
+                                      return_stats=self.track_stats, **offsets)
+            out, self.last_stats = result if self.track_stats else (result, None)
+        out = out.transpose(1, 2).reshape(batch, n, self.embed_dim)
+        return self.out_proj(out)
+
+    def extra_repr(self):
+        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, attention={self.attention!r}"
+        if self.feature_map is not None:
+            s += (f", feature_map={self.feature_map.kind!r}, "
+                  f"num_features={self.feature_map.num_features}, placement={self.placement!r}")
+        return s + f", causal={self.causal}"

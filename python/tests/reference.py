@@ -1,0 +1,107 @@
+"""The pure-PyTorch float64 reference the Python package is checked against: explicit rotation
+matrices and explicit n x n attention, written from DESIGN.md's formulas and sharing nothing with
+linrope (the one input taken from linrope is a favor map's W, its random parameter). Every
+function is differentiable by torch.autograd, which gives the reference gradients."""
+import math
+
+import torch
+
+D = torch.float64
+
+
+def frequencies(rotary_dim, base=10000.0, scaling="none", factor=1.0, original_max_position=0,
+                beta_fast=32.0, beta_slow=1.0):
+    """theta_i after scaling, i = 0 .. r/2 - 1, and the magnitude on the rotated dimensions."""
+    r = rotary_dim
+    if scaling == "ntk":
+        base = base * factor ** (r / (r - 2))
+    theta = torch.tensor([base ** (-2.0 * i / r) for i in range(r // 2)], dtype=D)
+    magnitude = 1.0
+    if scaling == "linear":
+        theta = theta / factor
+    elif scaling == "yarn":
+        turns = original_max_position * theta / (2 * math.pi)
+        gamma = ((turns - beta_slow) / (beta_fast - beta_slow)).clamp(0, 1)
+        theta = (1 - gamma) * theta / factor + gamma * theta
+        magnitude = 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
+    return theta, magnitude
+
+
+def rotation(p, dim, rotary_dim=0, layout="interleaved", **scaling):
+    """The explicit dim x dim matrix R_p: pair i rotated by the angle p theta_i."""
+    r = rotary_dim or dim
+    theta, magnitude = frequencies(r, **scaling)
+    R = torch.eye(dim, dtype=D)
+    for i in range(r // 2):
+        a, b = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + r // 2)
+        c, s = math.cos(p * theta[i].item()), math.sin(p * theta[i].item())
+        R[a, a], R[a, b], R[b, a], R[b, b] = c * magnitude, -s * magnitude, s * magnitude, c * magnitude
+    return R
+
+
+def rotate(x, first_position=0, **rope):
+    """Rows of x [..., n, dim] rotated by R_p at p = first_position + i."""
+    n, dim = x.shape[-2], x.shape[-1]
+    R = torch.stack([rotation(first_position + i, dim, **rope) for i in range(n)])  # [n, d, d]
+    return torch.einsum("nab,...nb->...na", R, x)
+
+
+def feature_map(x, kind, W=None):
+    """phi(x) row by row, unstabilised (DESIGN.md, "Feature maps")."""
+    d = x.shape[-1]
+    xs = x * d ** -0.25
+    if kind == "elu+1":
+        return torch.nn.functional.elu(x) + 1
+    if kind == "relu":
+        return torch.relu(x)
+    if kind == "1+cos":
+        norm = x.norm(dim=-1, keepdim=True)
+        unit = torch.where(norm > 0, x / torch.where(norm > 0, norm, torch.ones_like(norm)), x * 0)
+        return torch.cat([unit, torch.ones_like(norm)], dim=-1)
+    u = xs @ W.T
+    h = (xs * xs).sum(-1, keepdim=True) / 2
+    f = W.shape[0]
+    if kind == "favor+":
+        return torch.exp(u - h) / math.sqrt(f)
+    if kind == "favor-trig":
+        return torch.exp(h) / math.sqrt(f) * torch.cat([torch.sin(u), torch.cos(u)], dim=-1)
+    if kind == "favor-hyp":
+        return torch.exp(-h) / math.sqrt(2 * f) * torch.cat([torch.exp(u), torch.exp(-u)], dim=-1)
+    raise ValueError(kind)
+
+
+def _mask(n, n_k, causal, q_offset, k_offset):
+    if not causal:
+        return torch.ones(n, n_k, dtype=torch.bool)
+    p_i = q_offset + torch.arange(n).unsqueeze(1)
+    p_j = k_offset + torch.arange(n_k).unsqueeze(0)
+    return p_j <= p_i
+
+
+def softmax_attention(q, k, v, causal=False, scale=None, rope=None, q_offset=0, k_offset=0):
+    """The explicit n x n softmax attention; rope: a dict of rotate()'s arguments, or None."""
+    d = q.shape[-1]
+    if rope is not None:
+        q, k = rotate(q, q_offset, **rope), rotate(k, k_offset, **rope)
+    scores = (scale if scale is not None else 1 / math.sqrt(d)) * q @ k.transpose(-1, -2)
+    mask = _mask(q.shape[-2], k.shape[-2], causal, q_offset, k_offset)
+    scores = scores.masked_fill(~mask, -math.inf)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: zeros
+    return weights @ v
+
+
+def linear_attention(q, k, v, kind, W=None, causal=False, placement="numerator_only", rope=None,
+                     eps=1e-6, q_offset=0, k_offset=0):
+    """The explicit n x n linear attention of DESIGN.md's placement table. Returns (out, den)."""
+    if placement == "before_map":
+        q, k = rotate(q, q_offset, **rope), rotate(k, k_offset, **rope)
+    phi, psi = feature_map(q, kind, W), feature_map(k, kind, W)
+    plain = phi @ psi.transpose(-1, -2)
+    if placement in ("numerator_only", "full"):
+        rotated = rotate(phi, q_offset, **rope) @ rotate(psi, k_offset, **rope).transpose(-1, -2)
+    else:
+        rotated = plain
+    mask = _mask(q.shape[-2], k.shape[-2], causal, q_offset, k_offset).to(D)
+    num = (rotated * mask) @ v
+    den = ((rotated if placement == "full" else plain) * mask).sum(-1, keepdim=True)
+    return num / (den + eps), den.squeeze(-1)

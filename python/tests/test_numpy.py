@@ -1,0 +1,301 @@
+"""linrope (the NumPy level) against the pure-PyTorch float64 reference in reference.py: RoPE
+against explicit rotation matrices, feature maps against their formulas, both attentions against
+explicit n x n attention, every placement, causal and not, (n, d) and (B, H, n, d), offsets; every
+backward against torch.autograd on the reference; float32 against float64; zero copies; bad input;
+threads."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import linrope
+import reference as ref
+from conftest import randn
+
+MAPS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
+FAVOR = {"favor+", "favor-trig", "favor-hyp"}
+PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
+
+
+def t(a):
+    return torch.from_numpy(np.ascontiguousarray(a)).to(torch.float64)
+
+
+def close(actual, expected, tol=1e-9):
+    """Equal to within tol relative to the largest |expected| (at least 1)."""
+    expected = expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected
+    scale = max(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=tol * scale)
+
+
+def make_map(kind, d, m=24, seed=3):
+    return linrope.FeatureMap(kind, d, num_features=m if kind in FAVOR else 0, seed=seed)
+
+
+# ---- RoPE ----------------------------------------------------------------------------------------
+
+ROPES = [
+    dict(dim=8),
+    dict(dim=10, rotary_dim=6, layout="half"),
+    dict(dim=8, base=500.0, scaling="linear", factor=4.0),
+    dict(dim=12, layout="half", scaling="ntk", factor=8.0),
+    dict(dim=8, scaling="yarn", factor=4.0, original_max_position=64),
+]
+
+
+def ref_rope_args(cfg):
+    args = dict(cfg)
+    args.pop("dim")
+    return args
+
+
+@pytest.mark.parametrize("cfg", ROPES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 5)], ids=["n,d", "B,H,n,d"])
+def test_rope_matches_explicit_rotation_matrices(rng, cfg, shape):
+    rope = linrope.Rope(**cfg)
+    x = randn(rng, *shape, cfg["dim"])
+    for first in (0, 5, -3, 100000):
+        # The reference's angle p * theta is rounded in double: ~|p| 2^-53 rad off at large p.
+        tol = 1e-15 * max(abs(first), 100)
+        expected = ref.rotate(t(x), first, **ref_rope_args(cfg))
+        close(rope.apply(x, first), expected, tol)
+        # R^T (the gradient) and R^-1 from the explicit matrix, slice by slice.
+        R = torch.stack([ref.rotation(first + i, cfg["dim"], **ref_rope_args(cfg))
+                         for i in range(shape[-1])])
+        close(rope.apply_transpose(x, first), torch.einsum("nba,...nb->...na", R, t(x)), tol)
+        close(rope.apply_inverse(x, first),
+              torch.einsum("nab,...nb->...na", torch.linalg.inv(R), t(x)), tol)
+    theta, magnitude = ref.frequencies(rope.rotary_dim, **{
+        k: v for k, v in ref_rope_args(cfg).items() if k not in ("rotary_dim", "layout")})
+    close(rope.frequencies(), theta, 1e-15)
+    assert rope.magnitude == pytest.approx(magnitude, rel=1e-15)
+    assert (rope.layout, rope.scaling) == (cfg.get("layout", "interleaved"),
+                                           cfg.get("scaling", "none"))
+
+
+def test_rope_float32_matches_float64(rng):
+    rope = linrope.Rope(16)
+    x = randn(rng, 2, 2, 33, 16)
+    close(rope.apply(x.astype(np.float32), 1000), rope.apply(x, 1000), 2e-6)
+    assert rope.apply(x.astype(np.float32)).dtype == np.float32
+
+
+# ---- Feature maps --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", MAPS)
+def test_feature_maps_match_their_formulas_and_gradients(rng, kind):
+    fm = make_map(kind, 8)
+    x = randn(rng, 2, 3, 5, 8, scale=0.7)
+    W = t(fm.projection) if kind in FAVOR else None
+    xt = t(x).requires_grad_()
+    phi = ref.feature_map(xt, kind, W)
+    assert fm.output_dim == phi.shape[-1] and fm.kind == kind and fm.input_dim == 8
+    close(fm.apply(x), phi, 1e-12)
+    close(fm.apply(x[0, 0]), phi[0, 0], 1e-12)  # (n, d) too
+    g = randn(rng, *phi.shape)
+    (expected,) = torch.autograd.grad(phi, xt, t(g))
+    close(fm.backward(x, g), expected, 1e-11)
+    close(fm.apply(x.astype(np.float32)), phi, 1e-5)
+
+
+def test_feature_map_redraw_and_projection():
+    fm = linrope.FeatureMap("favor+", 8, num_features=16, seed=1)
+    w1 = fm.projection
+    assert w1.shape == (16, 8) and fm.seed == 1 and fm.num_features == 16
+    fm.redraw(2)
+    assert fm.seed == 2 and not np.array_equal(fm.projection, w1)
+    fm.redraw(1)
+    np.testing.assert_array_equal(fm.projection, w1)  # a seed gives the same W
+    w1[0, 0] = 123.0  # a copy: writing it does not change the map
+    assert fm.projection[0, 0] != 123.0
+    assert linrope.FeatureMap("elu+1", 8).projection.size == 0
+
+
+# ---- Softmax attention ---------------------------------------------------------------------------
+
+SOFTMAX_CASES = [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, rope=True, q_offset=4, k_offset=1),
+    dict(rope=True, scale=0.3),
+    dict(causal=True, q_offset=0, k_offset=3),  # the first queries see no key: zero rows
+]
+
+
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=str)
+@pytest.mark.parametrize("batched", [False, True], ids=["n,d", "B,H,n,d"])
+def test_softmax_attention_and_backward_match_the_reference(rng, case, batched):
+    lead = (2, 3) if batched else ()
+    n, n_k, d, dv = 9, 7, 8, 5
+    q, k, v = randn(rng, *lead, n, d), randn(rng, *lead, n_k, d), randn(rng, *lead, n_k, dv)
+    case = dict(case)
+    rope = linrope.Rope(d) if case.pop("rope", False) else None
+    out = linrope.softmax_attention(q, k, v, rope=rope, **case)
+    qt, kt, vt = (t(a).requires_grad_() for a in (q, k, v))
+    expected = ref.softmax_attention(qt, kt, vt, rope={} if rope else None, **case)
+    close(out, expected, 1e-12)
+    g = randn(rng, *expected.shape)
+    grads = linrope.softmax_attention_backward(q, k, v, g, rope=rope, **case)
+    for actual, wanted in zip(grads, torch.autograd.grad(expected, (qt, kt, vt), t(g))):
+        close(actual, wanted, 1e-11)
+    out32 = linrope.softmax_attention(*(a.astype(np.float32) for a in (q, k, v)), rope=rope,
+                                      **case)
+    assert out32.dtype == np.float32
+    close(out32, out, 1e-5)
+
+
+# ---- Linear attention ----------------------------------------------------------------------------
+
+def rope_for(placement, fm, d):
+    if placement == "none":
+        return None, None
+    width = d if placement == "before_map" else fm.output_dim
+    rotary = width - width % 2  # 1+cos: m = d + 1, the constant passes through
+    return linrope.Rope(width, rotary_dim=rotary), dict(rotary_dim=rotary)
+
+
+@pytest.mark.parametrize("kind", ["elu+1", "favor+", "1+cos", "favor-trig"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("batched", [False, True], ids=["n,d", "B,H,n,d"])
+def test_linear_attention_and_backward_match_the_reference(rng, kind, placement, causal, batched):
+    lead = (2, 2) if batched else ()
+    n, n_k, d, dv = 9, 9, 8, 5
+    fm = make_map(kind, d)
+    q, k = randn(rng, *lead, n, d, scale=0.5), randn(rng, *lead, n_k, d, scale=0.5)
+    v = randn(rng, *lead, n_k, dv)
+    rope, rope_ref = rope_for(placement, fm, d)
+    options = dict(causal=causal, placement=placement, eps=1e-6, q_offset=2, k_offset=1)
+    out, stats = linrope.linear_attention(q, k, v, fm, rope=rope, return_stats=True, **options)
+    W = t(fm.projection) if kind in FAVOR else None
+    qt, kt, vt = (t(a).requires_grad_() for a in (q, k, v))
+    expected, den = ref.linear_attention(qt, kt, vt, kind, W, rope=rope_ref, **options)
+    # Relative to |num| / |den + eps|: a signed denominator near 0 (full, favor-trig) magnifies
+    # rounding, which the tolerance takes into account.
+    smallest = float(den.abs().min()) + 1e-6
+    tol = 1e-11 / min(1.0, smallest)
+    close(out, expected, tol)
+    den = den.detach().numpy()
+    assert stats["count"] == den.size
+    assert stats["min"] == pytest.approx(den.min(), rel=1e-9, abs=1e-12)
+    assert stats["nonpositive"] == int((den <= 0).sum())
+    assert stats["below_threshold"] == int((np.abs(den) < stats["threshold"]).sum())
+    g = randn(rng, *expected.shape)
+    grads = linrope.linear_attention_backward(q, k, v, g, fm, rope=rope, **options)
+    for actual, wanted in zip(grads, torch.autograd.grad(expected, (qt, kt, vt), t(g))):
+        close(actual, wanted, tol * 10)
+    out32 = linrope.linear_attention(*(a.astype(np.float32) for a in (q, k, v)), fm, rope=rope,
+                                     **options)
+    assert out32.dtype == np.float32
+    close(out32, out, 1e-4 / min(1.0, smallest))
+
+
+def test_numerator_only_keeps_the_denominator_positive_and_full_does_not(rng):
+    d, m = 16, 64
+    fm = linrope.FeatureMap("favor+", d, num_features=m, seed=5)
+    rope = linrope.Rope(m)
+    q, k, v = randn(rng, 1, 4, 256, d), randn(rng, 1, 4, 256, d), randn(rng, 1, 4, 256, d)
+    _, eq19 = linrope.linear_attention(q, k, v, fm, rope=rope, causal=True, return_stats=True)
+    _, full = linrope.linear_attention(q, k, v, fm, rope=rope, causal=True, placement="full",
+                                       return_stats=True, stats_threshold=1e-2)
+    assert eq19["nonpositive"] == 0 and eq19["min"] > 0 and eq19["count"] == 4 * 256
+    assert full["min"] < eq19["min"] and full["threshold"] == 1e-2
+
+
+# ---- Memory: zero copies in, new arrays out ------------------------------------------------------
+
+def test_contiguous_inputs_are_read_in_place_and_outputs_are_new(rng):
+    for dtype in (np.float32, np.float64):
+        x = randn(rng, 2, 3, 8, 4, dtype=dtype)
+        assert linrope._core._kernel_view(x) == x.ctypes.data
+        assert linrope._core._kernel_view(x[1]) == x[1].ctypes.data  # a contiguous slice too
+        strided = x[:, :, ::2]
+        assert linrope._core._kernel_view(strided) != strided.ctypes.data  # copied, not rejected
+    q, k, v = (randn(rng, 2, 3, 8, 4) for _ in range(3))
+    fm = make_map("favor+", 4)
+    outputs = [linrope.softmax_attention(q, k, v),
+               linrope.linear_attention(q, k, v, fm, placement="none"),
+               *linrope.softmax_attention_backward(q, k, v, q),
+               *linrope.linear_attention_backward(q, k, v, q, fm, placement="none"),
+               linrope.Rope(4).apply(q), fm.apply(q), fm.backward(q, fm.apply(q))]
+    for out in outputs:
+        assert out.flags.c_contiguous and out.flags.owndata
+        assert not any(np.shares_memory(out, a) for a in (q, k, v))
+    # A non-contiguous input gives the same result as its contiguous copy.
+    qs = randn(rng, 2, 3, 16, 4)[:, :, ::2]
+    np.testing.assert_array_equal(linrope.softmax_attention(qs, k, v),
+                                  linrope.softmax_attention(np.ascontiguousarray(qs), k, v))
+
+
+# ---- Bad input -----------------------------------------------------------------------------------
+
+def test_bad_input_raises_value_error_with_the_cpp_message(rng):
+    q = randn(rng, 6, 4)
+    fm = make_map("elu+1", 4)
+    cases = [
+        (lambda: linrope.softmax_attention(q.astype(np.int64), q, q),
+         "softmax_attention: q has dtype int64 but expected float32 or float64"),
+        (lambda: linrope.softmax_attention(q.astype(np.float16), q, q), "dtype float16"),
+        (lambda: linrope.softmax_attention(q, q.astype(np.float32), q),
+         "k has dtype float32 but q has dtype float64"),
+        (lambda: linrope.softmax_attention(q[None], q[None], q[None]),
+         "q has 3 dimensions but expected 2 (n, d) or 4 (B, H, n, d)"),
+        (lambda: linrope.softmax_attention(q, randn(rng, 6, 5), q), "softmax_attention"),
+        (lambda: linrope.softmax_attention(q, q, q, scale=0), "scale is 0"),
+        (lambda: linrope.softmax_attention(np.full((6, 4), np.nan), q, q), "non-finite"),
+        (lambda: linrope.linear_attention(q, q, q, fm, placement="numerator-only"),
+         'placement is "numerator-only" but expected one of none, before_map, numerator_only, '
+         'full'),
+        (lambda: linrope.linear_attention(q, q, q, fm), "rope is null"),
+        (lambda: linrope.linear_attention(q, q, q, fm, placement="none", eps=-1), "eps"),
+        (lambda: linrope.linear_attention_backward(q, q, q, randn(rng, 5, 4), fm,
+                                                   placement="none"), "d_out"),
+        (lambda: linrope.FeatureMap("favor", 4),
+         'unknown feature map "favor"; expected one of elu+1, relu, favor+, favor-trig, 1+cos, '
+         'favor-hyp'),
+        (lambda: linrope.FeatureMap("favor+", 4), "num_features is 0"),
+        (lambda: linrope.Rope(8, layout="neox"),
+         'layout is "neox" but expected one of interleaved, half'),
+        (lambda: linrope.Rope(8, scaling="NTK"),
+         'scaling is "NTK" but expected one of none, linear, ntk, yarn'),
+        (lambda: linrope.Rope(7), "rotary_dim is 7 but expected an even number"),
+        (lambda: linrope.Rope(8).apply(q), "Rope"),
+        (lambda: linrope.set_num_threads(0), "set_num_threads: n is 0 but expected n >= 1"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert message in str(error.value), (message, str(error.value))
+
+
+# ---- Threads -------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not linrope.openmp, reason="built without OpenMP")
+def test_thread_count_is_linropes_own_and_honoured_after_import_torch(rng):
+    if "OMP_NUM_THREADS" not in os.environ:
+        assert linrope.get_num_threads() == len(os.sched_getaffinity(0))
+    before = linrope.get_num_threads()
+    torch_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # what `import torch` does on a 2-core machine
+        for n in (1, 2, 3):
+            linrope.set_num_threads(n)
+            assert linrope.get_num_threads() == n
+            assert linrope._core._kernel_threads() == n
+        assert torch.get_num_threads() == 1  # torch's count is left alone
+        # A causal linear attention on one long head runs one segment per thread, so its last bits
+        # show the thread count the kernel really used (attention.hpp, "Reproducibility").
+        fm = make_map("elu+1", 32)
+        q, k, v = (randn(rng, 1024, 32, dtype=np.float32) for _ in range(3))
+        runs = {}
+        for n in (1, 2, 1):
+            linrope.set_num_threads(n)
+            out = linrope.linear_attention(q, k, v, fm, causal=True, placement="none")
+            if n in runs:
+                np.testing.assert_array_equal(out, runs[n])
+            runs[n] = out
+        assert not np.array_equal(runs[1], runs[2])
+    finally:
+        linrope.set_num_threads(before)
+        torch.set_num_threads(torch_threads)

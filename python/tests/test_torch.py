@@ -1,0 +1,240 @@
+"""linrope.torch: torch.autograd.gradcheck in float64 on every differentiable function (their
+backward is the C++ backward), the functions against the pure-PyTorch reference, the layers
+(RotaryEmbedding, MultiheadAttention) in a small transformer, denominator statistics, feature
+redraws, memory sharing and bad input."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import linrope
+import linrope.torch as lt
+import reference as ref
+
+PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
+
+
+def inputs(*shapes, dtype=torch.float64, scale=0.5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(scale * torch.randn(*s, generator=g, dtype=dtype)).requires_grad_() for s in shapes]
+
+
+def rope_for(placement, fm, d):
+    if placement == "none":
+        return None, None
+    width = d if placement == "before_map" else fm.output_dim
+    rotary = width - width % 2
+    return linrope.Rope(width, rotary_dim=rotary), dict(rotary_dim=rotary)
+
+
+# ---- gradcheck: the C++ backward against finite differences, float64 -----------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("batched", [False, True], ids=["n,d", "B,H,n,d"])
+def test_softmax_attention_gradcheck(causal, rope, batched):
+    lead = (2, 2) if batched else ()
+    q, k, v = inputs((*lead, 6, 4), (*lead, 5, 4), (*lead, 5, 3))
+    r = linrope.Rope(4) if rope else None
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: lt.softmax_attention(q, k, v, causal=causal, rope=r, q_offset=2), (q, k, v))
+
+
+@pytest.mark.parametrize("kind", ["elu+1", "favor+", "1+cos", "favor-trig"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_linear_attention_gradcheck(kind, placement, causal):
+    d = 4
+    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=2)
+    rope, _ = rope_for(placement, fm, d)
+    q, k, v = inputs((2, 1, 6, d), (2, 1, 6, d), (2, 1, 6, 3))
+    # eps = 1: a signed denominator (full, favor-trig) near 0 would make finite differences of
+    # the ratio meaningless; the kernels' handling of eps is the same for any value.
+    eps = 1.0 if kind == "favor-trig" or placement == "full" else 1e-6
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: lt.linear_attention(q, k, v, fm, causal=causal, placement=placement,
+                                            rope=rope, eps=eps), (q, k, v))
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_rope_and_feature_map_gradcheck(layout):
+    (x,) = inputs((2, 3, 5, 8))
+    rope = lt.RotaryEmbedding(8, rotary_dim=6, layout=layout, scaling="yarn", factor=2.0,
+                              original_max_position=16)
+    assert torch.autograd.gradcheck(lambda x: rope(x, 3), (x,))
+    for kind in ["elu+1", "favor+", "favor-hyp", "1+cos"]:
+        fm = linrope.FeatureMap(kind, 8, num_features=5 if "favor" in kind else 0)
+        assert torch.autograd.gradcheck(lambda x: lt.feature_map_apply(x, fm), (x,))
+
+
+# ---- The functions against the reference ---------------------------------------------------------
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_linear_attention_matches_the_reference_in_value_and_gradient(placement, causal):
+    d = 8
+    fm = linrope.FeatureMap("favor+", d, num_features=16, seed=4)
+    rope, rope_ref = rope_for(placement, fm, d)
+    q, k, v = inputs((2, 3, 10, d), (2, 3, 10, d), (2, 3, 10, 5))
+    out, stats = lt.linear_attention(q, k, v, fm, causal=causal, placement=placement, rope=rope,
+                                     return_stats=True)
+    expected, den = ref.linear_attention(q, k, v, "favor+", torch.from_numpy(fm.projection),
+                                         causal=causal, placement=placement, rope=rope_ref)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    assert stats["min"] == pytest.approx(float(den.min()), rel=1e-9)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g),
+                    torch.autograd.grad(expected, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+
+
+def test_softmax_attention_matches_the_reference_in_float32_and_float64():
+    q, k, v = inputs((2, 2, 12, 8), (2, 2, 12, 8), (2, 2, 12, 8), scale=1.0)
+    rope = linrope.Rope(8)
+    expected = ref.softmax_attention(q, k, v, causal=True, rope={})
+    torch.testing.assert_close(lt.softmax_attention(q, k, v, causal=True, rope=rope), expected,
+                               rtol=0, atol=1e-12)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out32 = lt.softmax_attention(q32, k32, v32, causal=True, rope=rope)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), expected, rtol=0, atol=1e-5)
+    out32.sum().backward()
+    (dq,) = torch.autograd.grad(expected.sum(), (q,))
+    torch.testing.assert_close(q32.grad.double(), dq, rtol=0, atol=1e-4)
+
+
+# ---- Memory ---------------------------------------------------------------------------------------
+
+def test_tensors_reach_the_kernels_without_a_copy():
+    (x,) = inputs((2, 3, 8, 4))
+    view = lt._array(x, "test", "x")
+    assert view.ctypes.data == x.data_ptr()  # .detach().numpy() shares the memory
+    assert linrope._core._kernel_view(view) == x.data_ptr()
+    q, k, v = inputs((2, 3, 8, 4), (2, 3, 8, 4), (2, 3, 8, 4))
+    out = lt.softmax_attention(q, k, v)
+    assert out.data_ptr() not in (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    # Non-contiguous tensors (a transposed projection) work: copied on the way in.
+    qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    torch.testing.assert_close(lt.softmax_attention(qt, k, v), out, rtol=0, atol=0)
+
+
+# ---- Layers ---------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """A pre-norm transformer block: the attention layer as a drop-in."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(32), nn.LayerNorm(32)
+        self.attention = attention
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+LAYERS = [
+    dict(attention="softmax"),
+    dict(attention="softmax", rope=False),
+    dict(attention="linear", feature_map="favor+", num_features=16),
+    dict(attention="linear", feature_map="elu+1", placement="full"),
+    dict(attention="linear", feature_map="1+cos", placement="before_map"),
+    dict(attention="linear", feature_map="relu", rope=False),
+]
+
+
+@pytest.mark.parametrize("options", LAYERS, ids=str)
+def test_a_small_transformer_learns_with_each_attention(options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 32),
+                          *[Block(lt.MultiheadAttention(32, 4, causal=True, **options))
+                            for _ in range(2)],
+                          nn.Linear(32, 11))
+    # Predict the previous token: needs attention to another position.
+    tokens = torch.randint(0, 11, (8, 24), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        logits = model(tokens)[:, 1:]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 11), tokens[:, :-1].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_multihead_attention_matches_a_plain_pytorch_layer():
+    torch.manual_seed(0)
+    layer = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
+                                  causal=True, dtype=torch.float64)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+
+    def plain(x):
+        def heads(t):
+            return t.view(2, 7, 2, 8).transpose(1, 2)
+        q, k, v = heads(layer.q_proj(x)), heads(layer.k_proj(x)), heads(layer.v_proj(x))
+        rope = dict(rotary_dim=layer.rope.rotary_dim)
+        out, _ = ref.linear_attention(q, k, v, "favor+",
+                                      torch.from_numpy(layer.feature_map.projection),
+                                      causal=True, placement="numerator_only", rope=rope)
+        return layer.out_proj(out.transpose(1, 2).reshape(2, 7, 16))
+
+    torch.testing.assert_close(layer(x), plain(x), rtol=0, atol=1e-10)
+    g = torch.randn(2, 7, 16, dtype=torch.float64)
+    params = list(layer.parameters())
+    for a, b in zip(torch.autograd.grad(layer(x), params, g),
+                    torch.autograd.grad(plain(x), params, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+
+
+def test_stats_redraws_and_state_dict():
+    layer = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
+                                  causal=True, track_stats=True, redraw_interval=2, seed=7)
+    x = torch.randn(3, 10, 16)
+    seeds = []
+    for _ in range(5):
+        layer(x).sum().backward()
+        seeds.append(layer.feature_map.seed)
+        assert layer.last_stats["count"] == 3 * 2 * 10 and layer.last_stats["nonpositive"] == 0
+    assert seeds == [7, 7, 8, 8, 9]
+    # Two forwards, then one backward across a redraw: each keeps the W it used.
+    a = layer(x)
+    b = layer(x)
+    (a.sum() + b.sum()).backward()
+    # state_dict carries the seed, so W comes back.
+    copy = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
+                                 causal=True, seed=0)
+    copy.load_state_dict(layer.state_dict())
+    copy.eval()
+    layer.eval()
+    torch.testing.assert_close(copy(x), layer(x))
+    np.testing.assert_array_equal(copy.feature_map.projection, layer.feature_map.projection)
+
+
+def test_a_redraw_between_forward_and_backward_is_refused():
+    fm = linrope.FeatureMap("favor+", 4, num_features=8, seed=1)
+    q, k, v = inputs((5, 4), (5, 4), (5, 4))
+    out = lt.linear_attention(q, k, v, fm, placement="none")
+    fm.redraw(2)
+    with pytest.raises(RuntimeError, match="redrawn"):
+        out.sum().backward()
+
+
+def test_bad_input():
+    (x,) = inputs((4, 8))
+    with pytest.raises(ValueError, match="q has dtype torch.bfloat16"):
+        lt.softmax_attention(x.bfloat16(), x, x)
+    with pytest.raises(ValueError, match="k has dtype float32 but q has dtype float64"):
+        lt.softmax_attention(x, x.float(), x)
+    with pytest.raises(TypeError, match="q is a ndarray"):
+        lt.softmax_attention(x.detach().numpy(), x, x)
+    fm = linrope.FeatureMap("elu+1", 8)
+    with pytest.raises(ValueError, match="expected one of none, before_map, numerator_only, full"):
+        lt.linear_attention(x, x, x, fm, placement="numerator-only")
+    with pytest.raises(ValueError, match="expected one of softmax, linear"):
+        lt.MultiheadAttention(16, 2, "performer")
+    with pytest.raises(ValueError, match="unknown feature map"):
+        lt.MultiheadAttention(16, 2, "linear", feature_map="favor")
