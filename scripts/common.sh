@@ -4,9 +4,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 JOBS="$(nproc)"
 
-# Debian 12 packages: compiler and build tools, the libraries, and what the plots need.
+# Debian 12 packages: compiler and build tools, the libraries, what the plots need, and the Python
+# package's build and tests (pybind11, the headers, PyTorch, pytest; OpenBLAS's OpenMP build, without
+# which Debian's torch runs its matrix products on the reference BLAS, ~20x slower).
 PACKAGES=(g++ cmake make git libeigen3-dev doctest-dev libbenchmark-dev libcli11-dev
-          nlohmann-json3-dev python3 python3-matplotlib python3-numpy)
+          nlohmann-json3-dev python3 python3-matplotlib python3-numpy
+          python3-dev pybind11-dev python3-pybind11 python3-torch python3-pytest
+          libopenblas0-openmp)
 
 install_dependencies() {
   local missing=()
@@ -22,8 +26,10 @@ install_dependencies() {
 }
 
 # build_tree DIR [cmake options...]: configure (first time) and build everything in DIR.
+# Debian's interpreter, where the packages above are: a python3 earlier on PATH (pyenv, a venv)
+# may lack them.
 build_tree() {
   local dir="$1"; shift
-  cmake -S "$ROOT" -B "$dir" "$@"
+  cmake -S "$ROOT" -B "$dir" -DPython_EXECUTABLE=/usr/bin/python3 "$@"
   cmake --build "$dir" -j "$JOBS"
 }
