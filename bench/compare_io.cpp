@@ -121,10 +121,7 @@ int run(const Args& args) {
          .seed = std::uint64_t(args.number("seed", "0"))});
     linear.causal = causal;
     linear.placement = linrope::rope_placement_from_string(args.get("placement", "none"));
-    const std::string method = args.get("method", "chunked");
-    if (method != "chunked" && method != "scan")
-      throw std::invalid_argument("--method is " + method + " but expected chunked or scan");
-    linear.method = method == "scan" ? linrope::CausalMethod::Scan : linrope::CausalMethod::Chunked;
+    linear.method = linrope::causal_method_from_string(args.get("method", "chunked"));
     linear.chunk_size = args.number("chunk", "64");
     if (linear.placement != linrope::RopePlacement::None) {
       rope.emplace(linrope::RopeConfig{

@@ -209,7 +209,7 @@ Outcome run_scaling(Context& context) {
           .causal = p.causal,
           .placement = placement,
           .rope = rope,
-          .method = p.causal_method == "chunked" ? CausalMethod::Chunked : CausalMethod::Scan};
+          .method = p.causal ? causal_method_from_string(p.causal_method) : CausalMethod::Scan};
       result =
           measure([&] { linear_attention(q, k, v, out, map, options); }, o.scaling.reps, memory);
     }

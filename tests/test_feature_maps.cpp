@@ -176,7 +176,7 @@ TEST_CASE("feature map names round-trip and unknown names list the valid ones") 
     CHECK(feature_map_kind_from_string(names[k]) == kind);
   }
   CHECK_THROWS_WITH_AS(feature_map_kind_from_string("softmax"),
-                       doctest::Contains("unknown feature map \"softmax\"; expected one of elu+1, "
+                       doctest::Contains("feature map is \"softmax\" but expected one of elu+1, "
                                          "relu, favor+, favor-trig, 1+cos, favor-hyp"),
                        std::invalid_argument);
   CHECK_THROWS_AS(feature_map_kind_from_string("Favor+"), std::invalid_argument);

@@ -1245,7 +1245,20 @@ TEST_CASE("placement names round-trip") {
   for (const auto placement : kPlacements)
     CHECK(rope_placement_from_string(to_string(placement)) == placement);
   CHECK(std::string(to_string(RopePlacement::NumeratorOnly)) == "numerator_only");
-  CHECK_THROWS_AS(rope_placement_from_string("sideways"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(rope_placement_from_string("sideways"),
+                       doctest::Contains("placement is \"sideways\" but expected one of none, "
+                                         "before_map, numerator_only, full"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("causal method names round-trip") {
+  for (const auto method : {CausalMethod::Chunked, CausalMethod::Scan})
+    CHECK(causal_method_from_string(to_string(method)) == method);
+  CHECK(std::string(to_string(CausalMethod::Scan)) == "scan");
+  CHECK_THROWS_WITH_AS(causal_method_from_string("cumsum"),
+                       doctest::Contains("method is \"cumsum\" but expected one of chunked, scan"),
+                       std::invalid_argument);
+  CHECK_THROWS_AS(to_string(static_cast<CausalMethod>(7)), std::invalid_argument);
 }
 
 TEST_CASE("a subnormal denominator with eps = 0 still gives the exact weighted average") {

@@ -172,5 +172,7 @@ using LinearAttentionStreamD = LinearAttentionStream<double>;
 
 const char* to_string(RopePlacement placement);  // "none", "before_map", "numerator_only", "full"
 RopePlacement rope_placement_from_string(std::string_view name);
+const char* to_string(CausalMethod method);  // "chunked", "scan"
+CausalMethod causal_method_from_string(std::string_view name);
 
 }  // namespace linrope

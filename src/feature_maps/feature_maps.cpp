@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/check.hpp"
+#include "common/enum_names.hpp"
 #include "common/parallel.hpp"
 #include "common/scratch.hpp"
 #include "feature_maps/maps.hpp"
@@ -159,20 +160,12 @@ std::unique_ptr<FeatureMap> make_feature_map(const FeatureMapConfig& config) {
 }
 
 const char* to_string(FeatureMapKind kind) {
-  const int k = static_cast<int>(kind);
-  if (k < 0 || k >= int(kNames.size()))
-    detail::throw_invalid("to_string", "FeatureMapKind is ", k, " but expected a value in [0, ",
-                          kNames.size() - 1, "]");
-  return kNames[std::size_t(k)];
+  return detail::enum_name(kind, kNames, "FeatureMapKind");
 }
 
 FeatureMapKind feature_map_kind_from_string(std::string_view name) {
-  for (std::size_t k = 0; k < kNames.size(); ++k)
-    if (name == kNames[k]) return static_cast<FeatureMapKind>(k);
-  std::string valid;
-  for (const char* known : kNames) valid += (valid.empty() ? "" : ", ") + std::string(known);
-  detail::throw_invalid("feature_map_kind_from_string", "unknown feature map \"", name,
-                        "\"; expected one of ", valid);
+  return detail::enum_from_name<FeatureMapKind>(name, kNames, "feature_map_kind_from_string",
+                                                "feature map");
 }
 
 }  // namespace linrope

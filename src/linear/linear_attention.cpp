@@ -4,6 +4,7 @@
 #include <linrope/attention.hpp>
 
 #include "common/check.hpp"
+#include "common/enum_names.hpp"
 #include "linear/linear_kernel.hpp"
 
 namespace linrope {
@@ -79,6 +80,7 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
 
 constexpr std::array<const char*, 4> kPlacementNames = {"none", "before_map", "numerator_only",
                                                         "full"};
+constexpr std::array<const char*, 2> kMethodNames = {"chunked", "scan"};
 
 }  // namespace
 
@@ -94,18 +96,19 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
 }
 
 const char* to_string(RopePlacement placement) {
-  const int p = static_cast<int>(placement);
-  if (p < 0 || p >= int(kPlacementNames.size()))
-    detail::throw_invalid("to_string", "RopePlacement is ", p, " but expected a value in [0, ",
-                          kPlacementNames.size() - 1, "]");
-  return kPlacementNames[static_cast<std::size_t>(p)];
+  return detail::enum_name(placement, kPlacementNames, "RopePlacement");
+}
+RopePlacement rope_placement_from_string(std::string_view name) {
+  return detail::enum_from_name<RopePlacement>(name, kPlacementNames, "rope_placement_from_string",
+                                               "placement");
 }
 
-RopePlacement rope_placement_from_string(std::string_view name) {
-  for (std::size_t i = 0; i < kPlacementNames.size(); ++i)
-    if (name == kPlacementNames[i]) return static_cast<RopePlacement>(i);
-  detail::throw_invalid("rope_placement_from_string", "placement is \"", name,
-                        "\" but expected one of none, before_map, numerator_only, full");
+const char* to_string(CausalMethod method) {
+  return detail::enum_name(method, kMethodNames, "CausalMethod");
+}
+CausalMethod causal_method_from_string(std::string_view name) {
+  return detail::enum_from_name<CausalMethod>(name, kMethodNames, "causal_method_from_string",
+                                              "method");
 }
 
 }  // namespace linrope

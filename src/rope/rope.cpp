@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "common/enum_names.hpp"
 #include "rope/rope_access.hpp"
 #include "rope/rope_tables.hpp"
 
@@ -119,7 +120,7 @@ Rope::Rope(const RopeConfig& config) : config_(config) {
 }
 
 namespace {
-std::string_view name_of(detail::Turn turn) {
+std::string_view function_name(detail::Turn turn) {
   return turn == detail::Turn::Apply     ? "Rope::apply"
          : turn == detail::Turn::Inverse ? "Rope::apply_inverse"
                                          : "Rope::apply_transpose";
@@ -128,7 +129,7 @@ std::string_view name_of(detail::Turn turn) {
 
 template <class T>
 void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, detail::Turn turn) const {
-  const std::string_view fn = name_of(turn);
+  const std::string_view fn = function_name(turn);
   if (x.cols() != config_.dim)
     detail::throw_invalid(fn, "x is ", detail::shape_of(x),
                           " but the rope has dim = ", config_.dim);
@@ -142,7 +143,7 @@ void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, Index first_position, detail::
 template <class T>
 void Rope::apply_checked(Eigen::Ref<Matrix<T>> x, std::span<const Index> positions,
                          detail::Turn turn) const {
-  const std::string_view fn = name_of(turn);
+  const std::string_view fn = function_name(turn);
   if (x.cols() != config_.dim)
     detail::throw_invalid(fn, "x is ", detail::shape_of(x),
                           " but the rope has dim = ", config_.dim);
@@ -195,38 +196,21 @@ namespace {
 constexpr std::array<const char*, 2> kLayoutNames = {"interleaved", "half"};
 constexpr std::array<const char*, 4> kScalingNames = {"none", "linear", "ntk", "yarn"};
 
-// One lookup for both enums: the name of value e in `names`, and back.
-template <class Enum, std::size_t N>
-const char* name_of(Enum e, const std::array<const char*, N>& names, std::string_view type) {
-  const int i = static_cast<int>(e);
-  if (i < 0 || i >= int(N))
-    detail::throw_invalid("to_string", type, " is ", i, " but expected a value in [0, ", N - 1,
-                          "]");
-  return names[std::size_t(i)];
-}
-
-template <class Enum, std::size_t N>
-Enum value_of(std::string_view name, const std::array<const char*, N>& names,
-              std::string_view function, std::string_view what) {
-  std::string valid;
-  for (std::size_t i = 0; i < N; ++i) {
-    if (name == names[i]) return static_cast<Enum>(i);
-    valid += (i == 0 ? "" : ", ") + std::string(names[i]);
-  }
-  detail::throw_invalid(function, what, " is \"", name, "\" but expected one of ", valid);
-}
-
 }  // namespace
 
-const char* to_string(RopeLayout layout) { return name_of(layout, kLayoutNames, "RopeLayout"); }
+const char* to_string(RopeLayout layout) {
+  return detail::enum_name(layout, kLayoutNames, "RopeLayout");
+}
 RopeLayout rope_layout_from_string(std::string_view name) {
-  return value_of<RopeLayout>(name, kLayoutNames, "rope_layout_from_string", "layout");
+  return detail::enum_from_name<RopeLayout>(name, kLayoutNames, "rope_layout_from_string",
+                                            "layout");
 }
 const char* to_string(RopeScalingKind kind) {
-  return name_of(kind, kScalingNames, "RopeScalingKind");
+  return detail::enum_name(kind, kScalingNames, "RopeScalingKind");
 }
 RopeScalingKind rope_scaling_kind_from_string(std::string_view name) {
-  return value_of<RopeScalingKind>(name, kScalingNames, "rope_scaling_kind_from_string", "scaling");
+  return detail::enum_from_name<RopeScalingKind>(name, kScalingNames,
+                                                 "rope_scaling_kind_from_string", "scaling");
 }
 
 }  // namespace linrope
