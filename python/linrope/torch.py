@@ -2,10 +2,12 @@
 
 Functions (torch.autograd.Function over the C++ forward and backward; each saves only q, k, v
 and its options, and its backward calls the C++ backward):
-    softmax_attention(q, k, v, *, causal, scale, rope, q_offset, k_offset)
+    softmax_attention(q, k, v, *, causal, scale, rope, q_offset, k_offset, q_lengths, k_lengths)
     linear_attention(q, k, v, feature_map, *, causal, placement, rope, eps, q_offset, k_offset,
-                     return_stats, stats_threshold)
-    rope_apply(x, rope, first_position), feature_map_apply(x, feature_map)
+                     method, chunk_size, q_lengths, k_lengths, return_stats, stats_threshold)
+    rope_apply(x, rope, first_position, positions), feature_map_apply(x, feature_map)
+q_lengths / k_lengths (B entries: a list, array or tensor) mark padding in (B, H, n, d) batches:
+rows at or past them are not attended to, their outputs are 0 and their gradients 0.
 Tensors are float32 or float64, shaped (n, d) or (B, H, n, d), as in ``linrope``; arguments and
 names are those of the NumPy functions. Contiguous tensors reach the kernels without a copy
 (torch and NumPy share the memory), outputs are new tensors.
@@ -42,6 +44,15 @@ def _array(t, function, name):
 
 def _tensors(arrays):
     return tuple(torch.from_numpy(a) for a in arrays)
+
+
+def _int_list(values):
+    """Lengths or positions as the list of ints the module takes (None stays None)."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        return values.tolist()
+    return [int(n) for n in values]
 
 
 class _SoftmaxAttention(torch.autograd.Function):
@@ -102,16 +113,15 @@ class _LinearAttention(torch.autograd.Function):
 
 class _RopeApply(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rope, first_position):
-        ctx.rope, ctx.first_position = rope, first_position
-        return torch.from_numpy(rope.apply(_array(x, "Rope.apply", "x"), first_position))
+    def forward(ctx, x, rope, first_position, positions):
+        ctx.rope, ctx.where = rope, dict(first_position=first_position, positions=positions)
+        return torch.from_numpy(rope.apply(_array(x, "Rope.apply", "x"), **ctx.where))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        dx = ctx.rope.apply_transpose(_array(d_out, "Rope.apply_transpose", "d_out"),
-                                      ctx.first_position)
-        return torch.from_numpy(dx), None, None
+        dx = ctx.rope.apply_transpose(_array(d_out, "Rope.apply_transpose", "d_out"), **ctx.where)
+        return torch.from_numpy(dx), None, None, None
 
 
 class _FeatureMapApply(torch.autograd.Function):
@@ -132,28 +142,33 @@ class _FeatureMapApply(torch.autograd.Function):
         return torch.from_numpy(dx), None
 
 
-def softmax_attention(q, k, v, *, causal=False, scale=None, rope=None, q_offset=0, k_offset=0):
+def softmax_attention(q, k, v, *, causal=False, scale=None, rope=None, q_offset=0, k_offset=0,
+                      q_lengths=None, k_lengths=None):
     """Exact softmax attention, differentiable in q, k and v; see linrope.softmax_attention."""
-    options = dict(causal=causal, scale=scale, rope=rope, q_offset=q_offset, k_offset=k_offset)
+    options = dict(causal=causal, scale=scale, rope=rope, q_offset=q_offset, k_offset=k_offset,
+                   q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
     return _SoftmaxAttention.apply(q, k, v, options)
 
 
 def linear_attention(q, k, v, feature_map, *, causal=False, placement="numerator_only", rope=None,
-                     eps=1e-6, q_offset=0, k_offset=0, return_stats=False,
-                     stats_threshold=1e-3):
+                     eps=1e-6, q_offset=0, k_offset=0, method="scan", chunk_size=64,
+                     q_lengths=None, k_lengths=None, return_stats=False, stats_threshold=1e-3):
     """Linear attention, differentiable in q, k and v (W held fixed); see
-    linrope.linear_attention. With return_stats=True returns (out, stats), stats a dict of the
-    denominator statistics (min, nonpositive, below_threshold, threshold, count)."""
+    linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
+    forward; both give the same gradients. With return_stats=True returns (out, stats), stats a
+    dict of the denominator statistics (min, nonpositive, below_threshold, threshold, count)."""
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
-                   k_offset=k_offset)
+                   k_offset=k_offset, method=method, chunk_size=chunk_size,
+                   q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
     stats = {} if return_stats else None
     out = _LinearAttention.apply(q, k, v, feature_map, options, stats, stats_threshold)
     return (out, stats) if return_stats else out
 
 
-def rope_apply(x, rope, first_position=0):
-    """R x for a linrope.Rope, differentiable (the gradient is R^T)."""
-    return _RopeApply.apply(x, rope, first_position)
+def rope_apply(x, rope, first_position=0, positions=None):
+    """R x for a linrope.Rope, differentiable (the gradient is R^T): row i at first_position + i,
+    or at positions[i] (a list, array or tensor of n integers)."""
+    return _RopeApply.apply(x, rope, first_position, _int_list(positions))
 
 
 def feature_map_apply(x, feature_map):
@@ -173,8 +188,8 @@ class RotaryEmbedding(nn.Module):
                                scaling=scaling, factor=factor,
                                original_max_position=original_max_position)
 
-    def forward(self, x, first_position=0):
-        return rope_apply(x, self.rope, first_position)
+    def forward(self, x, first_position=0, positions=None):
+        return rope_apply(x, self.rope, first_position, positions)
 
     def extra_repr(self):
         r = self.rope
@@ -185,16 +200,20 @@ class RotaryEmbedding(nn.Module):
 class MultiheadAttention(nn.Module):
     """Multi-head attention with q/k/v/out projections over linrope's kernels.
 
-    forward(query, key=None, value=None, *, first_position=0): query [B, n, embed_dim], key and
-    value [B, n_k, embed_dim] (default: self-attention) -> [B, n, embed_dim]. Tokens sit at
-    positions first_position + i (for RoPE and the causal mask).
+    forward(query, key=None, value=None, *, first_position=0, lengths=None, key_lengths=None):
+    query [B, n, embed_dim], key and value [B, n_k, embed_dim] (default: self-attention) ->
+    [B, n, embed_dim]. Tokens sit at positions first_position + i (for RoPE and the causal mask).
+    lengths (B entries) pads the batch: entry b holds lengths[b] real tokens, the rest is neither
+    attended to nor given gradients (its output is out_proj's bias); key_lengths the same for the
+    keys (default: lengths in self-attention, none otherwise).
 
     attention="softmax": exact softmax attention, RoPE (width head_dim) on q and k when rope=True.
     attention="linear": linear attention with feature_map ("elu+1", "relu", "favor+",
         "favor-trig", "1+cos", "favor-hyp"; num_features for the favor maps, default
         4 * head_dim, the m = 256 at d = 64 that linrope's benchmarks use) and RoPE placement
         ("none", "before_map", "numerator_only", "full"; default "numerator_only" when rope=True,
-        else "none"), eps as in the C++ API. redraw_interval=k > 0 draws a new W every k forward
+        else "none"), eps as in the C++ API, method ("scan" or "chunked") and chunk_size for the
+        causal forward. redraw_interval=k > 0 draws a new W every k forward
         calls in training mode (Performer's feature redrawing); the current seed is the buffer
         feature_seed, so a state_dict restores W.
     track_stats=True keeps the last forward's denominator statistics in last_stats (linear only).
@@ -202,8 +221,9 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, attention="softmax", *, causal=False, rope=True,
                  rope_base=10000.0, rope_layout="interleaved", feature_map="favor+",
-                 num_features=None, orthogonal=True, placement=None, eps=1e-6, redraw_interval=0,
-                 seed=0, bias=True, track_stats=False, device=None, dtype=None):
+                 num_features=None, orthogonal=True, placement=None, eps=1e-6, method="scan",
+                 chunk_size=64, redraw_interval=0, seed=0, bias=True, track_stats=False,
+                 device=None, dtype=None):
         super().__init__()
         if attention not in ("softmax", "linear"):
             raise ValueError(f"MultiheadAttention: attention is {attention!r} but expected one of "
@@ -218,6 +238,7 @@ class MultiheadAttention(nn.Module):
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
         self.attention, self.causal, self.eps = attention, causal, eps
+        self.method, self.chunk_size = method, chunk_size
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -256,7 +277,10 @@ class MultiheadAttention(nn.Module):
         # [B, n, E] -> [B, H, n, head_dim], contiguous: the layout linrope reads in place.
         return x.view(x.shape[0], n, self.num_heads, self.head_dim).transpose(1, 2).contiguous()
 
-    def forward(self, query, key=None, value=None, *, first_position=0):
+    def forward(self, query, key=None, value=None, *, first_position=0, lengths=None,
+                key_lengths=None):
+        if key is None and key_lengths is None:
+            key_lengths = lengths
         key = query if key is None else key
         value = key if value is None else value
         if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
@@ -267,9 +291,10 @@ class MultiheadAttention(nn.Module):
         q = self._heads(self.q_proj(query), n)
         k = self._heads(self.k_proj(key), n_k)
         v = self._heads(self.v_proj(value), n_k)
-        offsets = dict(q_offset=first_position, k_offset=first_position)
+        where = dict(q_offset=first_position, k_offset=first_position, q_lengths=lengths,
+                     k_lengths=key_lengths)
         if self.attention == "softmax":
-            out = softmax_attention(q, k, v, causal=self.causal, rope=self.rope, **offsets)
+            out = softmax_attention(q, k, v, causal=self.causal, rope=self.rope, **where)
         else:
             if self.training and self.redraw_interval:
                 if self._forwards and self._forwards % self.redraw_interval == 0:
@@ -279,7 +304,8 @@ class MultiheadAttention(nn.Module):
                 self.feature_map = _core.FeatureMap(seed=int(self.feature_seed), **self._map_args)
             result = linear_attention(q, k, v, self.feature_map, causal=self.causal,
                                       placement=self.placement, rope=self.rope, eps=self.eps,
-                                      return_stats=self.track_stats, **offsets)
+                                      method=self.method, chunk_size=self.chunk_size,
+                                      return_stats=self.track_stats, **where)
             out, self.last_stats = result if self.track_stats else (result, None)
         out = out.transpose(1, 2).reshape(batch, n, self.embed_dim)
         return self.out_proj(out)

@@ -13,6 +13,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <linrope/linrope.hpp>
@@ -58,6 +59,13 @@ std::atomic<int>& thread_count() {
   return count;
 }
 
+// Seconds spent inside KernelScopes since import, summed over threads: what the benchmark of the
+// binding's overhead subtracts from the time of a whole call (bench/bench_torch_layer.py).
+std::atomic<std::int64_t>& kernel_nanoseconds() {
+  static std::atomic<std::int64_t> total{0};
+  return total;
+}
+
 // Releases the GIL and sets linrope's thread count on this thread, for one kernel call.
 class KernelScope {
  public:
@@ -71,6 +79,9 @@ class KernelScope {
 #ifdef _OPENMP
     omp_set_num_threads(previous_);
 #endif
+    kernel_nanoseconds() += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - start_)
+                                .count();
   }
   KernelScope(const KernelScope&) = delete;
   KernelScope& operator=(const KernelScope&) = delete;
@@ -78,6 +89,7 @@ class KernelScope {
  private:
   py::gil_scoped_release release_;
   int previous_ = 1;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
 // ---- Arrays -------------------------------------------------------------------------------------
@@ -145,9 +157,35 @@ CArray<T> new_array(const py::array& like, py::ssize_t last) {
   return CArray<T>(shape);
 }
 
+// The same, zero-filled: the attention calls leave rows past the lengths unwritten.
+template <class T>
+CArray<T> zero_array(const py::array& like, py::ssize_t last) {
+  CArray<T> a = new_array<T>(like, last);
+  std::fill_n(a.mutable_data(), a.size(), T(0));
+  return a;
+}
+
 template <class T>
 Heads<T> output_heads(CArray<T>& a) {
   return heads_of<T>(a.mutable_data(), a);
+}
+
+// Padding: lengths[b] for every batch entry b of `a`, or none. The C++ call reads a raw pointer,
+// so the count is checked here; the values (in [0, n]) are checked by the C++ call.
+using Lengths = std::optional<std::vector<Index>>;
+
+void check_lengths(std::string_view function, const char* name, const Lengths& lengths,
+                   const py::array& a, const char* of) {
+  if (!lengths) return;
+  const auto batch = a.ndim() == 4 ? std::size_t(a.shape(0)) : std::size_t(1);
+  if (lengths->size() != batch)
+    fail(function, name, " has ", lengths->size(), " entries but ", of, " has batch ", batch);
+}
+
+template <class H>
+H with_lengths(H heads, const Lengths& lengths) {
+  heads.lengths = lengths ? lengths->data() : nullptr;
+  return heads;
 }
 
 // x [..., d] as the matrix [rows x d] of all its rows, and its mutable counterpart.
@@ -190,13 +228,16 @@ SoftmaxOptions softmax_options(std::string_view function, bool causal, std::opti
 }
 
 LinearOptions linear_options(std::string_view function, bool causal, const std::string& placement,
-                             const Rope* rope, double eps, Index q_offset, Index k_offset) {
+                             const Rope* rope, double eps, Index q_offset, Index k_offset,
+                             const std::string& method, Index chunk_size) {
   return {.causal = causal,
           .placement = parse_name(function, rope_placement_from_string, placement),
           .rope = rope,
           .eps = eps,
           .q_offset = q_offset,
-          .k_offset = k_offset};
+          .k_offset = k_offset,
+          .method = parse_name(function, causal_method_from_string, method),
+          .chunk_size = chunk_size};
 }
 
 py::dict stats_dict(const DenominatorStats& s) {
@@ -207,16 +248,20 @@ py::dict stats_dict(const DenominatorStats& s) {
 
 // ---- Attention ----------------------------------------------------------------------------------
 
-// Checks q, k, v (and d_out) and calls body.template operator()<T>() with T their dtype.
+// Checks q, k, v (and d_out) and the lengths, and calls body.template operator()<T>() with T their
+// dtype.
 template <class Body>
 py::object with_inputs(std::string_view function, const py::array& q, const py::array& k,
-                       const py::array& v, const py::array* d_out, Body&& body) {
+                       const py::array& v, const py::array* d_out, const Lengths& q_lengths,
+                       const Lengths& k_lengths, Body&& body) {
   require_rank(function, "q", q);
   require_rank(function, "k", k);
   require_rank(function, "v", v);
   for (const auto& [name, a] : {std::pair{"k", &k}, std::pair{"v", &v}})
     if (a->ndim() != q.ndim())
       fail(function, name, " has ", a->ndim(), " dimensions but q has ", q.ndim());
+  check_lengths(function, "q_lengths", q_lengths, q, "q");
+  check_lengths(function, "k_lengths", k_lengths, k, "k");
   DType dtype;
   if (d_out) {
     if (d_out->ndim() != q.ndim())
@@ -229,18 +274,44 @@ py::object with_inputs(std::string_view function, const py::array& q, const py::
   return body.template operator()<double>();
 }
 
+// The C-contiguous q, k, v (and d_out) of one call, as the Heads views its kernels read: q and
+// d_out with q's lengths, k and v with k's.
+template <class T>
+struct Inputs {
+  CArray<T> q, k, v, d_out;
+  const Lengths &q_lengths, &k_lengths;
+
+  Heads<const T> q_heads() const { return with_lengths(input_heads(q), q_lengths); }
+  Heads<const T> k_heads() const { return with_lengths(input_heads(k), k_lengths); }
+  Heads<const T> v_heads() const { return with_lengths(input_heads(v), k_lengths); }
+  Heads<const T> d_out_heads() const { return with_lengths(input_heads(d_out), q_lengths); }
+  // The output [.., n, d_v], zero where the lengths leave rows unwritten.
+  CArray<T> new_output() const {
+    const py::ssize_t d_v = v.shape(v.ndim() - 1);
+    return q_lengths ? zero_array<T>(q, d_v) : new_array<T>(q, d_v);
+  }
+};
+
+template <class T>
+Inputs<T> inputs(const py::array& q, const py::array& k, const py::array& v, const py::array* d_out,
+                 const Lengths& q_lengths, const Lengths& k_lengths) {
+  return {contiguous<T>(q), contiguous<T>(k),
+          contiguous<T>(v), d_out ? contiguous<T>(*d_out) : CArray<T>(),
+          q_lengths,        k_lengths};
+}
+
 py::object softmax_forward(const py::array& q, const py::array& k, const py::array& v, bool causal,
                            std::optional<double> scale, const Rope* rope, Index q_offset,
-                           Index k_offset) {
+                           Index k_offset, const Lengths& q_lengths, const Lengths& k_lengths) {
   constexpr std::string_view fn = "softmax_attention";
   const SoftmaxOptions options = softmax_options(fn, causal, scale, rope, q_offset, k_offset);
-  return with_inputs(fn, q, k, v, nullptr, [&]<class T>() -> py::object {
-    const CArray<T> qc = contiguous<T>(q), kc = contiguous<T>(k), vc = contiguous<T>(v);
-    CArray<T> out = new_array<T>(q, v.shape(v.ndim() - 1));
+  return with_inputs(fn, q, k, v, nullptr, q_lengths, k_lengths, [&]<class T>() -> py::object {
+    const Inputs<T> in = inputs<T>(q, k, v, nullptr, q_lengths, k_lengths);
+    CArray<T> out = in.new_output();
     {
       KernelScope scope;
-      softmax_attention(input_heads(qc), input_heads(kc), input_heads(vc), output_heads(out),
-                        options);
+      softmax_attention(in.q_heads(), in.k_heads(), in.v_heads(),
+                        with_lengths(output_heads(out), q_lengths), options);
     }
     return out;
   });
@@ -249,48 +320,52 @@ py::object softmax_forward(const py::array& q, const py::array& k, const py::arr
 py::object linear_forward(const py::array& q, const py::array& k, const py::array& v,
                           const FeatureMap& map, bool causal, const std::string& placement,
                           const Rope* rope, double eps, Index q_offset, Index k_offset,
-                          bool return_stats, double stats_threshold) {
+                          const std::string& method, Index chunk_size, const Lengths& q_lengths,
+                          const Lengths& k_lengths, bool return_stats, double stats_threshold) {
   constexpr std::string_view fn = "linear_attention";
   const LinearOptions options =
-      linear_options(fn, causal, placement, rope, eps, q_offset, k_offset);
-  return with_inputs(fn, q, k, v, nullptr, [&]<class T>() -> py::object {
-    const CArray<T> qc = contiguous<T>(q), kc = contiguous<T>(k), vc = contiguous<T>(v);
-    CArray<T> out = new_array<T>(q, v.shape(v.ndim() - 1));
+      linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
+  return with_inputs(fn, q, k, v, nullptr, q_lengths, k_lengths, [&]<class T>() -> py::object {
+    const Inputs<T> in = inputs<T>(q, k, v, nullptr, q_lengths, k_lengths);
+    CArray<T> out = in.new_output();
     DenominatorStats stats{.threshold = stats_threshold};
     {
       KernelScope scope;
-      linear_attention(input_heads(qc), input_heads(kc), input_heads(vc), output_heads(out), map,
-                       options, return_stats ? &stats : nullptr);
+      linear_attention(in.q_heads(), in.k_heads(), in.v_heads(),
+                       with_lengths(output_heads(out), q_lengths), map, options,
+                       return_stats ? &stats : nullptr);
     }
     if (return_stats) return py::make_tuple(std::move(out), stats_dict(stats));
     return out;
   });
 }
 
-// dq, dk, dv: new arrays of the shapes of q, k, v; `run` calls the C++ backward on their views.
+// dq, dk, dv: new arrays of the shapes of q, k, v; `run` calls the C++ backward on their views
+// (which writes every row, zeros past the lengths).
 template <class T, class Run>
-py::object gradients(const CArray<T>& q, const CArray<T>& k, const CArray<T>& v, Run&& run) {
-  CArray<T> dq = new_array<T>(q, q.shape(q.ndim() - 1));
-  CArray<T> dk = new_array<T>(k, k.shape(k.ndim() - 1));
-  CArray<T> dv = new_array<T>(v, v.shape(v.ndim() - 1));
+py::object gradients(const Inputs<T>& in, Run&& run) {
+  CArray<T> dq = new_array<T>(in.q, in.q.shape(in.q.ndim() - 1));
+  CArray<T> dk = new_array<T>(in.k, in.k.shape(in.k.ndim() - 1));
+  CArray<T> dv = new_array<T>(in.v, in.v.shape(in.v.ndim() - 1));
   {
     KernelScope scope;
-    run(output_heads(dq), output_heads(dk), output_heads(dv));
+    run(with_lengths(output_heads(dq), in.q_lengths), with_lengths(output_heads(dk), in.k_lengths),
+        with_lengths(output_heads(dv), in.k_lengths));
   }
   return py::make_tuple(std::move(dq), std::move(dk), std::move(dv));
 }
 
 py::object softmax_backward(const py::array& q, const py::array& k, const py::array& v,
                             const py::array& d_out, bool causal, std::optional<double> scale,
-                            const Rope* rope, Index q_offset, Index k_offset) {
+                            const Rope* rope, Index q_offset, Index k_offset,
+                            const Lengths& q_lengths, const Lengths& k_lengths) {
   constexpr std::string_view fn = "softmax_attention_backward";
   const SoftmaxOptions options = softmax_options(fn, causal, scale, rope, q_offset, k_offset);
-  return with_inputs(fn, q, k, v, &d_out, [&]<class T>() -> py::object {
-    const CArray<T> qc = contiguous<T>(q), kc = contiguous<T>(k), vc = contiguous<T>(v),
-                    gc = contiguous<T>(d_out);
-    return gradients<T>(qc, kc, vc, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
-      softmax_attention_backward(input_heads(qc), input_heads(kc), input_heads(vc), input_heads(gc),
-                                 dq, dk, dv, options);
+  return with_inputs(fn, q, k, v, &d_out, q_lengths, k_lengths, [&]<class T>() -> py::object {
+    const Inputs<T> in = inputs<T>(q, k, v, &d_out, q_lengths, k_lengths);
+    return gradients<T>(in, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
+      softmax_attention_backward(in.q_heads(), in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
+                                 dv, options);
     });
   });
 }
@@ -298,50 +373,70 @@ py::object softmax_backward(const py::array& q, const py::array& k, const py::ar
 py::object linear_backward(const py::array& q, const py::array& k, const py::array& v,
                            const py::array& d_out, const FeatureMap& map, bool causal,
                            const std::string& placement, const Rope* rope, double eps,
-                           Index q_offset, Index k_offset) {
+                           Index q_offset, Index k_offset, const std::string& method,
+                           Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths) {
   constexpr std::string_view fn = "linear_attention_backward";
   const LinearOptions options =
-      linear_options(fn, causal, placement, rope, eps, q_offset, k_offset);
-  return with_inputs(fn, q, k, v, &d_out, [&]<class T>() -> py::object {
-    const CArray<T> qc = contiguous<T>(q), kc = contiguous<T>(k), vc = contiguous<T>(v),
-                    gc = contiguous<T>(d_out);
-    return gradients<T>(qc, kc, vc, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
-      linear_attention_backward(input_heads(qc), input_heads(kc), input_heads(vc), input_heads(gc),
-                                dq, dk, dv, map, options);
+      linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
+  return with_inputs(fn, q, k, v, &d_out, q_lengths, k_lengths, [&]<class T>() -> py::object {
+    const Inputs<T> in = inputs<T>(q, k, v, &d_out, q_lengths, k_lengths);
+    return gradients<T>(in, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
+      linear_attention_backward(in.q_heads(), in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
+                                dv, map, options);
     });
   });
 }
 
 // ---- Rope ---------------------------------------------------------------------------------------
 
-// Rope::apply, apply_inverse or apply_transpose (first_position form), for the one body below.
-template <class T>
-using RopeTurn = void (Rope::*)(Eigen::Ref<Matrix<T>>, Index) const;
+enum class Turn { Apply, Inverse, Transpose };
 
-// A turned copy of x: in each (n, d) slice (all of x when 2-D) row i is at first_position + i.
-template <class T>
-py::object rope_turn(const Rope& rope, const py::array& x, Index first_position, RopeTurn<T> turn) {
+// rope.apply, apply_inverse or apply_transpose on rows, at `where`: a first position or a list.
+template <class T, class Where>
+void turn_rows(const Rope& rope, Turn turn, Eigen::Ref<Matrix<T>> rows, Where where) {
+  switch (turn) {
+    case Turn::Apply:
+      return rope.apply(rows, where);
+    case Turn::Inverse:
+      return rope.apply_inverse(rows, where);
+    case Turn::Transpose:
+      return rope.apply_transpose(rows, where);
+  }
+}
+
+// A turned copy of x: in each (n, d) slice (all of x when 2-D) row i is at first_position + i, or
+// at positions[i].
+template <class T, class Where>
+py::object rope_turn(const Rope& rope, Turn turn, const py::array& x, Where where) {
   CArray<T> out = new_array<T>(x, x.shape(x.ndim() - 1));
   auto rows = rows_of(out);
   rows = rows_of(contiguous<T>(x));
   const Index n = Index(x.shape(x.ndim() - 2));
   KernelScope scope;
   if (n == 0 || rows.rows() == 0) {
-    (rope.*turn)(rows, first_position);  // nothing to turn, but the width is still checked
+    turn_rows<T>(rope, turn, rows, where);  // nothing to turn, but the width is still checked
   } else {
     for (Index s = 0; s < rows.rows() / n; ++s)
-      (rope.*turn)(rows.middleRows(s * n, n), first_position);
+      turn_rows<T>(rope, turn, rows.middleRows(s * n, n), where);
   }
   return out;
 }
 
-template <class Float, class Double>
-py::object rope_call(std::string_view function, const Rope& rope, const py::array& x,
-                     Index first_position, Float float_turn, Double double_turn) {
+using Positions = std::optional<std::vector<Index>>;
+
+py::object rope_call(std::string_view function, Turn turn, const Rope& rope, const py::array& x,
+                     Index first_position, const Positions& positions) {
   require_rank(function, "x", x);
-  if (dtype_of(function, "x", x) == DType::Float32)
-    return rope_turn<float>(rope, x, first_position, float_turn);
-  return rope_turn<double>(rope, x, first_position, double_turn);
+  const bool single = dtype_of(function, "x", x) == DType::Float32;
+  if (!positions) {
+    if (single) return rope_turn<float>(rope, turn, x, first_position);
+    return rope_turn<double>(rope, turn, x, first_position);
+  }
+  if (first_position != 0)
+    fail(function, "first_position is ", first_position, " and positions are given: pass one");
+  const std::span<const Index> list(*positions);  // its length is checked by the C++ call
+  if (single) return rope_turn<float>(rope, turn, x, list);
+  return rope_turn<double>(rope, turn, x, list);
 }
 
 std::unique_ptr<Rope> make_rope(Index dim, Index rotary_dim, double base, const std::string& layout,
@@ -425,6 +520,8 @@ PYBIND11_MODULE(_core, m) {
 #endif
     return threads;
   });
+  // For the benchmarks: seconds spent in the C++ kernels since import (GIL released, threads set).
+  m.def("_kernel_seconds", [] { return double(kernel_nanoseconds().load()) * 1e-9; });
   // For the tests: the address of the buffer a kernel would read for x (x's own when C-contiguous).
   m.def("_kernel_view", [](const py::array& x) -> std::uintptr_t {
     if (dtype_of("_kernel_view", "x", x) == DType::Float32)
@@ -452,27 +549,25 @@ PYBIND11_MODULE(_core, m) {
            })
       .def(
           "apply",
-          [](const Rope& r, const py::array& x, Index first_position) {
-            return rope_call("Rope.apply", r, x, first_position, RopeTurn<float>(&Rope::apply),
-                             RopeTurn<double>(&Rope::apply));
+          [](const Rope& r, const py::array& x, Index first_position, const Positions& positions) {
+            return rope_call("Rope.apply", Turn::Apply, r, x, first_position, positions);
           },
-          "x"_a, "first_position"_a = 0, "R x: a rotated copy of x, row i at first_position + i.")
+          "x"_a, "first_position"_a = 0, "positions"_a = py::none(),
+          "R x: a rotated copy of x, row i at first_position + i (or at positions[i]).")
       .def(
           "apply_inverse",
-          [](const Rope& r, const py::array& x, Index first_position) {
-            return rope_call("Rope.apply_inverse", r, x, first_position,
-                             RopeTurn<float>(&Rope::apply_inverse),
-                             RopeTurn<double>(&Rope::apply_inverse));
+          [](const Rope& r, const py::array& x, Index first_position, const Positions& positions) {
+            return rope_call("Rope.apply_inverse", Turn::Inverse, r, x, first_position, positions);
           },
-          "x"_a, "first_position"_a = 0)
+          "x"_a, "first_position"_a = 0, "positions"_a = py::none(), "R^-1 x.")
       .def(
           "apply_transpose",
-          [](const Rope& r, const py::array& x, Index first_position) {
-            return rope_call("Rope.apply_transpose", r, x, first_position,
-                             RopeTurn<float>(&Rope::apply_transpose),
-                             RopeTurn<double>(&Rope::apply_transpose));
+          [](const Rope& r, const py::array& x, Index first_position, const Positions& positions) {
+            return rope_call("Rope.apply_transpose", Turn::Transpose, r, x, first_position,
+                             positions);
           },
-          "x"_a, "first_position"_a = 0, "R^T x, the gradient of apply.");
+          "x"_a, "first_position"_a = 0, "positions"_a = py::none(),
+          "R^T x, the gradient of apply (differs from R^-1 under YaRN).");
 
   py::class_<FeatureMap, std::unique_ptr<FeatureMap>>(
       m, "FeatureMap", "A feature map phi: R^d -> R^m; see include/linrope/feature_maps.hpp.")
@@ -529,17 +624,21 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("softmax_attention", &softmax_forward, "q"_a, "k"_a, "v"_a, py::kw_only(),
         "causal"_a = false, "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = 0,
-        "k_offset"_a = 0,
+        "k_offset"_a = 0, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
         "Exact softmax attention: q [.., n, d], k [.., n_k, d], v [.., n_k, d_v] -> [.., n, d_v].");
   m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a, py::kw_only(),
         "causal"_a = false, "placement"_a = "numerator_only", "rope"_a = py::none(), "eps"_a = 1e-6,
-        "q_offset"_a = 0, "k_offset"_a = 0, "return_stats"_a = false, "stats_threshold"_a = 1e-3,
+        "q_offset"_a = 0, "k_offset"_a = 0, "method"_a = "scan", "chunk_size"_a = 64,
+        "q_lengths"_a = py::none(), "k_lengths"_a = py::none(), "return_stats"_a = false,
+        "stats_threshold"_a = 1e-3,
         "Linear attention; with return_stats=True returns (out, denominator statistics).");
   m.def("softmax_attention_backward", &softmax_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
         py::kw_only(), "causal"_a = false, "scale"_a = py::none(), "rope"_a = py::none(),
-        "q_offset"_a = 0, "k_offset"_a = 0, "(dq, dk, dv) of sum(d_out * softmax_attention(...)).");
+        "q_offset"_a = 0, "k_offset"_a = 0, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
+        "(dq, dk, dv) of sum(d_out * softmax_attention(...)).");
   m.def("linear_attention_backward", &linear_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
         "feature_map"_a, py::kw_only(), "causal"_a = false, "placement"_a = "numerator_only",
         "rope"_a = py::none(), "eps"_a = 1e-6, "q_offset"_a = 0, "k_offset"_a = 0,
-        "(dq, dk, dv) of sum(d_out * linear_attention(...)).");
+        "method"_a = "scan", "chunk_size"_a = 64, "q_lengths"_a = py::none(),
+        "k_lengths"_a = py::none(), "(dq, dk, dv) of sum(d_out * linear_attention(...)).");
 }

@@ -39,10 +39,11 @@ def rotation(p, dim, rotary_dim=0, layout="interleaved", **scaling):
     return R
 
 
-def rotate(x, first_position=0, **rope):
-    """Rows of x [..., n, dim] rotated by R_p at p = first_position + i."""
+def rotate(x, first_position=0, positions=None, **rope):
+    """Rows of x [..., n, dim] rotated by R_p at p = first_position + i, or at p = positions[i]."""
     n, dim = x.shape[-2], x.shape[-1]
-    R = torch.stack([rotation(first_position + i, dim, **rope) for i in range(n)])  # [n, d, d]
+    positions = range(first_position, first_position + n) if positions is None else positions
+    R = torch.stack([rotation(p, dim, **rope) for p in positions])  # [n, d, d]
     return torch.einsum("nab,...nb->...na", R, x)
 
 

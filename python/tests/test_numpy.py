@@ -74,6 +74,22 @@ def test_rope_matches_explicit_rotation_matrices(rng, cfg, shape):
                                            cfg.get("scaling", "none"))
 
 
+def test_rope_position_lists_match_explicit_rotation_matrices(rng):
+    cfg = dict(dim=10, rotary_dim=8, layout="half", scaling="yarn", factor=4.0,
+               original_max_position=32)
+    rope = linrope.Rope(**cfg)
+    positions = [7, 0, -2, 7, 40000]  # any order, repeats and negatives
+    x = randn(rng, 2, 3, len(positions), 10)
+    R = torch.stack([ref.rotation(p, 10, **ref_rope_args(cfg)) for p in positions])
+    tol = 1e-15 * 40000
+    close(rope.apply(x, positions=positions), ref.rotate(t(x), positions=positions,
+                                                         **ref_rope_args(cfg)), tol)
+    close(rope.apply_transpose(x, positions=np.array(positions)),
+          torch.einsum("nba,...nb->...na", R, t(x)), tol)
+    close(rope.apply_inverse(x[0, 0], positions=positions),
+          torch.einsum("nab,nb->na", torch.linalg.inv(R), t(x[0, 0])), tol)
+
+
 def test_rope_float32_matches_float64(rng):
     rope = linrope.Rope(16)
     x = randn(rng, 2, 2, 33, 16)
@@ -191,6 +207,65 @@ def test_linear_attention_and_backward_match_the_reference(rng, kind, placement,
     close(out32, out, 1e-4 / min(1.0, smallest))
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_chunked_causal_method_matches_the_reference(rng, chunk_size):
+    n, d = 13, 8
+    fm = make_map("favor+", d)
+    rope, rope_ref = rope_for("numerator_only", fm, d)
+    q, k, v = (randn(rng, 2, 2, n, d, scale=0.5) for _ in range(3))
+    options = dict(causal=True, placement="numerator_only", q_offset=3, k_offset=3)
+    qt, kt, vt = (t(a).requires_grad_() for a in (q, k, v))
+    expected, _ = ref.linear_attention(qt, kt, vt, "favor+", t(fm.projection), rope=rope_ref,
+                                       **options)
+    out = linrope.linear_attention(q, k, v, fm, rope=rope, method="chunked",
+                                   chunk_size=chunk_size, **options)
+    close(out, expected, 1e-11)
+    g = randn(rng, *expected.shape)
+    grads = linrope.linear_attention_backward(q, k, v, g, fm, rope=rope, method="chunked",
+                                              chunk_size=chunk_size, **options)
+    for actual, wanted in zip(grads, torch.autograd.grad(expected, (qt, kt, vt), t(g))):
+        close(actual, wanted, 1e-10)
+
+
+def attention_pair(name, fm, rope):
+    """The forward and backward of one attention with its options (causal, RoPE)."""
+    if name == "softmax":
+        options = dict(causal=True, rope=linrope.Rope(fm.input_dim))
+        return (lambda *a, **o: linrope.softmax_attention(*a, **options, **o),
+                lambda *a, **o: linrope.softmax_attention_backward(*a, **options, **o))
+    options = dict(causal=True, rope=rope, placement="numerator_only")
+    return (lambda *a, **o: linrope.linear_attention(*a, fm, **options, **o),
+            lambda *a, **o: linrope.linear_attention_backward(*a, fm, **options, **o))
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear"])
+def test_padded_batches_equal_their_unpadded_slices(rng, name):
+    # Entry b holds q_lengths[b] queries and k_lengths[b] keys; the rest is padding, filled with
+    # huge values that would show if read. Each entry must equal the call on its rows alone.
+    n, d = 11, 8
+    fm = make_map("favor+", d)
+    rope, _ = rope_for("numerator_only", fm, d)
+    forward, backward = attention_pair(name, fm, rope)
+    q_lengths, k_lengths = [11, 4, 0], [11, 6, 3]
+    q, k, v = (randn(rng, 3, 2, n, d, scale=0.5) for _ in range(3))
+    g = randn(rng, 3, 2, n, d)
+    for b in range(3):
+        q[b, :, q_lengths[b]:] = g[b, :, q_lengths[b]:] = 1e30
+        k[b, :, k_lengths[b]:] = v[b, :, k_lengths[b]:] = 1e30
+    lengths = dict(q_lengths=q_lengths, k_lengths=np.array(k_lengths))
+    out = forward(q, k, v, **lengths)
+    dq, dk, dv = backward(q, k, v, g, **lengths)
+    for b, (lq, lk) in enumerate(zip(q_lengths, k_lengths)):
+        alone = forward(q[b:b + 1, :, :lq], k[b:b + 1, :, :lk], v[b:b + 1, :, :lk])
+        np.testing.assert_array_equal(out[b:b + 1, :, :lq], alone)
+        grads = backward(q[b:b + 1, :, :lq], k[b:b + 1, :, :lk], v[b:b + 1, :, :lk],
+                         g[b:b + 1, :, :lq])
+        for full, part, length in zip((dq, dk, dv), grads, (lq, lk, lk)):
+            np.testing.assert_array_equal(full[b:b + 1, :, :length], part)
+            assert not full[b, :, length:].any()  # padding gets zero gradients
+        assert not out[b, :, lq:].any()  # and zero outputs
+
+
 def test_numerator_only_keeps_the_denominator_positive_and_full_does_not(rng):
     d, m = 16, 64
     fm = linrope.FeatureMap("favor+", d, num_features=m, seed=5)
@@ -252,7 +327,7 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
         (lambda: linrope.linear_attention_backward(q, q, q, randn(rng, 5, 4), fm,
                                                    placement="none"), "d_out"),
         (lambda: linrope.FeatureMap("favor", 4),
-         'unknown feature map "favor"; expected one of elu+1, relu, favor+, favor-trig, 1+cos, '
+         'feature map is "favor" but expected one of elu+1, relu, favor+, favor-trig, 1+cos, '
          'favor-hyp'),
         (lambda: linrope.FeatureMap("favor+", 4), "num_features is 0"),
         (lambda: linrope.Rope(8, layout="neox"),
@@ -262,6 +337,17 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
         (lambda: linrope.Rope(7), "rotary_dim is 7 but expected an even number"),
         (lambda: linrope.Rope(8).apply(q), "Rope"),
         (lambda: linrope.set_num_threads(0), "set_num_threads: n is 0 but expected n >= 1"),
+        (lambda: linrope.linear_attention(q, q, q, fm, placement="none", causal=True,
+                                          method="cumsum"),
+         'method is "cumsum" but expected one of chunked, scan'),
+        (lambda: linrope.linear_attention(q, q, q, fm, placement="none", causal=True,
+                                          method="chunked", chunk_size=0), "chunk_size"),
+        (lambda: linrope.softmax_attention(q, q, q, q_lengths=[6, 6]),
+         "softmax_attention: q_lengths has 2 entries but q has batch 1"),
+        (lambda: linrope.softmax_attention(q, q, q, k_lengths=[7]), "lengths"),
+        (lambda: linrope.Rope(4).apply(q, 3, positions=range(6)),
+         "Rope.apply: first_position is 3 and positions are given: pass one"),
+        (lambda: linrope.Rope(4).apply(q, positions=[0, 1]), "positions"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError) as error:

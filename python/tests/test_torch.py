@@ -56,6 +56,35 @@ def test_linear_attention_gradcheck(kind, placement, causal):
                                             rope=rope, eps=eps), (q, k, v))
 
 
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_padded_and_chunked_attention_gradcheck(attention):
+    # Padding (rows past the lengths get zero gradients, which finite differences confirm: the
+    # output does not depend on them) and the chunked causal forward, chunk 2 over n = 7.
+    q, k, v = inputs((3, 1, 7, 4), (3, 1, 7, 4), (3, 1, 7, 3))
+    lengths = dict(q_lengths=torch.tensor([7, 3, 0]), k_lengths=[5, 7, 2])
+    if attention == "softmax":
+        def call(q, k, v):
+            return lt.softmax_attention(q, k, v, causal=True, rope=linrope.Rope(4), **lengths)
+    else:
+        fm = linrope.FeatureMap("favor+", 4, num_features=6, seed=2)
+        rope = linrope.Rope(6)
+
+        def call(q, k, v):
+            return lt.linear_attention(q, k, v, fm, causal=True, rope=rope, method="chunked",
+                                       chunk_size=2, **lengths)
+    assert torch.autograd.gradcheck(call, (q, k, v))
+
+
+def test_rope_position_lists_gradcheck():
+    (x,) = inputs((2, 3, 5, 8))
+    rope = lt.RotaryEmbedding(8, layout="half")
+    positions = torch.tensor([4, 0, -1, 4, 900])
+    assert torch.autograd.gradcheck(lambda x: rope(x, positions=positions), (x,))
+    torch.testing.assert_close(rope(x, positions=positions),
+                               ref.rotate(x, positions=positions.tolist(), layout="half"),
+                               rtol=0, atol=1e-13)
+
+
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_rope_and_feature_map_gradcheck(layout):
     (x,) = inputs((2, 3, 5, 8))
@@ -190,6 +219,27 @@ def test_multihead_attention_matches_a_plain_pytorch_layer():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_a_padded_batch_equals_each_sequence_alone(attention):
+    torch.manual_seed(0)
+    layer = lt.MultiheadAttention(16, 2, attention, causal=True, num_features=8,
+                                  method="chunked", chunk_size=4, dtype=torch.float64)
+    lengths = [9, 5, 1]
+    x = torch.randn(3, 9, 16, dtype=torch.float64, requires_grad=True)
+    out = layer(x, lengths=torch.tensor(lengths))
+    g = torch.randn_like(out)
+    for b, n in enumerate(lengths):
+        g[b, n:] = 0  # the loss reads the real tokens only
+    (dx,) = torch.autograd.grad(out, x, g)
+    for b, n in enumerate(lengths):
+        alone = x[b:b + 1, :n].detach().requires_grad_()
+        out_alone = layer(alone)
+        torch.testing.assert_close(out[b:b + 1, :n], out_alone, rtol=0, atol=1e-12)
+        (dx_alone,) = torch.autograd.grad(out_alone, alone, g[b:b + 1, :n])
+        torch.testing.assert_close(dx[b:b + 1, :n], dx_alone, rtol=0, atol=1e-12)
+        assert not dx[b, n:].any()  # padding is never read
+
+
 def test_stats_redraws_and_state_dict():
     layer = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
                                   causal=True, track_stats=True, redraw_interval=2, seed=7)
@@ -236,5 +286,5 @@ def test_bad_input():
         lt.linear_attention(x, x, x, fm, placement="numerator-only")
     with pytest.raises(ValueError, match="expected one of softmax, linear"):
         lt.MultiheadAttention(16, 2, "performer")
-    with pytest.raises(ValueError, match="unknown feature map"):
+    with pytest.raises(ValueError, match="feature map is .* but expected one of"):
         lt.MultiheadAttention(16, 2, "linear", feature_map="favor")
