@@ -33,3 +33,22 @@ build_tree() {
   cmake -S "$ROOT" -B "$dir" -DPython_EXECUTABLE=/usr/bin/python3 "$@"
   cmake --build "$dir" -j "$JOBS"
 }
+
+# link_python_package DIR: makes `/usr/bin/python3 -c "import linrope"` work from any directory
+# (and in a venv made with --system-site-packages) by writing linrope.pth, one line naming
+# DIR/python, into the interpreter's site-packages under /usr/local (the place Debian leaves to
+# packages it did not install; pip's refusal, PEP 668, is about Debian's own). The build tree is the
+# package, so a rebuild is seen at once; the newest build that ran this wins. Undo: delete the file.
+link_python_package() {
+  local package="$1/python"
+  [ -f "$package/linrope/__init__.py" ] || return 0  # built without the Python package
+  local site sudo=""
+  site="$(/usr/bin/python3 -c 'import site
+print(next(p for p in site.getsitepackages() if p.startswith("/usr/local/")))')"
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  if $sudo mkdir -p "$site" && echo "$package" | $sudo tee "$site/linrope.pth" > /dev/null; then
+    echo "linrope: Python package linked: $site/linrope.pth -> $package" >&2
+  else
+    echo "linrope: could not write $site/linrope.pth; use PYTHONPATH=$package" >&2
+  fi
+}

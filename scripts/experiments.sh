@@ -6,6 +6,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_dependencies
 build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
   -DLINROPE_BUILD_BENCHMARKS=ON
+link_python_package "$ROOT/build/release"
 cd "$ROOT"
 if [ $# -eq 0 ]; then set -- all --quick; fi
 # Only global options (e.g. --full): every experiment.

@@ -13,6 +13,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_dependencies
 build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
   -DLINROPE_BUILD_BENCHMARKS=ON
+link_python_package "$ROOT/build/release"
 ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure
 if [ "${LINROPE_SKIP_PORTABLE:-0}" != 1 ]; then
   # The experiments have no kernels of their own; the install check is the Release pass's. The
