@@ -11,6 +11,7 @@ OpenMP thread count the two libraries share, which is why the count is linrope's
 """
 from linrope._core import (  # noqa: F401
     FeatureMap,
+    LinearAttentionStream,
     Rope,
     get_num_threads,
     linear_attention,
@@ -22,6 +23,6 @@ from linrope._core import (  # noqa: F401
 )
 
 __all__ = [
-    "FeatureMap", "Rope", "get_num_threads", "linear_attention", "linear_attention_backward",
+    "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention", "linear_attention_backward",
     "openmp", "set_num_threads", "softmax_attention", "softmax_attention_backward",
 ]

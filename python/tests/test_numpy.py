@@ -266,6 +266,41 @@ def test_padded_batches_equal_their_unpadded_slices(rng, name):
         assert not out[b, :, lq:].any()  # and zero outputs
 
 
+@pytest.mark.parametrize("placement", ["numerator_only", "full", "before_map"])
+def test_a_stream_of_steps_equals_causal_attention(rng, placement):
+    import gc
+    n, d, dv = 12, 8, 5
+    fm = make_map("favor+", d)
+    rope, rope_ref = rope_for(placement, fm, d)
+    q, k = randn(rng, n, d, scale=0.5), randn(rng, n, d, scale=0.5)
+    v = randn(rng, n, dv)
+    W = t(fm.projection)
+    stream = linrope.LinearAttentionStream(fm, dv, dtype="float64", placement=placement,
+                                           rope=rope, offset=3)
+    del fm, rope  # the stream keeps them alive
+    gc.collect()
+    expected, den = ref.linear_attention(t(q), t(k), t(v), "favor+", W, causal=True,
+                                         placement=placement, rope=rope_ref, q_offset=3,
+                                         k_offset=3)
+    tol = 1e-11 / min(1.0, float(den.abs().min()))
+    steps, start = [], 0
+    for size in (1, 4, 2, 5):  # steps of a few tokens
+        out, stats = stream.step(q[start:start + size], k[start:start + size],
+                                 v[start:start + size], return_stats=True)
+        assert stats["count"] == size
+        steps.append(out)
+        start += size
+    assert stream.position == 3 + n and stream.dtype == "float64"
+    close(np.concatenate(steps), expected, tol)
+    stream.reset()
+    assert stream.position == 3
+    close(stream.step(q[:2], k[:2], v[:2]), expected[:2], tol)
+    with pytest.raises(ValueError, match="q has dtype float32 but the stream's is float64"):
+        stream.step(q[:1].astype(np.float32), k[:1], v[:1])
+    with pytest.raises(ValueError, match='dtype is "float16" but expected one of float32, float64'):
+        linrope.LinearAttentionStream(make_map("elu+1", d), dv, dtype="float16")
+
+
 def test_numerator_only_keeps_the_denominator_positive_and_full_does_not(rng):
     d, m = 16, 64
     fm = linrope.FeatureMap("favor+", d, num_features=m, seed=5)
@@ -353,6 +388,29 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
         with pytest.raises(ValueError) as error:
             call()
         assert message in str(error.value), (message, str(error.value))
+
+
+# ---- The GIL -------------------------------------------------------------------------------------
+
+def test_kernels_release_the_gil(rng):
+    # While a kernel runs in another thread, this thread's Python code keeps running: a kernel
+    # holding the GIL would stop it for the whole call, leaving a gap between two of its loop's
+    # iterations as long as the call (Python hands the GIL over every 5 ms otherwise).
+    import threading
+    import time
+    q = randn(rng, 1, 2, 2000, 64, dtype=np.float32)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (linrope.softmax_attention(q, q, q), done.set()))
+    start = last = time.perf_counter()
+    longest_gap = 0.0
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest_gap, last = max(longest_gap, now - last), now
+    worker.join()
+    call = time.perf_counter() - start
+    assert call > 0.03, "the call is too short to tell"
+    assert longest_gap < call / 2, (longest_gap, call)
 
 
 # ---- Threads -------------------------------------------------------------------------------------
