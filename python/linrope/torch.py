@@ -214,16 +214,18 @@ class MultiheadAttention(nn.Module):
         ("none", "before_map", "numerator_only", "full"; default "numerator_only" when rope=True,
         else "none"), eps as in the C++ API, method ("scan" or "chunked") and chunk_size for the
         causal forward. redraw_interval=k > 0 draws a new W every k forward
-        calls in training mode (Performer's feature redrawing); the current seed is the buffer
-        feature_seed, so a state_dict restores W.
-    track_stats=True keeps the last forward's denominator statistics in last_stats (linear only).
+        calls in training mode (Performer's feature redrawing); the current seed and the count of
+        training forwards are the buffers feature_seed and training_forwards, so a state_dict
+        restores W and the redraw schedule.
+    track_stats=True keeps the last forward's denominator statistics in last_stats (linear only);
+    stats_threshold is the |den| below which a denominator counts as tiny (below_threshold).
     """
 
     def __init__(self, embed_dim, num_heads, attention="softmax", *, causal=False, rope=True,
                  rope_base=10000.0, rope_layout="interleaved", feature_map="favor+",
                  num_features=None, orthogonal=True, placement=None, eps=1e-6, method="scan",
                  chunk_size=64, redraw_interval=0, seed=0, bias=True, track_stats=False,
-                 device=None, dtype=None):
+                 stats_threshold=1e-3, device=None, dtype=None):
         super().__init__()
         if attention not in ("softmax", "linear"):
             raise ValueError(f"MultiheadAttention: attention is {attention!r} but expected one of "
@@ -243,8 +245,8 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.track_stats, self.last_stats = track_stats, None
-        self.redraw_interval, self._forwards = redraw_interval, 0
+        self.track_stats, self.stats_threshold, self.last_stats = track_stats, stats_threshold, None
+        self.redraw_interval = redraw_interval
         self.feature_map, self.rope = None, None
         if attention == "softmax":
             self.placement = None
@@ -257,6 +259,7 @@ class MultiheadAttention(nn.Module):
                               num_features=num_features or 4 * self.head_dim,
                               orthogonal=orthogonal)
         self.register_buffer("feature_seed", torch.tensor(seed, dtype=torch.int64))
+        self.register_buffer("training_forwards", torch.tensor(0, dtype=torch.int64))
         self.feature_map = _core.FeatureMap(seed=seed, **self._map_args)
         if self.placement != "none":
             # numerator_only and full rotate the features (width m), before_map the inputs (d).
@@ -297,15 +300,17 @@ class MultiheadAttention(nn.Module):
             out = softmax_attention(q, k, v, causal=self.causal, rope=self.rope, **where)
         else:
             if self.training and self.redraw_interval:
-                if self._forwards and self._forwards % self.redraw_interval == 0:
+                done = int(self.training_forwards)
+                if done and done % self.redraw_interval == 0:
                     self.redraw_features()
-                self._forwards += 1
+                self.training_forwards.fill_(done + 1)
             if self.feature_map.seed != int(self.feature_seed):  # after load_state_dict
                 self.feature_map = _core.FeatureMap(seed=int(self.feature_seed), **self._map_args)
             result = linear_attention(q, k, v, self.feature_map, causal=self.causal,
                                       placement=self.placement, rope=self.rope, eps=self.eps,
                                       method=self.method, chunk_size=self.chunk_size,
-                                      return_stats=self.track_stats, **where)
+                                      return_stats=self.track_stats,
+                                      stats_threshold=self.stats_threshold, **where)
             out, self.last_stats = result if self.track_stats else (result, None)
         out = out.transpose(1, 2).reshape(batch, n, self.embed_dim)
         return self.out_proj(out)

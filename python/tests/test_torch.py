@@ -242,14 +242,24 @@ def test_a_padded_batch_equals_each_sequence_alone(attention):
 
 def test_stats_redraws_and_state_dict():
     layer = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
-                                  causal=True, track_stats=True, redraw_interval=2, seed=7)
+                                  causal=True, track_stats=True, stats_threshold=0.5,
+                                  redraw_interval=2, seed=7)
     x = torch.randn(3, 10, 16)
     seeds = []
     for _ in range(5):
         layer(x).sum().backward()
         seeds.append(layer.feature_map.seed)
         assert layer.last_stats["count"] == 3 * 2 * 10 and layer.last_stats["nonpositive"] == 0
+        assert layer.last_stats["threshold"] == 0.5
     assert seeds == [7, 7, 8, 8, 9]
+    # The redraw schedule survives a state_dict: a copy made after 5 forwards redraws on the 7th.
+    resumed = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
+                                    causal=True, redraw_interval=2)
+    resumed.load_state_dict(layer.state_dict())
+    for module in (layer, resumed):
+        module(x)
+        module(x)
+    assert layer.feature_map.seed == resumed.feature_map.seed == 10
     # Two forwards, then one backward across a redraw: each keeps the W it used.
     a = layer(x)
     b = layer(x)
