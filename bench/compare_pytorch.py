@@ -85,13 +85,14 @@ import sys
 import tempfile
 import time
 
-TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+from torch_side import (CHUNK, EPS, linear_causal_chunked, loaded_blas, phi_favor,
+                        reexec_with_tunables, torch_softmax)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The benchmarked problem.
-BATCH, HEADS, DIM, FEATURES, CHUNK = 1, 8, 64, 256, 64
+BATCH, HEADS, DIM, FEATURES = 1, 8, 64, 256
 SIZES = [1024, 4096, 16384]
-EPS = 1e-6
 TOLERANCE = 1e-3
 GRAD_TOLERANCE = 1e-3
 
@@ -136,16 +137,6 @@ def parse_args():
     return parser.parse_args()
 
 
-def reexec_with_tunables():
-    current = os.environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.mmap_max=0" in current and "glibc.malloc.trim_threshold" in current:
-        return
-    env = dict(os.environ)
-    env["GLIBC_TUNABLES"] = TUNABLES if not current else current + ":" + TUNABLES
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable] + sys.argv, env)
-
-
 args = parse_args()
 reexec_with_tunables()
 
@@ -161,32 +152,11 @@ def say(*parts):
     print(*parts, flush=True)
 
 
-def loaded_blas():
-    """Which BLAS the process has mapped (after a matmul has run)."""
-    torch.ones(64, 64) @ torch.ones(64, 64)
-    with open("/proc/self/maps") as maps:
-        names = {line.split()[-1] for line in maps if "blas" in line.lower() and "/" in line}
-    return sorted(names)
-
-
 # ---------------------------------------------------------------------------------------------
 # The PyTorch side. Tensors are [B, H, n, d]; features [B, H, n, m].
 
-def torch_softmax(q, k, v, causal):
-    n = q.shape[-2]
-    s = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-1, -2)
-    if causal:
-        s.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu_(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
-
-
 def phi_elu(x):
     return F.elu(x) + 1
-
-
-def phi_favor(x, w):
-    xp = x * x.shape[-1] ** -0.25
-    return torch.exp(xp @ w.t() - (xp * xp).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
 
 
 def linear_noncausal(fq, fk, v, fq_num=None, fk_num=None):
@@ -206,25 +176,6 @@ def linear_causal_cumsum(fq, fk, v, fq_num=None, fk_num=None):
     num = torch.einsum("bhnm,bhnmd->bhnd", fq_num, s)
     den = (fq * fk.cumsum(2)).sum(-1)
     return num / (den.unsqueeze(-1) + EPS)
-
-
-def linear_causal_chunked(fq, fk, v, chunk=CHUNK):
-    b, h, n, m = fq.shape
-    dv = v.shape[-1]
-    pad = (-n) % chunk  # zero rows at the end: later than every real row, so invisible to them
-    if pad:
-        fq, fk, v = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v))
-    c = (n + pad) // chunk
-    qc, kc, vc = fq.view(b, h, c, chunk, m), fk.view(b, h, c, chunk, m), v.view(b, h, c, chunk, dv)
-    kv = kc.transpose(-1, -2) @ vc                                   # [B,H,c,m,d_v] per chunk
-    state = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], dim=2)
-    zc = kc.sum(3)                                                   # [B,H,c,m]
-    z = torch.cat([torch.zeros_like(zc[:, :, :1]), zc[:, :, :-1].cumsum(2)], dim=2)
-    scores = (qc @ kc.transpose(-1, -2)).tril_()                     # [B,H,c,C,C]
-    num = qc @ state + scores @ vc
-    den = (qc * z.unsqueeze(3)).sum(-1) + scores.sum(-1)
-    out = num / (den.unsqueeze(-1) + EPS)
-    return out.reshape(b, h, c * chunk, dv)[:, :, :n]
 
 
 def rope_interleaved(x, base=10000.0):
