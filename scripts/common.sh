@@ -22,7 +22,8 @@ install_dependencies() {
   local sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   $sudo apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    "${missing[@]}"
 }
 
 # build_tree DIR [cmake options...]: configure (first time) and build everything in DIR.
@@ -36,19 +37,23 @@ build_tree() {
 
 # link_python_package DIR: makes `/usr/bin/python3 -c "import linrope"` work from any directory
 # (and in a venv made with --system-site-packages) by writing linrope.pth, one line naming
-# DIR/python, into the interpreter's site-packages under /usr/local (the place Debian leaves to
-# packages it did not install; pip's refusal, PEP 668, is about Debian's own). The build tree is the
-# package, so a rebuild is seen at once; the newest build that ran this wins. Undo: delete the file.
+# DIR/python, into a site-packages directory: as root, /usr/local/lib/python3.X/dist-packages (the
+# place Debian leaves to packages it did not install; pip's refusal, PEP 668, is about Debian's
+# own), otherwise the user's own site-packages, so that no user's build tree lands on root's path.
+# The build tree is the package, so a rebuild is seen at once; the newest build that ran this
+# wins. Undo: delete the file.
 link_python_package() {
-  local package="$1/python"
+  local package="$1/python" site
   [ -f "$package/linrope/__init__.py" ] || return 0  # built without the Python package
-  local site sudo=""
-  site="$(/usr/bin/python3 -c 'import site
-print(next(p for p in site.getsitepackages() if p.startswith("/usr/local/")))')"
-  [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  if $sudo mkdir -p "$site" && echo "$package" | $sudo tee "$site/linrope.pth" > /dev/null; then
+  if [ "$(id -u)" -eq 0 ]; then
+    site="$(/usr/bin/python3 -c 'import site
+print(next(p for p in site.getsitepackages() if p.startswith("/usr/local/")))' || true)"
+  else
+    site="$(/usr/bin/python3 -m site --user-site || true)"
+  fi
+  if [ -n "$site" ] && mkdir -p "$site" && echo "$package" > "$site/linrope.pth"; then
     echo "linrope: Python package linked: $site/linrope.pth -> $package" >&2
   else
-    echo "linrope: could not write $site/linrope.pth; use PYTHONPATH=$package" >&2
+    echo "linrope: could not link the Python package; use PYTHONPATH=$package" >&2
   fi
 }

@@ -5,7 +5,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_dependencies
 build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
-  -DLINROPE_BUILD_BENCHMARKS=ON
+  -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=ON
 link_python_package "$ROOT/build/release"
 cd "$ROOT"
 if [ $# -eq 0 ]; then set -- all --quick; fi

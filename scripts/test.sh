@@ -23,7 +23,7 @@ pass() {
 
 release() {
   build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
-    -DLINROPE_BUILD_BENCHMARKS=ON
+    -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=ON
   link_python_package "$ROOT/build/release"
   ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure
 }

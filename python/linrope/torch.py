@@ -2,9 +2,9 @@
 
 Functions (torch.autograd.Function over the C++ forward and backward; each saves only q, k, v
 and its options, and its backward calls the C++ backward):
-    softmax_attention(q, k, v, *, causal, scale, rope, q_offset, k_offset, q_lengths, k_lengths)
-    linear_attention(q, k, v, feature_map, *, causal, placement, rope, eps, q_offset, k_offset,
-                     method, chunk_size, q_lengths, k_lengths, return_stats, stats_threshold)
+    softmax_attention(q, k, v, causal, scale, rope, q_offset, k_offset, q_lengths, k_lengths)
+    linear_attention(q, k, v, feature_map, causal, placement, rope, eps, q_offset, k_offset,
+                     return_stats, stats_threshold, method, chunk_size, q_lengths, k_lengths)
     rope_apply(x, rope, first_position, positions), feature_map_apply(x, feature_map)
 q_lengths / k_lengths (B entries: a list, array or tensor) mark padding in (B, H, n, d) batches:
 rows at or past them are not attended to, their outputs are 0 and their gradients 0.
@@ -47,12 +47,16 @@ def _tensors(arrays):
 
 
 def _int_list(values):
-    """Lengths or positions as the list of ints the module takes (None stays None)."""
+    """Lengths or positions as the list of ints the module takes (None stays None); a
+    non-integer value is refused rather than truncated."""
     if values is None:
         return None
     if isinstance(values, torch.Tensor):
-        return values.tolist()
-    return [int(n) for n in values]
+        values = values.reshape(-1).tolist()
+    result = [int(n) for n in values]
+    if any(n != v for n, v in zip(result, values)):
+        raise ValueError(f"lengths and positions must be integers, got {list(values)}")
+    return result
 
 
 class _SoftmaxAttention(torch.autograd.Function):
@@ -142,7 +146,7 @@ class _FeatureMapApply(torch.autograd.Function):
         return torch.from_numpy(dx), None
 
 
-def softmax_attention(q, k, v, *, causal=False, scale=None, rope=None, q_offset=0, k_offset=0,
+def softmax_attention(q, k, v, causal=False, scale=None, rope=None, q_offset=0, k_offset=0,
                       q_lengths=None, k_lengths=None):
     """Exact softmax attention, differentiable in q, k and v; see linrope.softmax_attention."""
     options = dict(causal=causal, scale=scale, rope=rope, q_offset=q_offset, k_offset=k_offset,
@@ -150,9 +154,9 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, rope=None, q_offset=
     return _SoftmaxAttention.apply(q, k, v, options)
 
 
-def linear_attention(q, k, v, feature_map, *, causal=False, placement="numerator_only", rope=None,
-                     eps=1e-6, q_offset=0, k_offset=0, method="scan", chunk_size=64,
-                     q_lengths=None, k_lengths=None, return_stats=False, stats_threshold=1e-3):
+def linear_attention(q, k, v, feature_map, causal=False, placement="numerator_only", rope=None,
+                     eps=1e-6, q_offset=0, k_offset=0, return_stats=False, stats_threshold=1e-3,
+                     method="scan", chunk_size=64, q_lengths=None, k_lengths=None):
     """Linear attention, differentiable in q, k and v (W held fixed); see
     linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
     forward; both give the same gradients. With return_stats=True returns (out, stats), stats a

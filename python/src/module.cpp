@@ -11,9 +11,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <linrope/linrope.hpp>
@@ -109,8 +111,10 @@ using CArray = py::array_t<T, py::array::c_style>;
 enum class DType { Float32, Float64 };
 
 DType dtype_of(std::string_view function, const char* name, const py::array& a) {
-  if (a.dtype().is(py::dtype::of<float>())) return DType::Float32;
-  if (a.dtype().is(py::dtype::of<double>())) return DType::Float64;
+  // By value, not identity: NumPy does not always reuse its dtype objects (an unpickled array's is
+  // another); a non-native byte order compares unequal and is refused.
+  if (a.dtype().equal(py::dtype::of<float>())) return DType::Float32;
+  if (a.dtype().equal(py::dtype::of<double>())) return DType::Float64;
   fail(function, name, " has dtype ", std::string(py::str(a.dtype())),
        " but expected float32 or float64");
 }
@@ -132,6 +136,13 @@ DType common_dtype(std::string_view function, const std::array<const char*, N>& 
 template <class T>
 CArray<T> contiguous(const py::array& a) {
   return CArray<T>::ensure(a);
+}
+
+// "(2, 3, 5)": a's shape as NumPy prints it.
+std::string shape_text(const py::array& a) {
+  std::string text = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) text += (i ? ", " : "") + std::to_string(a.shape(i));
+  return text + (a.ndim() == 1 ? ",)" : ")");
 }
 
 void require_rank(std::string_view function, const char* name, const py::array& a) {
@@ -219,8 +230,8 @@ SoftmaxOptions softmax_options(std::string_view function, bool causal, std::opti
                                const Rope* rope, Index q_offset, Index k_offset) {
   // The C++ API reads scale = 0 as "1/sqrt(d)"; in Python that is None, and an explicit 0 (uniform
   // weights) cannot be passed on, so it is refused rather than silently replaced.
-  if (scale && *scale == 0)
-    fail(function, "scale is 0 but expected a scale > 0 (None means 1/sqrt(d))");
+  if (scale && !(std::isfinite(*scale) && *scale > 0))
+    fail(function, "scale is ", *scale, " but expected a finite scale > 0 (None means 1/sqrt(d))");
   return {.causal = causal,
           .scale = scale.value_or(0.0),
           .rope = rope,
@@ -321,8 +332,8 @@ py::object softmax_forward(const py::array& q, const py::array& k, const py::arr
 py::object linear_forward(const py::array& q, const py::array& k, const py::array& v,
                           const FeatureMap& map, bool causal, const std::string& placement,
                           const Rope* rope, double eps, Index q_offset, Index k_offset,
-                          const std::string& method, Index chunk_size, const Lengths& q_lengths,
-                          const Lengths& k_lengths, bool return_stats, double stats_threshold) {
+                          bool return_stats, double stats_threshold, const std::string& method,
+                          Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths) {
   constexpr std::string_view fn = "linear_attention";
   const LinearOptions options =
       linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
@@ -411,14 +422,20 @@ template <class T, class Where>
 py::object rope_turn(const Rope& rope, Turn turn, const py::array& x, Where where) {
   CArray<T> out = new_array<T>(x, x.shape(x.ndim() - 1));
   auto rows = rows_of(out);
-  rows = rows_of(contiguous<T>(x));
+  const CArray<T> xc = contiguous<T>(x);
+  const auto x_rows = rows_of(xc);
   const Index n = Index(x.shape(x.ndim() - 2));
-  KernelScope scope;
-  if (n == 0 || rows.rows() == 0) {
-    turn_rows<T>(rope, turn, rows, where);  // nothing to turn, but the width is still checked
-  } else {
-    for (Index s = 0; s < rows.rows() / n; ++s)
-      turn_rows<T>(rope, turn, rows.middleRows(s * n, n), where);
+  {
+    KernelScope scope;
+    rows = x_rows;  // the copy the rotation works in place on, also without the GIL
+    if (n == 0 || rows.rows() == 0) {
+      // Nothing to turn, but the width is still checked (a position list's length is checked
+      // by rope_call: here it may not match the zero rows of an empty batch).
+      turn_rows<T>(rope, turn, rows, Index(0));
+    } else {
+      for (Index s = 0; s < rows.rows() / n; ++s)
+        turn_rows<T>(rope, turn, rows.middleRows(s * n, n), where);
+    }
   }
   return out;
 }
@@ -435,6 +452,10 @@ py::object rope_call(std::string_view function, Turn turn, const Rope& rope, con
   }
   if (first_position != 0)
     fail(function, "first_position is ", first_position, " and positions are given: pass one");
+  const auto n = std::size_t(x.shape(x.ndim() - 2));
+  if (positions->size() != n)
+    fail(function, "positions has ", positions->size(), " entries but x has n = ", n,
+         " rows in each (n, d) slice");
   const std::span<const Index> list(*positions);  // its length is checked by the C++ call
   if (single) return rope_turn<float>(rope, turn, x, list);
   return rope_turn<double>(rope, turn, x, list);
@@ -457,13 +478,26 @@ std::unique_ptr<Rope> make_rope(Index dim, Index rotary_dim, double base, const 
 
 // ---- Feature maps -------------------------------------------------------------------------------
 
+std::unique_ptr<FeatureMap> make_map(const std::string& kind, Index input_dim, Index num_features,
+                                     bool orthogonal, std::uint64_t seed, bool regularized) {
+  return make_feature_map({.kind = parse_name("FeatureMap", feature_map_kind_from_string, kind),
+                           .input_dim = input_dim,
+                           .num_features = num_features,
+                           .orthogonal = orthogonal,
+                           .seed = seed,
+                           .regularized = regularized});
+}
+
 template <class T>
 py::object map_apply(const FeatureMap& map, const py::array& x) {
   const CArray<T> xc = contiguous<T>(x);
   CArray<T> out = new_array<T>(x, map.output_dim());
   auto rows = rows_of(out);
-  KernelScope scope;
-  map.apply(rows_of(xc), rows);
+  const auto x_rows = rows_of(xc);
+  {
+    KernelScope scope;
+    map.apply(x_rows, rows);
+  }
   return out;
 }
 
@@ -472,8 +506,11 @@ py::object map_backward(const FeatureMap& map, const py::array& x, const py::arr
   const CArray<T> xc = contiguous<T>(x), gc = contiguous<T>(d_out);
   CArray<T> dx = new_array<T>(x, x.shape(x.ndim() - 1));
   auto rows = rows_of(dx);
-  KernelScope scope;
-  map.backward(rows_of(xc), rows_of(gc), rows);
+  const auto x_rows = rows_of(xc), g_rows = rows_of(gc);
+  {
+    KernelScope scope;
+    map.backward(x_rows, g_rows, rows);
+  }
   return dx;
 }
 
@@ -500,7 +537,7 @@ class Stream {
           for (std::size_t i = 0; i < 3; ++i) {
             if (arrays[i]->ndim() != 2)
               fail(fn, names[i], " has ", arrays[i]->ndim(), " dimensions but expected 2 (t, d)");
-            if (!arrays[i]->dtype().is(py::dtype::of<T>()))
+            if (!arrays[i]->dtype().equal(py::dtype::of<T>()))
               fail(fn, names[i], " has dtype ", std::string(py::str(arrays[i]->dtype())),
                    " but the stream's is ", std::string(py::str(py::dtype::of<T>())));
           }
@@ -633,22 +670,27 @@ PYBIND11_MODULE(_core, m) {
                              positions);
           },
           "x"_a, "first_position"_a = 0, "positions"_a = py::none(),
-          "R^T x, the gradient of apply (differs from R^-1 under YaRN).");
+          "R^T x, the gradient of apply (differs from R^-1 under YaRN).")
+      // Pickled as its configuration, from which the tables are rebuilt.
+      .def(py::pickle(
+          [](const Rope& r) {
+            const RopeConfig& c = r.config();
+            return py::make_tuple(c.dim, r.rotary_dim(), c.base, to_string(c.layout),
+                                  to_string(c.scaling.kind), c.scaling.factor,
+                                  c.scaling.original_max_position, c.scaling.beta_fast,
+                                  c.scaling.beta_slow);
+          },
+          [](const py::tuple& t) {
+            return make_rope(t[0].cast<Index>(), t[1].cast<Index>(), t[2].cast<double>(),
+                             t[3].cast<std::string>(), t[4].cast<std::string>(),
+                             t[5].cast<double>(), t[6].cast<Index>(), t[7].cast<double>(),
+                             t[8].cast<double>());
+          }));
 
   py::class_<FeatureMap, std::unique_ptr<FeatureMap>>(
       m, "FeatureMap", "A feature map phi: R^d -> R^m; see include/linrope/feature_maps.hpp.")
-      .def(py::init([](const std::string& kind, Index input_dim, Index num_features,
-                       bool orthogonal, std::uint64_t seed, bool regularized) {
-             return make_feature_map(
-                 {.kind = parse_name("FeatureMap", feature_map_kind_from_string, kind),
-                  .input_dim = input_dim,
-                  .num_features = num_features,
-                  .orthogonal = orthogonal,
-                  .seed = seed,
-                  .regularized = regularized});
-           }),
-           "kind"_a, "input_dim"_a, "num_features"_a = 0, "orthogonal"_a = true, "seed"_a = 0,
-           "regularized"_a = false)
+      .def(py::init(&make_map), "kind"_a, "input_dim"_a, "num_features"_a = 0,
+           "orthogonal"_a = true, "seed"_a = 0, "regularized"_a = false)
       .def_property_readonly("kind", [](const FeatureMap& f) { return to_string(f.kind()); })
       .def_property_readonly("input_dim", &FeatureMap::input_dim)
       .def_property_readonly("output_dim", &FeatureMap::output_dim)
@@ -681,12 +723,30 @@ PYBIND11_MODULE(_core, m) {
             constexpr std::string_view fn = "FeatureMap.backward";
             require_rows(fn, "x", x);
             require_rows(fn, "d_out", d_out);
+            // The C++ call sees rows only: x [..., d] and d_out [..., m] must share the leading
+            // shape, or rows would pair up in flattened order.
+            if (d_out.ndim() != x.ndim() ||
+                !std::equal(x.shape(), x.shape() + x.ndim() - 1, d_out.shape()))
+              fail(fn, "d_out has shape ", shape_text(d_out), " but x has ", shape_text(x),
+                   ": expected the same leading dimensions");
             if (common_dtype<2>(fn, {"x", "d_out"}, {&x, &d_out}) == DType::Float32)
               return map_backward<float>(f, x, d_out);
             return map_backward<double>(f, x, d_out);
           },
           "x"_a, "d_out"_a, "J^T d_out, the gradient through apply at x: [..., d].")
-      .def("redraw", &FeatureMap::redraw, "seed"_a, "Draws a new W from seed.");
+      .def("redraw", &FeatureMap::redraw, "seed"_a,
+           "Draws a new W from seed. Not while a kernel that uses the map runs in another thread.")
+      // Pickled as its configuration: the seed determines W (copy.deepcopy, torch.save).
+      .def(py::pickle(
+          [](const FeatureMap& f) {
+            const FeatureMapConfig& c = f.config();
+            return py::make_tuple(to_string(c.kind), c.input_dim, c.num_features, c.orthogonal,
+                                  c.seed, c.regularized);
+          },
+          [](const py::tuple& t) {
+            return make_map(t[0].cast<std::string>(), t[1].cast<Index>(), t[2].cast<Index>(),
+                            t[3].cast<bool>(), t[4].cast<std::uint64_t>(), t[5].cast<bool>());
+          }));
 
   py::class_<Stream>(m, "LinearAttentionStream",
                      "Causal linear attention for decoding, a few tokens per step; "
@@ -703,22 +763,24 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("dtype", &Stream::dtype)
       .def("reset", &Stream::reset, "Back to an empty state at the first offset.");
 
-  m.def("softmax_attention", &softmax_forward, "q"_a, "k"_a, "v"_a, py::kw_only(),
-        "causal"_a = false, "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = 0,
-        "k_offset"_a = 0, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
+  // The attention functions' arguments in DESIGN.md's order (positional use allowed), then the
+  // ones added since: method, chunk_size, the lengths.
+  m.def("softmax_attention", &softmax_forward, "q"_a, "k"_a, "v"_a, "causal"_a = false,
+        "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = 0, "k_offset"_a = 0,
+        "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
         "Exact softmax attention: q [.., n, d], k [.., n_k, d], v [.., n_k, d_v] -> [.., n, d_v].");
-  m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a, py::kw_only(),
+  m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a,
         "causal"_a = false, "placement"_a = "numerator_only", "rope"_a = py::none(), "eps"_a = 1e-6,
-        "q_offset"_a = 0, "k_offset"_a = 0, "method"_a = "scan", "chunk_size"_a = 64,
-        "q_lengths"_a = py::none(), "k_lengths"_a = py::none(), "return_stats"_a = false,
-        "stats_threshold"_a = 1e-3,
+        "q_offset"_a = 0, "k_offset"_a = 0, "return_stats"_a = false, "stats_threshold"_a = 1e-3,
+        "method"_a = "scan", "chunk_size"_a = 64, "q_lengths"_a = py::none(),
+        "k_lengths"_a = py::none(),
         "Linear attention; with return_stats=True returns (out, denominator statistics).");
   m.def("softmax_attention_backward", &softmax_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
-        py::kw_only(), "causal"_a = false, "scale"_a = py::none(), "rope"_a = py::none(),
-        "q_offset"_a = 0, "k_offset"_a = 0, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
+        "causal"_a = false, "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = 0,
+        "k_offset"_a = 0, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
         "(dq, dk, dv) of sum(d_out * softmax_attention(...)).");
   m.def("linear_attention_backward", &linear_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
-        "feature_map"_a, py::kw_only(), "causal"_a = false, "placement"_a = "numerator_only",
+        "feature_map"_a, "causal"_a = false, "placement"_a = "numerator_only",
         "rope"_a = py::none(), "eps"_a = 1e-6, "q_offset"_a = 0, "k_offset"_a = 0,
         "method"_a = "scan", "chunk_size"_a = 64, "q_lengths"_a = py::none(),
         "k_lengths"_a = py::none(), "(dq, dk, dv) of sum(d_out * linear_attention(...)).");

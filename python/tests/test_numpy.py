@@ -4,6 +4,7 @@ explicit n x n attention, every placement, causal and not, (n, d) and (B, H, n, 
 backward against torch.autograd on the reference; float32 against float64; zero copies; bad input;
 threads."""
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -227,29 +228,32 @@ def test_chunked_causal_method_matches_the_reference(rng, chunk_size):
         close(actual, wanted, 1e-10)
 
 
-def attention_pair(name, fm, rope):
-    """The forward and backward of one attention with its options (causal, RoPE)."""
+def attention_pair(name, fm, rope, causal):
+    """The forward and backward of one attention with its options (causal or not, RoPE)."""
     if name == "softmax":
-        options = dict(causal=True, rope=linrope.Rope(fm.input_dim))
+        options = dict(causal=causal, rope=linrope.Rope(fm.input_dim))
         return (lambda *a, **o: linrope.softmax_attention(*a, **options, **o),
                 lambda *a, **o: linrope.softmax_attention_backward(*a, **options, **o))
-    options = dict(causal=True, rope=rope, placement="numerator_only")
+    options = dict(causal=causal, rope=rope, placement="numerator_only")
     return (lambda *a, **o: linrope.linear_attention(*a, fm, **options, **o),
             lambda *a, **o: linrope.linear_attention_backward(*a, fm, **options, **o))
 
 
 @pytest.mark.parametrize("name", ["softmax", "linear"])
-def test_padded_batches_equal_their_unpadded_slices(rng, name):
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_padded_batches_equal_their_unpadded_slices(rng, name, causal):
     # Entry b holds q_lengths[b] queries and k_lengths[b] keys; the rest is padding, filled with
     # huge values that would show if read. Each entry must equal the call on its rows alone.
+    # Entries with fewer keys than queries (and non-causal calls) make the real queries reach the
+    # padded keys' positions: a key length mixed up with a query length would show.
     n, d = 11, 8
     fm = make_map("favor+", d)
     rope, _ = rope_for("numerator_only", fm, d)
-    forward, backward = attention_pair(name, fm, rope)
-    q_lengths, k_lengths = [11, 4, 0], [11, 6, 3]
-    q, k, v = (randn(rng, 3, 2, n, d, scale=0.5) for _ in range(3))
-    g = randn(rng, 3, 2, n, d)
-    for b in range(3):
+    forward, backward = attention_pair(name, fm, rope, causal)
+    q_lengths, k_lengths = [11, 9, 0, 2], [11, 4, 3, 0]
+    q, k, v = (randn(rng, 4, 2, n, d, scale=0.5) for _ in range(3))
+    g = randn(rng, 4, 2, n, d)
+    for b in range(4):
         q[b, :, q_lengths[b]:] = g[b, :, q_lengths[b]:] = 1e30
         k[b, :, k_lengths[b]:] = v[b, :, k_lengths[b]:] = 1e30
     lengths = dict(q_lengths=q_lengths, k_lengths=np.array(k_lengths))
@@ -277,8 +281,10 @@ def test_a_stream_of_steps_equals_causal_attention(rng, placement):
     W = t(fm.projection)
     stream = linrope.LinearAttentionStream(fm, dv, dtype="float64", placement=placement,
                                            rope=rope, offset=3)
+    alive = [weakref.ref(x) for x in (fm, rope) if x is not None]
     del fm, rope  # the stream keeps them alive
     gc.collect()
+    assert all(ref_() is not None for ref_ in alive)
     expected, den = ref.linear_attention(t(q), t(k), t(v), "favor+", W, causal=True,
                                          placement=placement, rope=rope_ref, q_offset=3,
                                          k_offset=3)
@@ -311,6 +317,37 @@ def test_numerator_only_keeps_the_denominator_positive_and_full_does_not(rng):
                                        return_stats=True, stats_threshold=1e-2)
     assert eq19["nonpositive"] == 0 and eq19["min"] > 0 and eq19["count"] == 4 * 256
     assert full["min"] < eq19["min"] and full["threshold"] == 1e-2
+
+
+def test_pickled_arrays_and_objects_and_positional_arguments(rng):
+    import copy
+    import pickle
+    # An unpickled array's dtype is another object equal to float32's: accepted.
+    q = pickle.loads(pickle.dumps(randn(rng, 1, 2, 6, 8, dtype=np.float32)))
+    np.testing.assert_array_equal(linrope.Rope(8).apply(q), linrope.Rope(8).apply(q.copy()))
+    assert linrope.softmax_attention(q, q, q).dtype == np.float32
+    with pytest.raises(ValueError, match="dtype >f4 but expected float32 or float64"):
+        linrope.Rope(8).apply(q.astype(">f4"))
+    # Rope and FeatureMap pickle (and deep-copy) as their configuration: the same results.
+    rope = linrope.Rope(10, rotary_dim=8, layout="half", scaling="yarn", factor=4.0,
+                        original_max_position=32)
+    fm = linrope.FeatureMap("favor+", 8, num_features=12, seed=3)
+    fm.redraw(9)
+    for clone in (pickle.loads(pickle.dumps(rope)), copy.deepcopy(rope)):
+        x = randn(rng, 5, 10)
+        np.testing.assert_array_equal(clone.apply(x, 7), rope.apply(x, 7))
+    for clone in (pickle.loads(pickle.dumps(fm)), copy.deepcopy(fm)):
+        assert clone.seed == 9
+        np.testing.assert_array_equal(clone.projection, fm.projection)
+    # The arguments DESIGN.md lists, by position.
+    np.testing.assert_array_equal(linrope.softmax_attention(q, q, q, True),
+                                  linrope.softmax_attention(q, q, q, causal=True))
+    fm8 = linrope.FeatureMap("elu+1", 8)
+    np.testing.assert_array_equal(linrope.linear_attention(q, q, q, fm8, True, "none"),
+                                  linrope.linear_attention(q, q, q, fm8, causal=True,
+                                                           placement="none"))
+    # An empty batch with a position list: an empty result, not an error.
+    assert linrope.Rope(8).apply(np.zeros((0, 2, 3, 8)), positions=[0, 1, 2]).shape == (0, 2, 3, 8)
 
 
 # ---- Memory: zero copies in, new arrays out ------------------------------------------------------
@@ -352,7 +389,12 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
         (lambda: linrope.softmax_attention(q[None], q[None], q[None]),
          "q has 3 dimensions but expected 2 (n, d) or 4 (B, H, n, d)"),
         (lambda: linrope.softmax_attention(q, randn(rng, 6, 5), q), "softmax_attention"),
-        (lambda: linrope.softmax_attention(q, q, q, scale=0), "scale is 0"),
+        (lambda: linrope.softmax_attention(q, q, q, scale=0), "scale is 0 but expected a finite "
+         "scale > 0 (None means 1/sqrt(d))"),
+        (lambda: linrope.softmax_attention(q, q, q, scale=-1.0), "scale is -1 but expected"),
+        (lambda: make_map("favor+", 4).backward(randn(rng, 2, 4, 4), randn(rng, 4, 2, 24)),
+         "FeatureMap.backward: d_out has shape (4, 2, 24) but x has (2, 4, 4): expected the same "
+         "leading dimensions"),
         (lambda: linrope.softmax_attention(np.full((6, 4), np.nan), q, q), "non-finite"),
         (lambda: linrope.linear_attention(q, q, q, fm, placement="numerator-only"),
          'placement is "numerator-only" but expected one of none, before_map, numerator_only, '
@@ -382,7 +424,8 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
         (lambda: linrope.softmax_attention(q, q, q, k_lengths=[7]), "lengths"),
         (lambda: linrope.Rope(4).apply(q, 3, positions=range(6)),
          "Rope.apply: first_position is 3 and positions are given: pass one"),
-        (lambda: linrope.Rope(4).apply(q, positions=[0, 1]), "positions"),
+        (lambda: linrope.Rope(4).apply(q, positions=[0, 1]),
+         "Rope.apply: positions has 2 entries but x has n = 6 rows in each (n, d) slice"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError) as error:
@@ -392,25 +435,44 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
 
 # ---- The GIL -------------------------------------------------------------------------------------
 
-def test_kernels_release_the_gil(rng):
+@pytest.mark.parametrize("call", ["softmax", "linear", "linear_backward", "rope", "map"])
+def test_kernels_release_the_gil(rng, call):
     # While a kernel runs in another thread, this thread's Python code keeps running: a kernel
-    # holding the GIL would stop it for the whole call, leaving a gap between two of its loop's
-    # iterations as long as the call (Python hands the GIL over every 5 ms otherwise).
+    # holding the GIL would stop it for the whole call, leaving a gap between two iterations of
+    # this thread's loop as long as the call. On one thread each call takes ~50 ms here, ten
+    # times Python's 5 ms switch interval and a scheduler timeslice; half a call bounds the gap.
     import threading
     import time
-    q = randn(rng, 1, 2, 2000, 64, dtype=np.float32)
-    done = threading.Event()
-    worker = threading.Thread(target=lambda: (linrope.softmax_attention(q, q, q), done.set()))
-    start = last = time.perf_counter()
-    longest_gap = 0.0
-    worker.start()
-    while not done.is_set():
-        now = time.perf_counter()
-        longest_gap, last = max(longest_gap, now - last), now
-    worker.join()
-    call = time.perf_counter() - start
-    assert call > 0.03, "the call is too short to tell"
-    assert longest_gap < call / 2, (longest_gap, call)
+    fm = linrope.FeatureMap("favor+", 64, num_features=256)
+    x = randn(rng, 1, 16, 512, 64, dtype=np.float32)
+    calls = {
+        "softmax": lambda q=randn(rng, 1, 2, 2048, 64, dtype=np.float32):
+            linrope.softmax_attention(q, q, q),
+        "linear": lambda: linrope.linear_attention(x, x, x, fm, placement="none", causal=True),
+        "linear_backward": lambda: linrope.linear_attention_backward(x, x, x, x, fm,
+                                                                     placement="none"),
+        "rope": lambda y=np.tile(x, (40, 1, 1, 1)): linrope.Rope(64).apply(y),
+        "map": lambda y=np.tile(x, (7, 1, 1, 1)): fm.apply(y),
+    }
+    before = linrope.get_num_threads()
+    linrope.set_num_threads(1)
+    try:
+        call_time = time.perf_counter()
+        calls[call]()
+        call_time = time.perf_counter() - call_time
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (calls[call](), done.set()))
+        last = time.perf_counter()
+        longest_gap = 0.0
+        worker.start()
+        while not done.is_set():
+            now = time.perf_counter()
+            longest_gap, last = max(longest_gap, now - last), now
+        worker.join()
+    finally:
+        linrope.set_num_threads(before)
+    assert call_time > 0.02, f"a call of {call_time:.4f} s is too short to tell"
+    assert longest_gap < call_time / 2, (longest_gap, call_time)
 
 
 # ---- Threads -------------------------------------------------------------------------------------

@@ -274,6 +274,20 @@ def test_stats_redraws_and_state_dict():
     np.testing.assert_array_equal(copy.feature_map.projection, layer.feature_map.projection)
 
 
+def test_layers_deep_copy_and_save_whole():
+    import copy
+    import io
+    for layer in (lt.MultiheadAttention(16, 2, "linear", num_features=8, causal=True, seed=3),
+                  lt.MultiheadAttention(16, 2, "softmax", causal=True)):
+        x = torch.randn(2, 5, 16)
+        clone = copy.deepcopy(layer)  # an EMA copy, say
+        torch.testing.assert_close(clone(x), layer(x), rtol=0, atol=0)
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        torch.testing.assert_close(torch.load(buffer)(x), layer(x), rtol=0, atol=0)
+
+
 def test_a_redraw_between_forward_and_backward_is_refused():
     fm = linrope.FeatureMap("favor+", 4, num_features=8, seed=1)
     q, k, v = inputs((5, 4), (5, 4), (5, 4))
