@@ -131,11 +131,14 @@ DType common_dtype(std::string_view function, const std::array<const char*, N>& 
   return first;
 }
 
-// A C-contiguous view of `a` (dtype already checked): the same buffer when `a` is C-contiguous,
-// else a C-contiguous copy.
+// A C-contiguous view of `a` (dtype already checked): the same buffer when `a` is C-contiguous
+// and aligned, else a C-contiguous, aligned copy. (NumPy can view a buffer at any byte offset;
+// the kernels read whole floats, which C++ requires aligned.)
 template <class T>
 CArray<T> contiguous(const py::array& a) {
-  return CArray<T>::ensure(a);
+  CArray<T> c = CArray<T>::ensure(a);
+  if (c.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_) return c;
+  return CArray<T>::ensure(c.attr("copy")());
 }
 
 // "(2, 3, 5)": a's shape as NumPy prints it.

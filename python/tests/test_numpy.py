@@ -369,6 +369,15 @@ def test_contiguous_inputs_are_read_in_place_and_outputs_are_new(rng):
     for out in outputs:
         assert out.flags.c_contiguous and out.flags.owndata
         assert not any(np.shares_memory(out, a) for a in (q, k, v))
+    # An unaligned view (a buffer at an odd byte offset) is copied into an aligned one.
+    raw = np.zeros(2 * 3 * 8 * 4 * 8 + 1, dtype=np.uint8)
+    odd = np.frombuffer(raw.data, dtype=np.float64, count=2 * 3 * 8 * 4, offset=1)
+    odd = odd.reshape(2, 3, 8, 4)
+    odd[...] = q
+    assert not odd.flags.aligned and odd.flags.c_contiguous
+    assert linrope._core._kernel_view(odd) != odd.ctypes.data
+    np.testing.assert_array_equal(linrope.softmax_attention(odd, k, v),
+                                  linrope.softmax_attention(q, k, v))
     # A non-contiguous input gives the same result as its contiguous copy.
     qs = randn(rng, 2, 3, 16, 4)[:, :, ::2]
     np.testing.assert_array_equal(linrope.softmax_attention(qs, k, v),
