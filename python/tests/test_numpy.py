@@ -448,29 +448,44 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
 def test_kernels_release_the_gil(rng, call):
     # While a kernel runs in another thread, this thread's Python code keeps running: a kernel
     # holding the GIL would stop it for the whole call, leaving a gap between two iterations of
-    # this thread's loop as long as the call. On one thread each call takes ~50 ms here, ten
-    # times Python's 5 ms switch interval and a scheduler timeslice; half a call bounds the gap.
+    # this thread's loop as long as the call. The inputs are scaled until one call, on one thread,
+    # takes >= 60 ms (faster CPUs need larger inputs), over ten times Python's 5 ms switch interval
+    # and a scheduler timeslice; half a call bounds the gap.
+    import math
     import threading
     import time
     fm = linrope.FeatureMap("favor+", 64, num_features=256)
     x = randn(rng, 1, 16, 512, 64, dtype=np.float32)
-    calls = {
-        "softmax": lambda q=randn(rng, 1, 2, 2048, 64, dtype=np.float32):
-            linrope.softmax_attention(q, q, q),
-        "linear": lambda: linrope.linear_attention(x, x, x, fm, placement="none", causal=True),
-        "linear_backward": lambda: linrope.linear_attention_backward(x, x, x, x, fm,
-                                                                     placement="none"),
-        "rope": lambda y=np.tile(x, (40, 1, 1, 1)): linrope.Rope(64).apply(y),
-        "map": lambda y=np.tile(x, (7, 1, 1, 1)): fm.apply(y),
-    }
+    q = randn(rng, 1, 2, 2048, 64, dtype=np.float32)
+
+    def kernel(copies):
+        """The call on `copies` times the inputs (stacked along the batch)."""
+        xs, qs = np.tile(x, (copies, 1, 1, 1)), np.tile(q, (copies, 1, 1, 1))
+        return {
+            "softmax": lambda: linrope.softmax_attention(qs, qs, qs),
+            "linear": lambda: linrope.linear_attention(xs, xs, xs, fm, placement="none",
+                                                       causal=True),
+            "linear_backward": lambda: linrope.linear_attention_backward(xs, xs, xs, xs, fm,
+                                                                         placement="none"),
+            "rope": lambda y=np.tile(xs, (40, 1, 1, 1)): linrope.Rope(64).apply(y),
+            "map": lambda y=np.tile(xs, (7, 1, 1, 1)): fm.apply(y),
+        }[call]
+
+    def timed(f):
+        started = time.perf_counter()
+        f()
+        return time.perf_counter() - started
+
     before = linrope.get_num_threads()
     linrope.set_num_threads(1)
     try:
-        call_time = time.perf_counter()
-        calls[call]()
-        call_time = time.perf_counter() - call_time
+        run = kernel(1)
+        call_time = timed(run)
+        if call_time < 0.06:
+            run = kernel(math.ceil(0.08 / call_time))
+            call_time = timed(run)
         done = threading.Event()
-        worker = threading.Thread(target=lambda: (calls[call](), done.set()))
+        worker = threading.Thread(target=lambda: (run(), done.set()))
         last = time.perf_counter()
         longest_gap = 0.0
         worker.start()
