@@ -67,6 +67,9 @@ void assemble_report(const fs::path& out) {
     const fs::path file = out / stem_of(e.name) / "report_section.md";
     if (fs::exists(file)) md += read_file(file);
   }
+  // The training experiment (experiments/training, Python) writes its own section there.
+  const fs::path training = out / "training" / "report_section.md";
+  if (fs::exists(training)) md += read_file(training);
   write_file_atomic(out / "REPORT.md", md);
 }
 

@@ -313,3 +313,17 @@ TEST_CASE("git_dirty: false for a clean work tree, true once a tracked file chan
   ScratchDir plain("not-git");
   CHECK_FALSE(git_dirty(plain.path().string()).has_value());
 }
+
+TEST_CASE("REPORT.md ends with the training experiment's section when one was written") {
+  // experiments/training (Python) writes <out>/training/report_section.md; each C++ run
+  // reassembles REPORT.md and must keep it.
+  ScratchDir dir("training-section");
+  std::filesystem::create_directories(dir.path() / "training");
+  std::ofstream(dir.path() / "training" / "report_section.md") << "## Training marker\n";
+  run_experiment(*find_experiment("rope-decay"), small_options(dir.path()));
+  const std::string report = read_file(dir.path() / "REPORT.md");
+  const std::string marker = "## Training marker\n";
+  REQUIRE(report.find("rope_decay/rope_decay.csv") != std::string::npos);
+  REQUIRE(report.size() > marker.size());
+  CHECK(report.substr(report.size() - marker.size()) == marker);  // after rope_decay's section
+}
