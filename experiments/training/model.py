@@ -1,0 +1,106 @@
+"""The model every variant shares: a small pre-norm decoder (token embedding tied to the output,
+RMSNorm, causal multi-head attention from linrope.torch, GELU MLP), with no position information
+but what the attention variant brings (RoPE or none)."""
+import math
+
+import torch
+from torch import nn
+
+from linrope.torch import MultiheadAttention
+
+MAPS = {"elu": "elu+1", "favor": "favor+", "cos": "1+cos"}
+
+
+def _variants():
+    table = {"softmax-rope": dict(attention="softmax", rope=True),
+             "softmax-nopos": dict(attention="softmax", rope=False)}
+    for short in ("elu", "favor"):
+        for placement in ("none", "before_map", "numerator_only", "full"):
+            table["%s-%s" % (short, placement)] = dict(
+                attention="linear", feature_map=MAPS[short], placement=placement,
+                rope=placement != "none")
+    for placement in ("numerator_only", "full"):
+        table["cos-" + placement] = dict(attention="linear", feature_map="1+cos",
+                                         placement=placement, rope=True)
+    return table
+
+
+# name -> MultiheadAttention arguments. Names are "<map>-<placement>" for linear attention.
+VARIANTS = _variants()
+
+
+def describe(variant):
+    spec = VARIANTS[variant]
+    if spec["attention"] == "softmax":
+        return "softmax, " + ("RoPE" if spec["rope"] else "no positions")
+    return "%s, %s" % (spec["feature_map"], spec["placement"])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, heads, attention_args):
+        super().__init__()
+        self.attention_norm = RMSNorm(d_model)
+        self.attention = MultiheadAttention(d_model, heads, causal=True, **attention_args)
+        self.mlp_norm = RMSNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """vocab_size -> logits, [B, n] token ids -> [B, n, vocab_size]."""
+
+    def __init__(self, vocab_size, variant, d_model, layers, heads, seed, redraw_interval=0,
+                 stats_threshold=1e-3):
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError("unknown variant %r; the variants are %s" %
+                             (variant, ", ".join(VARIANTS)))
+        spec = dict(VARIANTS[variant])
+        linear = spec["attention"] == "linear"
+        torch.manual_seed(seed)
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        blocks = []
+        for layer in range(layers):
+            args = dict(spec)
+            if linear:
+                # FAVOR+ with m = 2 x head dim; each layer its own W, all fixed by the seed.
+                args.update(num_features=2 * (d_model // heads), seed=1000 * seed + layer,
+                            redraw_interval=redraw_interval, track_stats=True,
+                            stats_threshold=stats_threshold)
+            blocks.append(Block(d_model, heads, args))
+        self.blocks = nn.ModuleList(blocks)
+        self.final_norm = RMSNorm(d_model)
+        self._initialise(layers)
+
+    def _initialise(self, layers):
+        # GPT-2's: N(0, 0.02) weights, zero biases, residual outputs scaled by 1/sqrt(2 layers).
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                residual = name.endswith("out_proj.weight") or name.endswith("mlp.2.weight")
+                nn.init.normal_(p, 0.0, 0.02 / (math.sqrt(2 * layers) if residual else 1.0))
+
+    def forward(self, tokens):
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x) @ self.embedding.weight.t()
+
+    def denominator_stats(self):
+        """Per layer, the last forward's denominator statistics (None for softmax)."""
+        return [block.attention.last_stats for block in self.blocks]

@@ -1,0 +1,131 @@
+"""Every run of a plan, `jobs` at a time in separate processes (one thread each by default), then
+the tables. Each finished run is kept as runs/<key>.json; an unfinished one as
+checkpoints/<key>.pt. With resume=True a run whose file exists with the same configuration is not
+run again and an unfinished one continues from its checkpoint; otherwise both are discarded."""
+import concurrent.futures
+import csv
+import dataclasses
+import io
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+from analysis.common import clean, write_atomic, write_json  # experiments/analysis
+
+from .train import Run
+
+_corpora = {}
+
+
+def _normal(config):
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def _paths(out, config):
+    return (os.path.join(out, "runs", config.key() + ".json"),
+            os.path.join(out, "checkpoints", config.key() + ".pt"))
+
+
+def finished(out, config):
+    """The saved result of this configuration's run, or None."""
+    path, _ = _paths(out, config)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        result = json.load(f)
+    return result if result["config"] == clean(_normal(config)) else None
+
+
+def _run_one(config, out, text, quiet):
+    """In a worker process: trains one run (from its checkpoint if there is one) and saves it."""
+    corpus = None
+    if config.task == "char_lm":
+        if text not in _corpora:
+            from .data import load_corpus
+            _corpora[text] = load_corpus(text)
+        corpus = _corpora[text]
+    result_path, checkpoint = _paths(out, config)
+    run = Run(config, corpus)
+    resumed = os.path.exists(checkpoint) and run.load(checkpoint)
+    started = run.step
+
+    def progress(r):
+        if quiet or r.step % max(1, config.steps // 4) and r.step != config.steps:
+            return
+        sys.stderr.write("  %s: step %d/%d, train loss %.3f\n" % (
+            config.key(), r.step, config.steps, r.records["curves"][-1]["train_loss"]))
+
+    summary = run.train(checkpoint=checkpoint, progress=progress)
+    write_json(result_path, dict(config=_normal(config), summary=summary,
+                                 records={k: v for k, v in run.records.items()
+                                          if k not in ("den_totals", "window")},
+                                 resumed_from_step=started if resumed else None))
+    if os.path.exists(checkpoint):
+        os.remove(checkpoint)
+    return summary
+
+
+def run_all(configs, out, jobs, text=None, resume=False, quiet=False):
+    """Runs what is not finished; returns the results of every config, in order."""
+    for sub in ("runs", "checkpoints"):
+        os.makedirs(os.path.join(out, sub), exist_ok=True)
+    todo = []
+    for config in configs:
+        result_path, checkpoint = _paths(out, config)
+        if resume and finished(out, config):
+            continue
+        if not resume:
+            for path in (result_path, checkpoint):
+                if os.path.exists(path):
+                    os.remove(path)
+        todo.append(config)
+    done = len(configs) - len(todo)
+    sys.stderr.write("training: %d runs, %d already finished, %d to run in %d processes\n" % (
+        len(configs), done, len(todo), jobs))
+    started = time.time()
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = {pool.submit(_run_one, c, out, text, quiet): c for c in todo}
+        for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            config, summary = futures[future], future.result()
+            elapsed = time.time() - started
+            left = elapsed / count * (len(todo) - count)
+            sys.stderr.write("training: [%d/%d] %s %s in %.0f s; %.0f s elapsed, ~%.0f s left\n"
+                             % (done + count, len(configs), config.key(), summary["status"],
+                                summary["train_seconds"], elapsed, left))
+    return [finished(out, c) for c in configs]
+
+
+def _csv(rows, columns):
+    text = io.StringIO()
+    writer = csv.DictWriter(text, columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
+                         for k, v in row.items()})
+    return text.getvalue()
+
+
+def write_tables(results, out):
+    """runs.csv (one row per run), curves.csv, layers.csv and evaluations.csv (per step)."""
+    runs, curves, layers, evaluations = [], [], [], []
+    for result in results:
+        ids = {k: result["config"][k] for k in ("task", "variant", "seed")}
+        runs.append(result["summary"])
+        curves += [dict(ids, **row) for row in result["records"]["curves"]]
+        layers += [dict(ids, **row) for row in result["records"]["layers"]]
+        evaluations += [dict(ids, **row) for row in result["records"]["evaluations"]]
+    run_columns = list(dict.fromkeys(["task", "variant", "seed", "status"] +
+                                     [k for r in runs for k in r]))
+    ids = ["task", "variant", "seed"]
+    tables = dict(
+        runs=(runs, run_columns),
+        curves=(curves, ids + ["step", "train_loss", "lr", "grad_norm", "clipped_so_far"]),
+        layers=(layers, ids + ["step", "layer", "den_min", "nonpositive_share", "tiny_share",
+                               "grad_norm"]),
+        evaluations=(evaluations, ids + ["step", "final", "length", "pairs", "metric", "value"]))
+    for name, (rows, columns) in tables.items():
+        write_atomic(os.path.join(out, name + ".csv"), _csv(rows, columns))

@@ -1,0 +1,427 @@
+"""training.sweep (every run in worker processes, resumable, the CSV tables) and the command line
+(training.__main__).
+
+One real sweep (spawned worker process, jobs=1) is shared by the first tests; the resume logic
+is tested with an in-process stand-in for the process pool so that it can count what is run."""
+import concurrent.futures
+import csv
+import dataclasses
+import importlib
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+
+import training
+from training import mqar, plans, sweep
+from training.data import load_corpus
+from training.model import VARIANTS, describe
+from training.train import Run
+
+TRAINING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Stop(Exception):
+    pass
+
+
+def checkpoint_after(config, corpus, path, steps):
+    """Trains `config` in this process until `steps` steps, keeping its checkpoints at path."""
+    def progress(run):
+        if run.step >= steps:
+            raise Stop
+    with pytest.raises(Stop):
+        Run(config, corpus).train(checkpoint=path, progress=progress)
+
+
+def as_json(value):
+    """What a record looks like after the round trip through runs/<key>.json: tuples become
+    lists and non-finite floats null (JSON has no NaN)."""
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+    return json.loads(json.dumps(finite(value)))
+
+
+def comparable(records):
+    skip = ("train_seconds", "den_totals", "window")
+    return {k: v for k, v in as_json(records).items() if k not in skip}
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    return rows[0], rows[1:]
+
+
+# ---- one real sweep -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, tiny, word_text):
+    """Four tiny runs through run_all(jobs=1, resume=True) in a spawned worker: a plain char_lm
+    run, an MQAR run, a run that diverges (lr 1e20) and one that continues from a checkpoint
+    left at step 4 (an interrupted earlier sweep)."""
+    root = tmp_path_factory.mktemp("sweep")
+    text = root / "words.txt"
+    text.write_text(word_text(), encoding="utf-8")
+    corpus = load_corpus(str(text))
+    out = str(root / "out")
+    configs = [tiny(variant="softmax-rope", steps=6),
+               tiny(task="mqar", context=0, variant="favor-numerator_only", steps=4,
+                    eval_every=2),
+               tiny(variant="favor-full", seed=1, lr=1e20),
+               tiny(variant="elu-numerator_only", seed=2, steps=8)]
+    os.makedirs(os.path.join(out, "checkpoints"))
+    checkpoint_after(configs[3], corpus, os.path.join(out, "checkpoints",
+                                                      configs[3].key() + ".pt"), 5)
+    results = sweep.run_all(configs, out, 1, text=str(text), resume=True, quiet=True)
+    return types.SimpleNamespace(out=out, configs=configs, results=results, corpus=corpus,
+                                 text=str(text))
+
+
+def test_run_all_returns_every_result_in_config_order(swept):
+    """One result per config, in the order given (not completion order), each saved as
+    runs/<key>.json holding that config; no checkpoint is left once the runs are done."""
+    assert len(swept.results) == len(swept.configs)
+    for config, result in zip(swept.configs, swept.results):
+        assert result["config"] == as_json(dataclasses.asdict(config))
+        path = os.path.join(swept.out, "runs", config.key() + ".json")
+        with open(path) as f:
+            assert json.load(f) == result
+        assert result["summary"]["variant"] == config.variant
+        assert "den_totals" not in result["records"]
+    assert os.listdir(os.path.join(swept.out, "checkpoints")) == []
+    assert sorted(os.listdir(os.path.join(swept.out, "runs"))) == sorted(
+        c.key() + ".json" for c in swept.configs)
+
+
+def test_worker_results_equal_in_process_runs(swept):
+    """A run trained in a worker process gives bitwise the numbers of the same run trained
+    here (only the wall-clock time differs)."""
+    for index in (0, 1):
+        config = swept.configs[index]
+        run = Run(config, swept.corpus if config.task == "char_lm" else None)
+        summary = run.train()
+        result = swept.results[index]
+        assert result["summary"]["status"] == "complete"
+        assert result["resumed_from_step"] is None
+        assert comparable(result["records"]) == comparable(run.records)
+        timing = ("train_seconds", "tokens_per_s")
+        assert {k: v for k, v in result["summary"].items() if k not in timing} == \
+            {k: v for k, v in as_json(summary).items() if k not in timing}
+
+
+def test_a_diverging_run_does_not_stop_the_sweep(swept):
+    """The lr = 1e20 run ends as diverged (at the step an in-process run diverges at), its
+    record saved with JSON nulls for NaN; the runs after it in the list still complete."""
+    result = swept.results[2]
+    reference = Run(swept.configs[2], swept.corpus).train()
+    assert result["summary"]["status"] == "diverged"
+    assert result["summary"]["diverged_step"] == reference["diverged_step"] is not None
+    assert result["records"]["layers"][-1]["grad_norm"] is None  # NaN in the run
+    assert [r["summary"]["status"] for r in swept.results] == ["complete", "complete",
+                                                               "diverged", "complete"]
+
+
+def test_sweep_continues_an_unfinished_run_from_its_checkpoint(swept):
+    """The run with a checkpoint at step 4 continued from it (resumed_from_step 4) and ended
+    with the numbers of an uninterrupted run."""
+    config, result = swept.configs[3], swept.results[3]
+    run = Run(config, swept.corpus)
+    run.train()
+    assert result["resumed_from_step"] == 4
+    assert result["summary"]["steps"] == 8
+    assert comparable(result["records"]) == comparable(run.records)
+
+
+def test_write_tables(swept):
+    """runs.csv (one row per run: ids and status first, then every summary column),
+    curves.csv, layers.csv and evaluations.csv (one row per record of every run, with the run's
+    ids), NaN and None written as empty cells."""
+    sweep.write_tables(swept.results, swept.out)
+    header, rows = read_csv(os.path.join(swept.out, "runs.csv"))
+    assert header[:4] == ["task", "variant", "seed", "status"]
+    assert set(header) == set().union(*(r["summary"] for r in swept.results))
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("char_lm", "softmax-rope", "0", "complete"), ("mqar", "favor-numerator_only", "0",
+                                                       "complete"),
+        ("char_lm", "favor-full", "1", "diverged"), ("char_lm", "elu-numerator_only", "2",
+                                                     "complete")]
+    den_min = header.index("layer0_den_min")
+    assert rows[0][den_min] == "" and float(rows[3][den_min]) > 0  # softmax: none
+
+    ids = ["task", "variant", "seed"]
+    expected = dict(
+        curves=ids + ["step", "train_loss", "lr", "grad_norm", "clipped_so_far"],
+        layers=ids + ["step", "layer", "den_min", "nonpositive_share", "tiny_share", "grad_norm"],
+        evaluations=ids + ["step", "final", "length", "pairs", "metric", "value"])
+    for name, columns in expected.items():
+        header, rows = read_csv(os.path.join(swept.out, name + ".csv"))
+        assert header == columns
+        counts = [len(r["records"][name]) for r in swept.results]
+        assert len(rows) == sum(counts)
+        # Rows grouped run by run, in config order, each carrying its run's ids.
+        keys = [(c.task, c.variant, str(c.seed)) for c in swept.configs]
+        assert [tuple(r[:3]) for r in rows] == [k for k, n in zip(keys, counts) for _ in range(n)]
+    k = swept.results[2]["summary"]["diverged_step"]
+    # Records per run: curves one per step done; layers one per step and layer (the diverged
+    # run's also for its last step); evaluations as scheduled (none before the diverged end).
+    assert [len(r["records"]["curves"]) for r in swept.results] == [6, 4, k - 1, 8]
+    assert [len(r["records"]["layers"]) for r in swept.results] == [6, 4, k, 8]
+    assert [len(r["records"]["evaluations"]) for r in swept.results] == [3, 4, 0, 3]
+    _, layers = read_csv(os.path.join(swept.out, "layers.csv"))
+    assert layers[10 + k - 1][-1] == ""  # the diverged step's NaN gradient norm
+
+
+# ---- resume logic, counted with an in-process pool ------------------------------------------
+
+class InProcessPool:
+    """Stands in for ProcessPoolExecutor: runs each submitted call here, at once, and records
+    the keys of the configs it was given."""
+    submitted = []
+
+    def __init__(self, jobs, mp_context=None):
+        assert jobs >= 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        InProcessPool.submitted.append(args[0].key())
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", InProcessPool)
+    InProcessPool.submitted = []
+    return InProcessPool.submitted
+
+
+@pytest.fixture
+def text_file(tmp_path, word_text):
+    path = tmp_path / "words.txt"
+    path.write_text(word_text(), encoding="utf-8")
+    return str(path)
+
+
+def edit_result(out, config, change):
+    path = os.path.join(out, "runs", config.key() + ".json")
+    with open(path) as f:
+        result = json.load(f)
+    change(result)
+    with open(path, "w") as f:
+        json.dump(result, f)
+
+
+def test_resume_keeps_finished_runs_and_reruns_the_others(in_process, tiny, text_file, tmp_path):
+    """resume=True skips a run whose runs/<key>.json holds the same configuration (its file is
+    returned as it is: the marker written into it survives) and reruns one whose file holds
+    another configuration; resume=False reruns everything, discarding results and checkpoints
+    (a corrupt checkpoint left behind is not even read)."""
+    out = str(tmp_path / "out")
+    a, b = tiny(steps=4), tiny(variant="favor-numerator_only", steps=4)
+    first = sweep.run_all([a, b], out, 1, text=text_file)
+    assert in_process == [a.key(), b.key()]
+
+    edit_result(out, a, lambda r: r.update(marker="kept"))
+    edit_result(out, b, lambda r: r.update(marker="kept") or r["config"].update(lr=0.5))
+    in_process.clear()
+    again = sweep.run_all([a, b], out, 1, text=text_file, resume=True)
+    assert in_process == [b.key()]
+    assert again[0]["marker"] == "kept"
+    assert "marker" not in again[1]
+    assert comparable(again[1]["records"]) == comparable(first[1]["records"])
+
+    with open(os.path.join(out, "checkpoints", a.key() + ".pt"), "wb") as f:
+        f.write(b"not a checkpoint")
+    in_process.clear()
+    fresh = sweep.run_all([a], out, 1, text=text_file, resume=False)
+    assert in_process == [a.key()]
+    assert "marker" not in fresh[0] and fresh[0]["resumed_from_step"] is None
+    assert comparable(fresh[0]["records"]) == comparable(first[0]["records"])
+    assert os.listdir(os.path.join(out, "checkpoints")) == []
+
+
+def test_checkpoints_are_used_only_with_resume_and_the_same_config(in_process, tiny, text_file,
+                                                                   tmp_path):
+    """A checkpoint at step 4 is continued with resume=True, discarded with resume=False, and
+    ignored (the run starts over) when another configuration wrote it; the numbers are the
+    same every time."""
+    out = str(tmp_path / "out")
+    config = tiny(steps=8)
+    corpus = load_corpus(text_file)
+    checkpoint = os.path.join(out, "checkpoints", config.key() + ".pt")
+    os.makedirs(os.path.dirname(checkpoint))
+    outcomes = []
+    for writer, resume in ((config, False), (config, True), (tiny(steps=8, lr=2e-2), True)):
+        checkpoint_after(writer, corpus, checkpoint, 5)
+        result = sweep.run_all([config], out, 1, text=text_file, resume=resume)[0]
+        outcomes.append(result["resumed_from_step"])
+        assert result["summary"]["steps"] == 8
+        assert not os.path.exists(checkpoint)
+        if len(outcomes) == 1:
+            reference = comparable(result["records"])
+        assert comparable(result["records"]) == reference
+        os.remove(os.path.join(out, "runs", config.key() + ".json"))
+    assert outcomes == [None, 4, None]
+
+
+def test_a_config_with_an_infinite_value_is_found_again(in_process, tiny, text_file, tmp_path):
+    config = tiny(steps=2, clip=math.inf)
+    result = sweep.run_all([config], str(tmp_path), 1, text=text_file)[0]
+    assert result is not None and result["summary"]["clip_share"] == 0.0
+
+
+# ---- the plans ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", sorted(plans.MODES))
+def test_plans_make_valid_distinct_configs(mode):
+    """Every planned run has its own key (its file names), a known variant, a warm-up shorter
+    than the run, valid MQAR settings, and checkpoints at multiples of log_every (a checkpoint
+    between two curve rows would lose the losses in between on resume; see test_train)."""
+    configs = plans.configs(mode)
+    assert len({c.key() for c in configs}) == len(configs) > 0
+    assert {c.task for c in configs} == set(plans.TASKS)
+    for c in configs:
+        assert c.variant in VARIANTS
+        assert 0 < c.warmup < c.steps
+        assert c.checkpoint_every % c.log_every == 0
+        if c.task == "mqar":
+            for length, pairs in c.mqar_settings:
+                mqar.check(c.mqar_vocab, length, pairs)
+        else:
+            assert c.context > 0
+
+
+def test_plan_overrides():
+    """--tasks, --variants, --seeds, --steps (which also shortens the warm-up to a tenth),
+    --redraw-interval and --threads reach every config."""
+    configs = plans.configs("quick", ("mqar",), ("cos-full", "softmax-rope"), (4, 5), 30, 7, 2)
+    assert [(c.task, c.variant, c.seed) for c in configs] == [
+        ("mqar", "cos-full", 4), ("mqar", "cos-full", 5), ("mqar", "softmax-rope", 4),
+        ("mqar", "softmax-rope", 5)]
+    for c in configs:
+        assert (c.steps, c.warmup, c.redraw_interval, c.threads, c.context) == (30, 3, 7, 2, 0)
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+@pytest.fixture
+def cli(monkeypatch):
+    """training.__main__. It imports report.py (another engineer's); while that file does not
+    exist a stub stands in for it, so that parse() and the early exits can still be tested."""
+    if not os.path.exists(os.path.join(TRAINING_DIR, "report.py")):
+        stub = types.ModuleType("training.report")
+        stub.write = lambda out, plots=True: pytest.fail("the stub report.write was called")
+        monkeypatch.setitem(sys.modules, "training.report", stub)
+        monkeypatch.setattr(training, "report", stub, raising=False)
+        sys.modules.pop("training.__main__", None)
+        module = importlib.import_module("training.__main__")
+        yield module
+        sys.modules.pop("training.__main__", None)  # it holds the stub: do not keep it
+        return
+    yield importlib.import_module("training.__main__")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--variants", "softmax-alibi"], "unknown softmax-alibi"),
+    (["--variants", "softmax-rope,favor-everything"], "unknown favor-everything"),
+    (["--tasks", "translation"], "unknown translation"),
+    (["--steps", "0"], "--steps is 0"),
+    (["--jobs", "0"], "--jobs is 0"),
+    (["--threads", "-1"], "--threads is -1"),
+    (["--seeds", "a"], "expected integers"),
+    (["--seeds", "0,x"], "expected integers"),
+    (["--redraw-interval", "-2"], "--redraw-interval is -2"),
+    (["--quick", "--full"], "not allowed with"),
+])
+def test_parse_rejects_bad_arguments(cli, capsys, argv, message):
+    """Bad names, non-positive counts and non-integer seeds are usage errors: exit status 2
+    with a message saying what is wrong (argparse's convention), not a traceback later."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_defaults_and_lists(cli):
+    """--quick is the default mode; lists are parsed into tuples."""
+    args = cli.parse([])
+    assert args.mode == "quick" and args.tasks == ("char_lm", "mqar")
+    assert args.variants is None and args.seeds is None and args.steps is None
+    args = cli.parse(["--full", "--variants", "softmax-rope,cos-full", "--seeds", "3,1",
+                      "--steps", "7", "--tasks", "mqar"])
+    assert (args.mode, args.variants, args.seeds, args.steps, args.tasks) == (
+        "full", ("softmax-rope", "cos-full"), (3, 1), 7, ("mqar",))
+
+
+def test_list_variants_prints_all_twelve(cli, capsys):
+    """--list-variants prints one line per variant (12: 2 softmax, 4 placements x elu+1 and
+    FAVOR+, 2 for 1+cos) with its description, and exits 0 without running anything."""
+    assert cli.main(["--list-variants"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(VARIANTS) == 12
+    assert [line.split()[0] for line in lines] == list(VARIANTS)
+    assert [line.split(None, 1)[1] for line in lines] == [describe(v) for v in VARIANTS]
+    assert lines[0].split(None, 1)[1] == "softmax, RoPE"
+    assert any(line.endswith("favor+, numerator_only") for line in lines)
+
+
+def test_missing_text_file_exits_1_naming_it(cli, capsys, tmp_path):
+    missing = str(tmp_path / "missing.txt")
+    assert cli.main(["--text", missing, "--tasks", "char_lm", "--out", str(tmp_path / "out"),
+                     "--jobs", "1"]) == 1
+    assert missing in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(TRAINING_DIR, "report.py")),
+                    reason="training/report.py (written by another engineer) is not there yet")
+def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
+    """python3 -m training --text FILE --tasks char_lm --variants softmax-rope --steps 4
+    --no-step-time --no-plots --jobs 1: exit status 0, the run saved and complete, the tables,
+    training.json describing the corpus, and report.py's summary.json and report_section.md.
+    Then the same command with --resume runs nothing again (the run's file is untouched)."""
+    text = tmp_path / "words.txt"
+    text.write_text(word_text(words=3000), encoding="utf-8")  # validation >= 4 x 128 + 1
+    out = tmp_path / "out"
+    argv = ["--text", str(text), "--tasks", "char_lm", "--variants", "softmax-rope",
+            "--steps", "4", "--no-step-time", "--no-plots", "--jobs", "1", "--quiet",
+            "--out", str(out)]
+    assert cli.main(argv) == 0
+    run_file = out / "runs" / "char_lm-softmax-rope-s0.json"
+    result = json.loads(run_file.read_text())
+    assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 4
+    for name in ("runs.csv", "curves.csv", "layers.csv", "evaluations.csv", "training.json",
+                 "summary.json", "report_section.md"):
+        assert (out / name).exists(), name
+    assert not (out / "step_time.csv").exists()
+    _, runs = read_csv(str(out / "runs.csv"))
+    assert len(runs) == 1
+    meta = json.loads((out / "training.json").read_text())
+    corpus = load_corpus(str(text))
+    assert meta["corpus"]["name"] == "words.txt"
+    assert meta["corpus"]["characters"] == len(text.read_text(encoding="utf-8"))
+    assert meta["corpus"]["vocabulary"] == corpus.vocab_size
+    assert meta["corpus"]["sha256_16"] == corpus.digest
+    assert list(meta["variants"]) == ["softmax-rope"]
+
+    before = (run_file.stat().st_mtime_ns, run_file.read_bytes())
+    assert cli.main(argv + ["--resume"]) == 0
+    assert (run_file.stat().st_mtime_ns, run_file.read_bytes()) == before

@@ -1,0 +1,401 @@
+"""training.train: one run -- learning, the schedule, divergence, clipping, the denominator
+statistics, and resuming from a checkpoint bit for bit."""
+import math
+import os
+
+import pytest
+import torch
+
+from training import train
+from training.model import VARIANTS
+from training.train import Run, learning_rate
+
+
+class Stop(Exception):
+    """Raised from a progress callback to interrupt a run, as a kill between steps would."""
+
+
+def stop_at(step):
+    def progress(run):
+        if run.step >= step:
+            raise Stop
+    return progress
+
+
+def trained_until(config, corpus, steps, checkpoint=None):
+    """A Run of `config` interrupted after `steps` optimiser steps (log_every must be 1 so the
+    progress callback sees every step)."""
+    assert config.log_every == 1
+    run = Run(config, corpus)
+    with pytest.raises(Stop):
+        run.train(checkpoint=checkpoint, progress=stop_at(steps))
+    assert run.step == steps
+    return run
+
+
+def same_tensors(a, b):
+    """Bitwise equality of two state dicts (nested in the optimiser's case)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def same_records(a, b):
+    """Records equal except the wall-clock time. NaN (a diverged step's gradient norm) equals
+    NaN here."""
+    strip = {k: v for k, v in a.items() if k != "train_seconds"}
+    other = {k: v for k, v in b.items() if k != "train_seconds"}
+    return repr(strip) == repr(other)
+
+
+# ---- learning -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["softmax-rope", "favor-numerator_only",
+                                     "elu-numerator_only", "favor-full"])
+def test_a_few_steps_lower_the_loss(variant, tiny, corpus):
+    """30 steps on random words: the training loss falls from ~ln(14) = 2.64 to ~1.5 (ratio
+    0.52-0.57 over seeds 0-3 and these variants; asserted < 0.7), and the validation bpc falls
+    between the evaluations at steps 10 and 30 (by ~0.8 bit; asserted 15%). The gradients
+    reach every part of the model through linrope's backward."""
+    config = tiny(variant=variant, steps=30, batch_size=8, context=32, warmup=3, eval_every=10)
+    run = Run(config, corpus)
+    summary = run.train()
+    curves = run.records["curves"]
+    assert summary["status"] == "complete" and summary["steps"] == 30
+    assert len(curves) == 30
+    first, last = curves[0]["train_loss"], curves[-1]["train_loss"]
+    assert abs(first - math.log(corpus.vocab_size)) < 0.2  # a fresh model is near uniform
+    assert last < 0.7 * first, (first, last)
+    assert summary["final_train_loss"] == last
+    bpc = [e["value"] for e in run.records["evaluations"] if e["length"] == 32]
+    assert len(bpc) == 3
+    assert bpc[-1] < 0.85 * bpc[0], bpc
+
+
+def test_runs_are_deterministic(tiny, corpus):
+    """Two runs of one configuration give bitwise the same records and parameters (batches from
+    (seed, step), initialisation and FAVOR+ W from the seed); another seed gives others."""
+    config = tiny(variant="favor-numerator_only")
+    a, b = Run(config, corpus), Run(config, corpus)
+    assert same_tensors(a.model.state_dict(), b.model.state_dict())
+    a.train()
+    b.train()
+    assert same_records(a.records, b.records)
+    assert same_tensors(a.model.state_dict(), b.model.state_dict())
+    c = Run(tiny(variant="favor-numerator_only", seed=1), corpus)
+    assert not torch.equal(c.model.embedding.weight, Run(config, corpus).model.embedding.weight)
+
+
+def test_unknown_variant_is_refused(tiny, corpus):
+    with pytest.raises(ValueError, match="unknown variant"):
+        Run(tiny(variant="softmax-alibi"), corpus)
+
+
+def test_char_lm_evaluations(tiny, corpus):
+    """bpc at the training context every eval_every steps, and at the end also at each
+    extrapolation multiple, flagged final; bits per character are positive and below
+    log2(vocabulary) + 1 for a barely trained model."""
+    run = Run(tiny(), corpus)  # 12 steps, eval_every 4, extrapolation (1, 2), context 16
+    run.train()
+    rows = [(e["step"], e["final"], e["length"], e["metric"]) for e in run.records["evaluations"]]
+    assert rows == [(4, False, 16, "bpc"), (8, False, 16, "bpc"), (12, True, 16, "bpc"),
+                    (12, True, 32, "bpc")]
+    for e in run.records["evaluations"]:
+        assert 0 < e["value"] < math.log2(corpus.vocab_size) + 1
+        assert e["pairs"] is None
+
+
+def test_mqar_run_evaluates_each_setting(tiny):
+    """An MQAR run trains the settings in turn and reports the accuracy of each (length, pairs)
+    on its held-out set, a share in [0, 1]; tokens are counted at the settings' mean length."""
+    config = tiny(task="mqar", context=0, variant="favor-numerator_only", steps=4, eval_every=2)
+    run = Run(config)
+    summary = run.train()
+    assert summary["status"] == "complete"
+    rows = [(e["step"], e["final"], e["length"], e["pairs"], e["metric"])
+            for e in run.records["evaluations"]]
+    assert rows == [(2, False, 16, 2, "accuracy"), (2, False, 32, 4, "accuracy"),
+                    (4, True, 16, 2, "accuracy"), (4, True, 32, 4, "accuracy")]
+    assert all(0.0 <= e["value"] <= 1.0 for e in run.records["evaluations"])
+    expected_tokens = 4 * config.batch_size * (16 + 32) / 2
+    assert summary["tokens_per_s"] == pytest.approx(expected_tokens / summary["train_seconds"])
+
+
+# ---- learning rate --------------------------------------------------------------------------
+
+def test_learning_rate_warms_up_linearly_then_decays_to_a_tenth(tiny):
+    """lr(step) = lr (step + 1) / warmup during warm-up, the peak lr at the end of it, then a
+    cosine that decreases monotonically to 0.1 lr at step == steps."""
+    config = tiny(steps=100, warmup=10, lr=3e-3)
+    lr = [learning_rate(config, s) for s in range(101)]
+    for s in range(10):
+        assert lr[s] == pytest.approx(3e-3 * (s + 1) / 10, rel=1e-12)
+    assert lr[9] == pytest.approx(3e-3, rel=1e-12)   # the last warm-up step reaches the peak
+    assert lr[10] == pytest.approx(3e-3, rel=1e-12)  # and the decay starts from it
+    assert all(a > b for a, b in zip(lr[10:], lr[11:]))
+    assert lr[55] == pytest.approx(3e-3 * 0.55, rel=1e-12)  # the cosine's midpoint
+    assert lr[100] == pytest.approx(3e-4, rel=1e-12)
+    assert learning_rate(config, 150) == pytest.approx(3e-4, rel=1e-12)  # and stays there
+    assert min(lr) > 0
+
+
+def test_training_uses_the_schedule(tiny, corpus):
+    """The optimiser's lr at each step is learning_rate(config, step), as logged."""
+    config = tiny(steps=6, warmup=3)
+    run = Run(config, corpus)
+    run.train()
+    assert [row["lr"] for row in run.records["curves"]] == [learning_rate(config, s)
+                                                            for s in range(6)]
+    assert run.optimiser.param_groups[0]["lr"] == learning_rate(config, 5)
+
+
+# ---- divergence -----------------------------------------------------------------------------
+
+def poison_loss(monkeypatch, at_call, how):
+    """Replaces train.loss_of so that its call number `at_call` (0-based: the training step, as
+    evaluations do not call it) returns a poisoned loss."""
+    real, calls = train.loss_of, []
+
+    def loss_of(model, inputs, targets):
+        loss = real(model, inputs, targets)
+        calls.append(None)
+        return how(model, loss) if len(calls) == at_call + 1 else loss
+    monkeypatch.setattr(train, "loss_of", loss_of)
+    return calls
+
+
+def nan_loss(model, loss):
+    return loss * float("nan")
+
+
+def nan_gradient(model, loss):
+    # sqrt's derivative at 0 is infinite, times 0 is NaN: the loss stays finite, the gradient
+    # of the final norm's weight becomes NaN (and nothing non-finite reaches linrope's backward).
+    w = model.final_norm.weight
+    return loss + torch.sqrt(w.sum() * 0.0) * 0.0
+
+
+@pytest.mark.parametrize("how,reason", [(nan_loss, "loss nan"),
+                                        (nan_gradient, "gradient norm nan")])
+@pytest.mark.parametrize("variant", ["softmax-rope", "elu-full"])
+def test_divergence_ends_the_run_at_the_first_non_finite_step(monkeypatch, tiny, corpus, how,
+                                                              reason, variant):
+    """A NaN loss (or a finite loss with a NaN gradient) at step 7 (steps count from 1: the k-th
+    update) ends the run there: status "diverged", diverged_step 7 and the reason, no exception;
+    the 6 steps before are kept (curves, the evaluation at step 4, layer rows up to the diverged
+    step's, with NaN gradient norms) and the poisoned step is never applied -- the parameters
+    and the optimiser state are bitwise those of an uninterrupted run after 6 steps."""
+    config = tiny(variant=variant)
+    reference = trained_until(config, corpus, 6)
+    calls = poison_loss(monkeypatch, 6, how)
+    run = Run(config, corpus)
+    summary = run.train()
+    assert len(calls) == 7  # stopped at once
+    assert summary["status"] == "diverged"
+    assert summary["diverged_step"] == 7 and summary["steps"] == 6
+    assert summary["diverged_reason"] == reason
+    assert [row["step"] for row in run.records["curves"]] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(row["train_loss"]) for row in run.records["curves"])
+    assert [e["step"] for e in run.records["evaluations"]] == [4]
+    layers = run.records["layers"]
+    assert [row["step"] for row in layers] == [1, 2, 3, 4, 5, 6, 7]
+    assert math.isnan(layers[-1]["grad_norm"]) and math.isfinite(layers[-2]["grad_norm"])
+    assert same_tensors(run.model.state_dict(), reference.model.state_dict())
+    assert same_tensors(run.optimiser.state_dict()["state"],
+                        reference.optimiser.state_dict()["state"])
+    assert summary["clip_share"] == reference.summary()["clip_share"]
+    # Training a diverged run again does nothing.
+    assert run.train()["steps"] == 6 and len(calls) == 7
+
+
+def test_huge_learning_rate_diverges_without_an_exception(tiny, corpus):
+    """lr = 1e20 drives the loss to NaN within a few steps (at step 3 for every variant, task
+    and seed tried); the run reports it, keeping the finite steps before."""
+    for variant in ("softmax-rope", "favor-numerator_only"):
+        run = Run(tiny(variant=variant, lr=1e20), corpus)
+        summary = run.train()
+        assert summary["status"] == "diverged"
+        k = summary["diverged_step"]
+        assert 1 <= k <= 12 and summary["diverged_reason"].startswith(("loss", "gradient norm"))
+        assert len(run.records["curves"]) == k - 1 == summary["steps"]
+        assert all(math.isfinite(row["train_loss"]) for row in run.records["curves"])
+
+
+def test_realistic_divergence_is_recorded_not_raised(tiny, corpus):
+    """lr = 1e3 overflows the activations: at step 5 the loss is still finite but its gradient
+    is NaN, which linrope's backward refuses (ValueError, "non-finite"). That is recorded as
+    the divergence, at its step, never raised."""
+    run = Run(tiny(lr=1e3), corpus)
+    summary = run.train()
+    assert summary["status"] == "diverged"
+    assert summary["diverged_step"] == run.step + 1  # the failing step was not applied
+    assert "non-finite" in summary["diverged_reason"] or "nan" in summary["diverged_reason"]
+
+
+# ---- clipping -------------------------------------------------------------------------------
+
+def test_clip_share_counts_the_clipped_steps(tiny, corpus):
+    """clip = 1e-6 clips every step (share 1, counted step by step); clip = 1e9 none (share 0);
+    clip = 1.5 some (2 of 12 steps here): exactly the steps whose logged gradient norm (before
+    clipping) exceeds the threshold."""
+    run = Run(tiny(clip=1e-6, steps=5), corpus)
+    summary = run.train()
+    assert summary["clip_share"] == 1.0
+    assert [row["clipped_so_far"] for row in run.records["curves"]] == [1, 2, 3, 4, 5]
+    assert all(row["grad_norm"] > 1e-6 for row in run.records["curves"])
+    assert Run(tiny(clip=1e9, steps=5), corpus).train()["clip_share"] == 0.0
+
+    run = Run(tiny(clip=1.5), corpus)
+    summary = run.train()
+    above = [row["grad_norm"] > 1.5 for row in run.records["curves"]]
+    assert 0 < sum(above) < len(above)  # a mixture, or the check below proves little
+    assert summary["clip_share"] == sum(above) / 12
+    running = [sum(above[:i + 1]) for i in range(12)]
+    assert [row["clipped_so_far"] for row in run.records["curves"]] == running
+
+
+# ---- denominator statistics -----------------------------------------------------------------
+
+def test_softmax_has_no_denominator_statistics(tiny, corpus):
+    """Softmax rows carry the attention's gradient norm but no denominator statistics, and the
+    summary has no layer<i>_den_* columns."""
+    run = Run(tiny(layers=2, steps=4), corpus)
+    summary = run.train()
+    rows = run.records["layers"]
+    assert [(r["step"], r["layer"]) for r in rows] == [(s, l) for s in range(1, 5) for l in (0, 1)]
+    for row in rows:
+        assert row["den_min"] is None and row["nonpositive_share"] is None
+        assert row["tiny_share"] is None
+        assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+    assert not any(k.startswith("layer") for k in summary)
+    assert all(s is None for s in run.model.denominator_stats())
+
+
+@pytest.mark.parametrize("variant", ["favor-numerator_only", "elu-numerator_only", "favor-full",
+                                     "cos-full", "elu-none"])
+def test_linear_denominator_statistics_per_layer(variant, tiny, corpus):
+    """Linear variants record, per logged step and layer, the smallest denominator and the
+    shares of non-positive and tiny ones (in [0, 1]); the summary's layer<i>_den_min is the
+    smallest over all steps (here every step is logged, so the rows' minimum) and its shares are
+    the pooled counts (equal batches: the mean of the rows' shares)."""
+    run = Run(tiny(variant=variant, layers=2, steps=6), corpus)
+    summary = run.train()
+    rows = run.records["layers"]
+    assert [(r["step"], r["layer"]) for r in rows] == [(s, l) for s in range(1, 7) for l in (0, 1)]
+    for layer in (0, 1):
+        mine = [r for r in rows if r["layer"] == layer]
+        for r in mine:
+            assert math.isfinite(r["den_min"])
+            assert 0.0 <= r["nonpositive_share"] <= 1.0 and 0.0 <= r["tiny_share"] <= 1.0
+            assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        assert summary["layer%d_den_min" % layer] == min(r["den_min"] for r in mine)
+        for share in ("nonpositive_share", "tiny_share"):
+            assert summary["layer%d_%s" % (layer, share)] == pytest.approx(
+                sum(r[share] for r in mine) / len(mine), abs=1e-12)
+    assert "layer2_den_min" not in summary
+
+
+@pytest.mark.parametrize("variant", ["favor-numerator_only", "elu-numerator_only"])
+def test_numerator_only_denominators_stay_positive(variant, tiny, corpus):
+    """RoFormer's eq. 19 leaves the denominator unrotated: with positive features (FAVOR+,
+    elu+1) it is a sum of positive terms, so no step of any layer sees one <= 0 -- even in
+    training hard enough (lr 3e-2, context 64) that the 'full' placement's do (next test)."""
+    run = Run(tiny(variant=variant, steps=20, batch_size=8, context=64, lr=3e-2, layers=2,
+                   heads=2, eval_every=100, extrapolation=(1,)), corpus)
+    summary = run.train()
+    assert summary["status"] == "complete"
+    assert len(run.records["layers"]) == 40
+    for row in run.records["layers"]:
+        assert row["nonpositive_share"] == 0.0 and row["den_min"] > 0
+    assert summary["layer0_nonpositive_share"] == summary["layer1_nonpositive_share"] == 0.0
+
+
+@pytest.mark.parametrize("variant", ["favor-full", "elu-full"])
+def test_full_placement_denominators_can_be_nonpositive(variant, tiny, corpus):
+    """With RoPE on the denominator too ('full'), rotated positive features can cancel: in the
+    same training as above some denominators are <= 0 (layer shares up to ~0.2 at seed 0)."""
+    run = Run(tiny(variant=variant, steps=20, batch_size=8, context=64, lr=3e-2, layers=2,
+                   heads=2, eval_every=100, extrapolation=(1,)), corpus)
+    summary = run.train()
+    assert max(summary["layer0_nonpositive_share"], summary["layer1_nonpositive_share"]) > 0
+    assert min(summary["layer0_den_min"], summary["layer1_den_min"]) <= 0
+
+
+# ---- checkpoints and resume -----------------------------------------------------------------
+
+@pytest.mark.parametrize("variant,redraw", [("softmax-rope", 0), ("favor-numerator_only", 0),
+                                            ("favor-full", 3)])
+def test_resumed_run_equals_an_uninterrupted_one(variant, redraw, tiny, corpus, tmp_path):
+    """Interrupted after step 6 (last checkpoint at step 4), then continued by a new Run from the
+    checkpoint: curves, layer rows, evaluations, clip count, denominator totals, the parameters
+    (FAVOR+'s current W included, with redraws every 3 steps) and the optimiser state are
+    bitwise those of a run never interrupted."""
+    config = tiny(variant=variant, redraw_interval=redraw)
+    whole = Run(config, corpus)
+    whole_summary = whole.train()
+
+    path = str(tmp_path / "run.pt")
+    trained_until(config, corpus, 6, checkpoint=path)
+    assert os.listdir(tmp_path) == ["run.pt"]  # written atomically: no temporary left
+    resumed = Run(config, corpus)
+    assert resumed.load(path) is True
+    assert resumed.step == 4
+    summary = resumed.train(checkpoint=path)
+
+    assert same_records(resumed.records, whole.records)
+    assert same_tensors(resumed.model.state_dict(), whole.model.state_dict())
+    assert same_tensors(resumed.optimiser.state_dict(), whole.optimiser.state_dict())
+    timing = ("train_seconds", "tokens_per_s")
+    assert {k: v for k, v in summary.items() if k not in timing} == \
+        {k: v for k, v in whole_summary.items() if k not in timing}
+    if redraw:
+        seeds = [int(b.attention.feature_seed) for b in resumed.model.blocks]
+        assert seeds == [int(b.attention.feature_seed) for b in whole.model.blocks]
+        assert seeds[0] != 0  # W was redrawn (layer 0's first seed is 1000 x 0 + 0)
+
+
+def test_checkpoint_at_the_end_resumes_to_nothing(tiny, corpus, tmp_path):
+    """A run whose last checkpoint is its last step continues to nothing and keeps its numbers."""
+    config = tiny(steps=8)
+    path = str(tmp_path / "run.pt")
+    done = Run(config, corpus)
+    done.train(checkpoint=path)
+    again = Run(config, corpus)
+    assert again.load(path) and again.step == 8
+    again.train()
+    assert same_records(again.records, done.records)
+
+
+def test_load_refuses_a_checkpoint_of_another_configuration(tiny, corpus, tmp_path):
+    """A checkpoint is used only by the configuration that wrote it; otherwise load() returns
+    False and leaves the run untouched (step 0, its own initial parameters)."""
+    path = str(tmp_path / "run.pt")
+    trained_until(tiny(), corpus, 5, checkpoint=path)  # checkpoint at step 4
+    for other in (tiny(lr=2e-2), tiny(seed=1), tiny(steps=13), tiny(variant="softmax-nopos")):
+        run = Run(other, corpus)
+        fresh = Run(other, corpus)
+        assert run.load(path) is False
+        assert run.step == 0 and run.records["curves"] == []
+        assert same_tensors(run.model.state_dict(), fresh.model.state_dict())
+    assert Run(tiny(), corpus).load(path) is True
+
+
+def test_resume_with_checkpoints_between_log_rows(tiny, corpus, tmp_path):
+    """log_every 3, checkpoint_every 2: interrupted after step 6, resumed from step 4; the row at
+    step 6 should average the losses of steps 4-6 as in the uninterrupted run."""
+    config = tiny(log_every=3, checkpoint_every=2)
+    whole = Run(config, corpus)
+    whole.train()
+    path = str(tmp_path / "run.pt")
+    run = Run(config, corpus)
+    with pytest.raises(Stop):
+        run.train(checkpoint=path, progress=stop_at(6))
+    resumed = Run(config, corpus)
+    assert resumed.load(path) and resumed.step == 4
+    resumed.train()
+    assert same_tensors(resumed.model.state_dict(), whole.model.state_dict())  # holds
+    assert resumed.records["curves"] == whole.records["curves"]  # fails: step 6's train_loss

@@ -1,0 +1,270 @@
+"""One training run: a Decoder of one variant, one task, one seed.
+
+AdamW with linear warm-up and cosine decay to a tenth, gradient clipping (how often it clips is
+recorded), batches drawn from (seed, step). A NaN or infinite loss or gradient norm ends the run
+as diverged, at that step, before the optimiser could apply it. Every `checkpoint_every` steps the
+whole state (model, optimiser, records) is written atomically; a run started again with the same
+configuration continues from it and gives the same numbers as an uninterrupted one."""
+import dataclasses
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import linrope
+
+from . import mqar
+from .model import Decoder
+
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass
+class Config:
+    task: str                    # "char_lm" or "mqar"
+    variant: str                 # a key of model.VARIANTS
+    seed: int
+    steps: int
+    batch_size: int
+    context: int                 # char_lm: training context; mqar: unused (settings)
+    d_model: int
+    layers: int
+    heads: int
+    lr: float
+    warmup: int
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    eval_every: int = 100
+    eval_tokens: int = 32768     # char_lm: validation characters per evaluation
+    extrapolation: tuple = (1, 2, 4)  # char_lm: final evaluation at these multiples of context
+    mqar_settings: tuple = ()    # ((length, pairs), ...): trained in turn, each tested
+    mqar_vocab: int = 512
+    mqar_test_size: int = 256
+    log_every: int = 10
+    checkpoint_every: int = 100
+    redraw_interval: int = 0
+    stats_threshold: float = 1e-3
+    threads: int = 1
+
+    def key(self):
+        return "%s-%s-s%d" % (self.task, self.variant, self.seed)
+
+
+def learning_rate(config, step):
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def optimiser(model, config):
+    # No weight decay on norms and biases (1-D); the tied embedding is decayed as a weight.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=config.lr)
+
+
+def loss_of(model, inputs, targets):
+    logits = model(inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=mqar.IGNORE)
+
+
+@torch.no_grad()
+def validation_bpc(model, corpus, context, tokens, batch=16):
+    """Mean bits per character over every position of consecutive validation windows."""
+    model.eval()
+    x, y = corpus.validation_windows(context, tokens)
+    total = 0.0
+    for i in range(0, len(x), batch):
+        logits = model(x[i:i + batch])
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i:i + batch].reshape(-1),
+                                 reduction="sum").item()
+    model.train()
+    return total / y.numel() / LN2
+
+
+@torch.no_grad()
+def mqar_accuracy(model, config, length, pairs, batch=64):
+    """Share of query positions whose most likely next token is the key's value."""
+    model.eval()
+    x, y = mqar.test_set(config.seed, config.mqar_test_size, length, pairs, config.mqar_vocab)
+    right = total = 0
+    for i in range(0, len(x), batch):
+        predicted = model(x[i:i + batch]).argmax(-1)
+        scored = y[i:i + batch] != mqar.IGNORE
+        right += int((predicted[scored] == y[i:i + batch][scored]).sum())
+        total += int(scored.sum())
+    model.train()
+    return right / total
+
+
+def gradient_norm(parameters):
+    grads = [p.grad.reshape(-1) for p in parameters if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.cat(grads))) if grads else 0.0
+
+
+class Run:
+    """The state of one run; `records` holds what it measured so far (saved in checkpoints)."""
+
+    def __init__(self, config, corpus=None):
+        self.config, self.corpus = config, corpus
+        vocab = corpus.vocab_size if config.task == "char_lm" else config.mqar_vocab
+        if config.task == "char_lm":
+            # Fail now, not after training, if the final evaluation's longest window won't fit.
+            corpus.validation_windows(max(config.extrapolation) * config.context, 1)
+        self.model = Decoder(vocab, config.variant, config.d_model, config.layers, config.heads,
+                             config.seed, config.redraw_interval, config.stats_threshold)
+        self.optimiser = optimiser(self.model, config)
+        self.step = 0
+        self.records = dict(curves=[], layers=[], evaluations=[], clipped=0, train_seconds=0.0,
+                            diverged_step=None, diverged_reason=None, den_totals=None,
+                            window=[])
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save(self, path):
+        temporary = "%s.tmp-%d" % (path, os.getpid())
+        torch.save(dict(config=dataclasses.asdict(self.config), step=self.step,
+                        model=self.model.state_dict(), optimiser=self.optimiser.state_dict(),
+                        records=self.records), temporary)
+        os.replace(temporary, path)
+
+    def load(self, path):
+        """Continues from the checkpoint at path if it was written by this configuration."""
+        state = torch.load(path)
+        if state["config"] != dataclasses.asdict(self.config):
+            return False
+        self.model.load_state_dict(state["model"])
+        self.optimiser.load_state_dict(state["optimiser"])
+        self.step, self.records = state["step"], state["records"]
+        return True
+
+    # ---- training ---------------------------------------------------------------------------
+    def batch(self, step):
+        c = self.config
+        if c.task == "char_lm":
+            return self.corpus.batch(c.seed, step, c.batch_size, c.context)
+        return mqar.training_batch(c.seed, step, c.batch_size, c.mqar_settings, c.mqar_vocab)
+
+    def evaluate(self, final=False):
+        """Validation at the current step: char_lm bpc at the training context (and, when final,
+        at each extrapolation multiple), mqar accuracy per (length, pairs)."""
+        c, rows = self.config, []
+        if c.task == "char_lm":
+            for multiple in (c.extrapolation if final else (1,)):
+                rows.append(dict(step=self.step, final=final, length=multiple * c.context,
+                                 pairs=None, metric="bpc",
+                                 value=validation_bpc(self.model, self.corpus,
+                                                      multiple * c.context, c.eval_tokens)))
+        else:
+            for length, pairs in c.mqar_settings:
+                rows.append(dict(step=self.step, final=final, length=length, pairs=pairs,
+                                 metric="accuracy",
+                                 value=mqar_accuracy(self.model, c, length, pairs)))
+        self.records["evaluations"].extend(rows)
+        return rows
+
+    def _record_denominators(self, step, layer_norms):
+        for layer, (stats, norm) in enumerate(zip(self.model.denominator_stats(), layer_norms)):
+            row = dict(step=step, layer=layer, grad_norm=norm, den_min=None,
+                       nonpositive_share=None, tiny_share=None)
+            if stats is not None:
+                row.update(den_min=stats["min"],
+                           nonpositive_share=stats["nonpositive"] / stats["count"],
+                           tiny_share=stats["below_threshold"] / stats["count"])
+            self.records["layers"].append(row)
+
+    def _accumulate_denominators(self):
+        # Over every training step, per layer: smallest denominator and counts.
+        stats = self.model.denominator_stats()
+        if stats[0] is None:
+            return
+        totals = self.records["den_totals"]
+        if totals is None:
+            totals = self.records["den_totals"] = [
+                dict(min=math.inf, nonpositive=0, below_threshold=0, count=0) for _ in stats]
+        for total, s in zip(totals, stats):
+            total["min"] = min(total["min"], s["min"])
+            for key in ("nonpositive", "below_threshold", "count"):
+                total[key] += s[key]
+
+    def train(self, checkpoint=None, progress=None):
+        c, model = self.config, self.model
+        torch.set_num_threads(c.threads)
+        linrope.set_num_threads(c.threads)
+        model.train()
+        parameters = list(model.parameters())
+        while self.step < c.steps and self.records["diverged_step"] is None:
+            step = self.step
+            started = time.perf_counter()
+            for group in self.optimiser.param_groups:
+                group["lr"] = learning_rate(c, step)
+            inputs, targets = self.batch(step)
+            reason = None
+            try:
+                loss = loss_of(model, inputs, targets)
+                self._accumulate_denominators()
+                if not torch.isfinite(loss):
+                    reason = "loss %s" % float(loss)
+                else:
+                    self.optimiser.zero_grad(set_to_none=True)
+                    loss.backward()
+                    norm = float(torch.nn.utils.clip_grad_norm_(parameters, c.clip))
+                    if not math.isfinite(norm):
+                        reason = "gradient norm %s" % norm
+            except ValueError as e:
+                # linrope's kernels refuse non-finite inputs (weights that overflowed, a NaN
+                # gradient reaching a backward): the same divergence, found one call earlier.
+                if "non-finite" not in str(e):
+                    raise
+                reason = "non-finite values in a kernel's input: %s" % str(e).splitlines()[0]
+            logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps or reason
+            if logged:
+                layer_norms = [gradient_norm(b.attention.parameters()) for b in model.blocks] \
+                    if reason is None else [math.nan] * len(model.blocks)
+                self._record_denominators(step + 1, layer_norms)
+            if reason is not None:
+                # Steps are counted from 1, as in the curves: step k is the k-th update.
+                self.records["diverged_step"], self.records["diverged_reason"] = step + 1, reason
+                break
+            self.records["clipped"] += norm > c.clip
+            self.optimiser.step()
+            self.step += 1
+            self.records["train_seconds"] += time.perf_counter() - started
+            window = self.records["window"]  # losses since the last curve row, checkpointed
+            window.append(float(loss))
+            if logged:
+                self.records["curves"].append(dict(
+                    step=self.step, train_loss=sum(window) / len(window), lr=learning_rate(c, step),
+                    grad_norm=norm, clipped_so_far=self.records["clipped"]))
+                window.clear()
+            if self.step % c.eval_every == 0 or self.step == c.steps:
+                self.evaluate(final=self.step == c.steps)
+            if progress and logged:
+                progress(self)
+            if checkpoint and (self.step % c.checkpoint_every == 0):
+                self.save(checkpoint)
+        return self.summary()
+
+    # ---- results ----------------------------------------------------------------------------
+    def summary(self):
+        c, r = self.config, self.records
+        steps_done = self.step
+        tokens = steps_done * c.batch_size * (
+            c.context if c.task == "char_lm" else
+            sum(length for length, _ in c.mqar_settings) / len(c.mqar_settings))
+        out = dict(task=c.task, variant=c.variant, seed=c.seed, steps=steps_done,
+                   status="diverged" if r["diverged_step"] is not None else "complete",
+                   diverged_step=r["diverged_step"], diverged_reason=r["diverged_reason"],
+                   clip_share=r["clipped"] / steps_done if steps_done else math.nan,
+                   tokens_per_s=tokens / r["train_seconds"] if r["train_seconds"] else math.nan,
+                   train_seconds=r["train_seconds"],
+                   final_train_loss=r["curves"][-1]["train_loss"] if r["curves"] else math.nan)
+        for layer, total in enumerate(r["den_totals"] or []):
+            out["layer%d_den_min" % layer] = total["min"]
+            out["layer%d_nonpositive_share" % layer] = total["nonpositive"] / total["count"]
+            out["layer%d_tiny_share" % layer] = total["below_threshold"] / total["count"]
+        return out
