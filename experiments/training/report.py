@@ -188,11 +188,11 @@ def plot(out, summary):
             ax.set_xlabel("step")
             ax.legend(fontsize=7)
         axes[0][0].set_ylabel("bits per character")
-        top = max(summary["char_lm"][v]["final_bpc"]["max"] for v in variants
-                  if summary["char_lm"][v]["final_bpc"]["n"]) if any(
-            summary["char_lm"][v]["final_bpc"]["n"] for v in variants) else None
-        if top and math.isfinite(top):
-            axes[0][0].set_ylim(top - 1.2 if top > 1.5 else 0, top + 1.0)
+        finals = [summary["char_lm"][v]["final_bpc"] for v in variants
+                  if summary["char_lm"][v]["final_bpc"]["n"]]
+        if finals:  # the finals in view; the first steps' ~6 bpc would flatten them
+            axes[0][0].set_ylim(min(f["min"] for f in finals) - 0.15,
+                                max(f["max"] for f in finals) + 0.9)
         save(fig, "char_lm_curves.png", "Character-level Austen: validation bpc (solid) and "
              "training bpc (dotted) against step; line: mean over seeds, band: min to max.")
 
@@ -222,7 +222,9 @@ def plot(out, summary):
                     mine = [r for r in layers if (r["task"], r["variant"], r["layer"]) ==
                             (task, v, layer)]
                     for ax, key in zip(row, ("den_min", "nonpositive_share", "grad_norm")):
-                        steps, mean, _, _ = _mean_band(mine, key, v, task)
+                        steps, mean, low, _ = _mean_band(mine, key, v, task)
+                        if key == "den_min":
+                            mean = low  # the smallest over the seeds too
                         ax.plot(steps, mean, "-" if layer == layer_ids[0] else "--",
                                 color=_colour(v), linewidth=1,
                                 label=describe(v) if layer == layer_ids[0] else None)
@@ -237,8 +239,9 @@ def plot(out, summary):
         for ax in axes[-1]:
             ax.set_xlabel("step")
         save(fig, "denominators.png", "%s, per layer during training (first layer solid, second "
-             "dashed; mean over seeds): the smallest denominator of the batch, the share of "
-             "non-positive denominators, and the attention block's gradient norm." % (
+             "dashed): the smallest denominator of the batch (smallest over seeds), the share of "
+             "non-positive denominators and the attention block's gradient norm (means over "
+             "seeds)." % (
                  "Character-level Austen" if task == "char_lm" else "MQAR"))
 
     if "mqar" in summary:
@@ -335,7 +338,7 @@ def findings(summary, meta):
             f, n = lm.get(prefix + "-full"), lm.get(prefix + "-numerator_only")
             if not f or not n:
                 continue
-            text = "%s: full %s" % (label, "diverged in %d of %d seeds (first NaN at step %s)" % (
+            text = "%s: full %s" % (label, "diverged in %d of %d seeds (at step %s)" % (
                 f["diverged"], f["seeds"], ", ".join(map(str, f["diverged_steps"])))
                 if f["diverged"] else "never diverged")
             if f["final_bpc"]["n"] and n["final_bpc"]["n"]:
@@ -410,13 +413,21 @@ def findings(summary, meta):
     if st:
         ratio = {v: st["seconds"]["softmax-rope"][-1] / st["seconds"][v][-1]
                  for v in VARIANTS_TIMED[1:]}
-        out.append("**Step time of one layer** (forward + backward, batch 1, %d threads, load "
-                   "average %.2f before): at n = %d, %s. Linear training overtakes softmax at %s."
-                   % (st["threads"], st["load_average_before"], st["lengths"][-1], ", ".join(
+
+        def crossing(c):
+            if c is None:
+                return "not within the lengths measured"
+            if c == st["lengths"][0]:
+                return "already at n = %d, the shortest length measured" % c
+            return "from n = %.0f" % c
+
+        out.append("**Step time of one layer** (the training's layer shape, forward + backward, "
+                   "batch 1, %d threads; the 1-minute load average was %.2f when it began): at "
+                   "n = %d, %s. Linear training is faster than softmax: %s." % (
+                       st["threads"], st["load_average_before"], st["lengths"][-1], ", ".join(
                            "%s takes %.2fx softmax + RoPE's time" % (describe(v), 1 / r)
                            for v, r in ratio.items()),
-                       ", ".join("n = %s for %s" % (
-                           "%.0f" % c if c else "no measured length", describe(v))
+                       "; ".join("%s %s" % (describe(v), crossing(c))
                                  for v, c in st["crossover"].items())))
     return out
 
@@ -438,12 +449,15 @@ def write(out, plots=True):
     md = "## Training: numerator-only against full normalisation (issue 20)\n\n"
     if meta:
         md += ("_Run %s, --%s, commit %s%s, %s (%s cores; %s runs at once, %s thread each), "
-               "%.0f min; command: `%s`._ Data: `runs.csv`, `curves.csv`, `layers.csv`, "
-               "`evaluations.csv`, `step_time.csv`; derived numbers: `summary.json`.\n\n" % (
+               "%.0f min; command: `%s`._ Data: %s; derived numbers: [`summary.json`]"
+               "(training/summary.json).\n\n" % (
                    meta["date"], meta["mode"], (meta["git_commit"] or "unknown")[:12],
                    " with local changes" if meta["git_dirty"] else "", meta["machine"]["cpu"],
                    meta["machine"]["cores"], meta["jobs"], meta["threads"],
-                   meta["duration_s"] / 60, meta["command"]))
+                   meta["duration_s"] / 60, meta["command"], ", ".join(
+                       "[`{0}`](training/{0})".format(name) for name in (
+                           "runs.csv", "curves.csv", "layers.csv", "evaluations.csv",
+                           "step_time.csv", "training.json"))))
     for name, caption in figures:
         md += "![%s](training/%s)\n\n*%s*\n\n" % (caption, name, caption)
     md += "".join(p + "\n\n" for p in findings(summary, meta))
@@ -452,3 +466,13 @@ def write(out, plots=True):
         sys.stderr.write("training: plots not made: %s\n" % failure)
         return PLOTS_FAILED
     return 0
+
+
+if __name__ == "__main__":
+    # python3 -m training.report DIR [--no-plots]: the summary, plots and section again, from
+    # DIR's CSVs and training.json (as the sweep writes them at its end).
+    directories = [a for a in sys.argv[1:] if a != "--no-plots"]
+    if len(directories) != 1:
+        sys.stderr.write("usage: python3 -m training.report DIR [--no-plots]\n")
+        sys.exit(2)
+    sys.exit(write(directories[0], plots="--no-plots" not in sys.argv))
