@@ -3,6 +3,7 @@ issue 20 (see __init__.py). Writes DIR/runs.csv, curves.csv, layers.csv, evaluat
 step_time.csv, training.json, summary.json, the plots and report_section.md; DIR/runs/ keeps each
 finished run and DIR/checkpoints/ the unfinished ones (--resume continues them)."""
 import argparse
+import dataclasses
 import os
 import platform
 import subprocess
@@ -17,9 +18,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _ints(text):
     try:
-        return tuple(int(x) for x in text.split(","))
+        values = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError("expected integers separated by commas, got %r" % text)
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError("expected seeds >= 0, got %r" % text)
+    return values
 
 
 def _names(allowed):
@@ -122,7 +126,11 @@ def main(argv=None):
             print("%-22s %s" % (name, describe(name)))
         return 0
     started, source = time.time(), source_state()
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        sys.stderr.write("training: --out %s: %s\n" % (args.out, e.strerror or e))
+        return 1
     corpus_info = None
     if "char_lm" in args.tasks:
         from .data import load_corpus
@@ -136,6 +144,8 @@ def main(argv=None):
                            validation_characters=len(corpus.validation))
     configs = plans.configs(args.mode, args.tasks, args.variants, args.seeds, args.steps,
                             args.redraw_interval, args.threads)
+    configs = [dataclasses.replace(c, text_digest=corpus.digest) if c.task == "char_lm" else c
+               for c in configs]
     for config in configs:
         if config.task == "char_lm":
             try:  # the final evaluation's longest window must fit in the validation split
@@ -149,6 +159,12 @@ def main(argv=None):
         sweep.write_tables(results, args.out)
         if not args.no_step_time:
             step_time.run(args.out, args.mode, plans.MODEL, args.resume, args.quiet)
+    except sweep.RunsFailed as e:
+        sys.stderr.write("training: %s\n" % e)
+        return 1
+    except OSError as e:
+        sys.stderr.write("training: %s\n" % e)
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("training: interrupted; finished runs and checkpoints are kept: run the "
                          "same command with --resume to go on\n")

@@ -33,6 +33,9 @@ def austen_text():
             raise RuntimeError("Rscript could not load janeaustenr (%s): install "
                                "r-cran-janeaustenr or pass --text PATH" %
                                e.stderr.strip().splitlines()[-1:]) from None
+        if len(text) < 1_000_000:  # the novels are 4 MB: never cache a truncated extraction
+            raise RuntimeError("Rscript gave %d characters of Austen, not the expected ~4 million"
+                               % len(text))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".austen-")
         with os.fdopen(fd, "w", encoding="utf-8") as f:

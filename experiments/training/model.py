@@ -78,7 +78,9 @@ class Decoder(nn.Module):
             args = dict(spec)
             if linear:
                 # FAVOR+ with m = 2 x head dim; each layer its own W, all fixed by the seed.
-                args.update(num_features=2 * (d_model // heads), seed=1000 * seed + layer,
+                # Redraws add 1 to a layer's seed: layers are 10^6 apart so they never meet.
+                args.update(num_features=2 * (d_model // heads),
+                            seed=(1000 * seed + layer) * 1_000_000,
                             redraw_interval=redraw_interval, track_stats=True,
                             stats_threshold=stats_threshold)
             blocks.append(Block(d_model, heads, args))

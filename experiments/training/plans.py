@@ -11,7 +11,8 @@ MODES = {
     "quick": dict(
         variants=("softmax-rope", "favor-numerator_only", "favor-full", "elu-numerator_only"),
         char_lm=dict(seeds=(0,), steps=40, batch_size=16, context=128, lr=3e-3, warmup=10,
-                     eval_every=20, eval_tokens=4096, log_every=5, checkpoint_every=20),
+                     eval_every=20, eval_tokens=4096, final_eval_tokens=4096, log_every=5,
+                     checkpoint_every=20),
         mqar=dict(seeds=(0,), steps=40, batch_size=16, lr=3e-3, warmup=10, eval_every=20,
                   log_every=5, checkpoint_every=20, mqar_test_size=32,
                   mqar_settings=((64, 4), (128, 8))),

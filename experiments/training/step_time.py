@@ -32,15 +32,19 @@ def time_step(block, x, repeats):
 
 
 def crossover(lengths, softmax, linear):
-    """The first length where linear becomes faster than softmax, or None."""
-    for (n0, s0, l0), (n1, s1, l1) in zip(zip(lengths, softmax, linear),
-                                          zip(lengths[1:], softmax[1:], linear[1:])):
-        if l0 >= s0 and l1 < s1:
-            r0, r1 = math.log(l0 / s0), math.log(l1 / s1)
-            return math.exp(math.log(n0) + (math.log(n1) - math.log(n0)) * r0 / (r0 - r1))
-    if linear and linear[0] < softmax[0]:
-        return lengths[0]  # faster from the shortest length measured
-    return None
+    """The length from which linear stays faster than softmax up to the longest measured:
+    lengths[0] when it is faster at every length, the crossing interpolated on log length
+    otherwise, None when it is not faster at the longest."""
+    if not linear or linear[-1] >= softmax[-1]:
+        return None
+    i = len(lengths) - 1
+    while i > 0 and linear[i - 1] < softmax[i - 1]:
+        i -= 1
+    if i == 0:
+        return lengths[0]
+    (n0, s0, l0), (n1, s1, l1) = ((lengths[j], softmax[j], linear[j]) for j in (i - 1, i))
+    r0, r1 = math.log(l0 / s0), math.log(l1 / s1)
+    return math.exp(math.log(n0) + (math.log(n1) - math.log(n0)) * r0 / (r0 - r1))
 
 
 def run(out, mode, model, resume=False, quiet=False):

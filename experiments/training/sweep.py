@@ -20,6 +20,10 @@ from .train import Run
 _corpora = {}
 
 
+class RunsFailed(RuntimeError):
+    """Some runs raised (the message names them); the others finished and were saved."""
+
+
 def _normal(config):
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
@@ -85,17 +89,27 @@ def run_all(configs, out, jobs, text=None, resume=False, quiet=False):
     done = len(configs) - len(todo)
     sys.stderr.write("training: %d runs, %d already finished, %d to run in %d processes\n" % (
         len(configs), done, len(todo), jobs))
-    started = time.time()
+    started, failed = time.time(), []
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         futures = {pool.submit(_run_one, c, out, text, quiet): c for c in todo}
         for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            config, summary = futures[future], future.result()
+            config = futures[future]
+            try:
+                summary = future.result()
+            except Exception as e:  # one line, and the other runs go on
+                failed.append(config.key())
+                sys.stderr.write("training: %s failed: %s: %s\n" % (
+                    config.key(), type(e).__name__, str(e).splitlines()[0] if str(e) else ""))
+                continue
             elapsed = time.time() - started
             left = elapsed / count * (len(todo) - count)
             sys.stderr.write("training: [%d/%d] %s %s in %.0f s; %.0f s elapsed, ~%.0f s left\n"
                              % (done + count, len(configs), config.key(), summary["status"],
                                 summary["train_seconds"], elapsed, left))
+    if failed:
+        raise RunsFailed("%d run(s) failed (%s); the finished ones are kept: mend the cause and "
+                         "run again with --resume" % (len(failed), ", ".join(failed)))
     return [finished(out, c) for c in configs]
 
 

@@ -47,6 +47,9 @@ class Config:
     redraw_interval: int = 0
     stats_threshold: float = 1e-3
     threads: int = 1
+    text_digest: str = ""        # char_lm: the corpus's (data.Corpus.digest), so that --resume
+    #                              never continues a run on another text
+    final_eval_tokens: int = 0   # char_lm: validation characters at the end (0: all of them)
 
     def key(self):
         return "%s-%s-s%d" % (self.task, self.variant, self.seed)
@@ -114,6 +117,9 @@ class Run:
         self.config, self.corpus = config, corpus
         vocab = corpus.vocab_size if config.task == "char_lm" else config.mqar_vocab
         if config.task == "char_lm":
+            if config.text_digest and config.text_digest != corpus.digest:
+                raise ValueError("the text (sha256 %s...) is not the one this run was configured "
+                                 "for (%s...)" % (corpus.digest, config.text_digest))
             # Fail now, not after training, if the final evaluation's longest window won't fit.
             corpus.validation_windows(max(config.extrapolation) * config.context, 1)
         self.model = Decoder(vocab, config.variant, config.d_model, config.layers, config.heads,
@@ -127,10 +133,17 @@ class Run:
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, path):
         temporary = "%s.tmp-%d" % (path, os.getpid())
-        torch.save(dict(config=dataclasses.asdict(self.config), step=self.step,
-                        model=self.model.state_dict(), optimiser=self.optimiser.state_dict(),
-                        records=self.records), temporary)
-        os.replace(temporary, path)
+        try:
+            with open(temporary, "wb") as f:
+                torch.save(dict(config=dataclasses.asdict(self.config), step=self.step,
+                                model=self.model.state_dict(),
+                                optimiser=self.optimiser.state_dict(), records=self.records), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
 
     def load(self, path):
         """Continues from the checkpoint at path if it was written by this configuration."""
@@ -154,11 +167,14 @@ class Run:
         at each extrapolation multiple), mqar accuracy per (length, pairs)."""
         c, rows = self.config, []
         if c.task == "char_lm":
+            tokens = c.eval_tokens
+            if final:
+                tokens = c.final_eval_tokens or len(self.corpus.validation)
             for multiple in (c.extrapolation if final else (1,)):
                 rows.append(dict(step=self.step, final=final, length=multiple * c.context,
                                  pairs=None, metric="bpc",
                                  value=validation_bpc(self.model, self.corpus,
-                                                      multiple * c.context, c.eval_tokens)))
+                                                      multiple * c.context, tokens)))
         else:
             for length, pairs in c.mqar_settings:
                 rows.append(dict(step=self.step, final=final, length=length, pairs=pairs,
@@ -203,7 +219,8 @@ class Run:
             for group in self.optimiser.param_groups:
                 group["lr"] = learning_rate(c, step)
             inputs, targets = self.batch(step)
-            reason = None
+            reason, layer_norms = None, None
+            logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
             try:
                 loss = loss_of(model, inputs, targets)
                 self._accumulate_denominators()
@@ -212,6 +229,9 @@ class Run:
                 else:
                     self.optimiser.zero_grad(set_to_none=True)
                     loss.backward()
+                    if logged:  # before clipping rescales the gradients in place
+                        layer_norms = [gradient_norm(b.attention.parameters())
+                                       for b in model.blocks]
                     norm = float(torch.nn.utils.clip_grad_norm_(parameters, c.clip))
                     if not math.isfinite(norm):
                         reason = "gradient norm %s" % norm
@@ -221,10 +241,10 @@ class Run:
                 if "non-finite" not in str(e):
                     raise
                 reason = "non-finite values in a kernel's input: %s" % str(e).splitlines()[0]
-            logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps or reason
+            logged = logged or reason is not None
             if logged:
-                layer_norms = [gradient_norm(b.attention.parameters()) for b in model.blocks] \
-                    if reason is None else [math.nan] * len(model.blocks)
+                if layer_norms is None:  # the step failed before its backward
+                    layer_norms = [math.nan] * len(model.blocks)
                 self._record_denominators(step + 1, layer_norms)
             if reason is not None:
                 # Steps are counted from 1, as in the curves: step k is the k-th update.

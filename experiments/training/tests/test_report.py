@@ -68,6 +68,12 @@ def test_crossover_interpolates_on_log_length():
     assert crossover([256, 1024], [1.0, 4.0], [2.0, 2.0]) == pytest.approx(512)
     assert crossover([256, 1024], [1.0, 4.0], [0.5, 1.0]) == 256  # faster from the start
     assert crossover([256, 1024], [1.0, 1.0], [2.0, 2.0]) is None
+    # Faster at first, slower at the longest: no crossover to report.
+    assert crossover([256, 512, 1024], [1.0, 2.0, 4.0], [0.5, 3.0, 5.0]) is None
+    # Faster, slower, faster again: the crossing that lasts, between 512 and 1024 (ratio 1.5
+    # then 0.25 per log-length step: log(1.5) / (log(1.5) - log(0.25)) of the way).
+    expected = 512 * 2 ** (math.log(1.5) / (math.log(1.5) - math.log(0.25)))
+    assert crossover([256, 512, 1024], [1.0, 2.0, 4.0], [0.5, 3.0, 1.0]) == pytest.approx(expected)
 
 
 def test_section_quotes_the_summary_and_plots_are_made(out):

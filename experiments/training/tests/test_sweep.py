@@ -349,6 +349,7 @@ def cli(monkeypatch):
     (["--threads", "-1"], "--threads is -1"),
     (["--seeds", "a"], "expected integers"),
     (["--seeds", "0,x"], "expected integers"),
+    (["--seeds", "1,-1"], "expected seeds >= 0"),
     (["--redraw-interval", "-2"], "--redraw-interval is -2"),
     (["--quick", "--full"], "not allowed with"),
 ])
@@ -425,3 +426,12 @@ def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
     before = (run_file.stat().st_mtime_ns, run_file.read_bytes())
     assert cli.main(argv + ["--resume"]) == 0
     assert (run_file.stat().st_mtime_ns, run_file.read_bytes()) == before
+
+
+def test_main_refuses_an_out_path_under_a_file_in_one_line(cli, tmp_path, capsys):
+    """--out below an ordinary file: exit status 1 and one readable line, no traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert cli.main(["--tasks", "mqar", "--out", str(blocker / "out"), "--no-step-time"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("training: --out ") and "Not a directory" in err[0]

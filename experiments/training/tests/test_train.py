@@ -203,7 +203,11 @@ def test_divergence_ends_the_run_at_the_first_non_finite_step(monkeypatch, tiny,
     assert [e["step"] for e in run.records["evaluations"]] == [4]
     layers = run.records["layers"]
     assert [row["step"] for row in layers] == [1, 2, 3, 4, 5, 6, 7]
-    assert math.isnan(layers[-1]["grad_norm"]) and math.isfinite(layers[-2]["grad_norm"])
+    assert math.isfinite(layers[-2]["grad_norm"])
+    # Measured before clipping, from the gradients the failed step computed: none when the loss
+    # itself was NaN (no backward ran); the attention's own, finite, when only the final norm's
+    # weight got a NaN gradient.
+    assert (math.isnan if how is nan_loss else math.isfinite)(layers[-1]["grad_norm"])
     assert same_tensors(run.model.state_dict(), reference.model.state_dict())
     assert same_tensors(run.optimiser.state_dict()["state"],
                         reference.optimiser.state_dict()["state"])
@@ -317,12 +321,19 @@ def test_numerator_only_denominators_stay_positive(variant, tiny, corpus):
 @pytest.mark.parametrize("variant", ["favor-full", "elu-full"])
 def test_full_placement_denominators_can_be_nonpositive(variant, tiny, corpus):
     """With RoPE on the denominator too ('full'), rotated positive features can cancel: in the
-    same training as above some denominators are <= 0 (layer shares up to ~0.2 at seed 0)."""
-    run = Run(tiny(variant=variant, steps=20, batch_size=8, context=64, lr=3e-2, layers=2,
-                   heads=2, eval_every=100, extrapolation=(1,)), corpus)
-    summary = run.train()
-    assert max(summary["layer0_nonpositive_share"], summary["layer1_nonpositive_share"]) > 0
-    assert min(summary["layer0_den_min"], summary["layer1_den_min"]) <= 0
+    same training as above some denominators are <= 0 for some of seeds 0-3 (which ones depends
+    on the draws: measured, 3 of 4 for favor-full and 2 of 4 for elu-full), and a layer's share
+    is > 0 exactly when its smallest denominator is <= 0."""
+    seen = 0
+    for seed in range(4):
+        summary = Run(tiny(variant=variant, seed=seed, steps=20, batch_size=8, context=64,
+                           lr=3e-2, layers=2, heads=2, eval_every=100, extrapolation=(1,)),
+                      corpus).train()
+        for layer in (0, 1):
+            share = summary["layer%d_nonpositive_share" % layer]
+            assert (share > 0) == (summary["layer%d_den_min" % layer] <= 0)
+            seen += share > 0
+    assert seen > 0
 
 
 # ---- checkpoints and resume -----------------------------------------------------------------
@@ -399,3 +410,11 @@ def test_resume_with_checkpoints_between_log_rows(tiny, corpus, tmp_path):
     resumed.train()
     assert same_tensors(resumed.model.state_dict(), whole.model.state_dict())  # holds
     assert resumed.records["curves"] == whole.records["curves"]  # fails: step 6's train_loss
+
+
+def test_a_run_refuses_a_text_other_than_its_configured_one(tiny, corpus):
+    """The corpus digest is part of the configuration (so --resume never mixes texts): a Run
+    given another text raises, naming both digests."""
+    with pytest.raises(ValueError, match="not the one this run was configured for"):
+        Run(tiny(text_digest="0" * 16), corpus)
+    assert Run(tiny(text_digest=corpus.digest), corpus).step == 0
