@@ -26,12 +26,13 @@ def num(row, key):
 
 
 def write_atomic(path, text):
-    """Writes text under a temporary name in the same directory, flushed to disk, then renames it
-    over path (as the program's own writes do), so a reader never sees half a file."""
+    """Writes text (str, or bytes written as they are) under a temporary name in the same
+    directory, flushed to disk, then renames it over path (as the program's own writes do), so a
+    reader never sees half a file."""
     temporary = os.path.join(os.path.dirname(path) or ".",
                              ".%s.tmp-%d" % (os.path.basename(path), os.getpid()))
     try:
-        with open(temporary, "w") as f:
+        with open(temporary, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -6,14 +6,15 @@ as diverged, at that step, before the optimiser could apply it. Every `checkpoin
 whole state (model, optimiser, records) is written atomically; a run started again with the same
 configuration continues from it and gives the same numbers as an uninterrupted one."""
 import dataclasses
+import io
 import math
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 import linrope
+from analysis.common import write_atomic  # experiments/analysis
 
 from . import mqar
 from .model import Decoder
@@ -132,18 +133,11 @@ class Run:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, path):
-        temporary = "%s.tmp-%d" % (path, os.getpid())
-        try:
-            with open(temporary, "wb") as f:
-                torch.save(dict(config=dataclasses.asdict(self.config), step=self.step,
-                                model=self.model.state_dict(),
-                                optimiser=self.optimiser.state_dict(), records=self.records), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        state = io.BytesIO()
+        torch.save(dict(config=dataclasses.asdict(self.config), step=self.step,
+                        model=self.model.state_dict(), optimiser=self.optimiser.state_dict(),
+                        records=self.records), state)
+        write_atomic(path, state.getvalue())
 
     def load(self, path):
         """Continues from the checkpoint at path if it was written by this configuration."""
