@@ -2,14 +2,13 @@
 report quotes), the plots (PNG) and report_section.md (the REPORT.md section, its sentences
 written from summary.json). write() returns 0, or 3 when the plots could not be made."""
 import collections
-import csv
 import json
 import math
 import os
 import statistics
 import sys
 
-from analysis.common import write_atomic, write_json  # experiments/analysis
+from analysis.common import read_rows, write_atomic, write_json  # experiments/analysis
 
 from .model import VARIANTS, describe
 from .step_time import VARIANTS_TIMED, crossover
@@ -19,11 +18,8 @@ FAMILIES = (("elu+1", "elu"), ("FAVOR+", "favor"), ("1+cos", "cos"))
 
 
 def _rows(out, name):
-    path = os.path.join(out, name + ".csv")
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    """The CSV's rows, or none when the run did not write it (--no-step-time, one task)."""
+    return read_rows(out, name) if os.path.exists(os.path.join(out, name + ".csv")) else []
 
 
 def _num(text):

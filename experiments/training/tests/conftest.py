@@ -1,15 +1,18 @@
 """Shared pieces of the training package's tests: small synthetic texts and tiny configurations.
 
-Run from experiments/ with PYTHONPATH holding experiments/ and the built linrope package, e.g.
-
-    cd experiments && OMP_WAIT_POLICY=PASSIVE \
-        PYTHONPATH=$PWD:$PWD/../build/release/python /usr/bin/python3 -m pytest -q training/tests
+Runs from any directory, `/usr/bin/python3 -m pytest experiments/training/tests`, once either
+README command has linked the built linrope package (or with PYTHONPATH naming it): this file
+puts experiments/ (the home of `training` and `analysis`) on sys.path itself.
 
 Every model here is tiny (d_model 16, one layer, one head) so the whole suite takes seconds."""
 import dataclasses
+import os
 import random
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from training.data import Corpus
 from training.train import Config

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from training import train
-from training.model import VARIANTS
 from training.train import Run, learning_rate
 
 
