@@ -89,8 +89,8 @@ struct DenominatorStats {
 // differ between builds (AVX-512 or not, another compiler), as any floating-point code does.
 // The backward passes follow the same rules: every gradient is the same bits run after run, and
 // for any thread count too, except the causal linear backward on a single head long enough to
-// split (n >= 2 x max(256, 4 x L), L the backward's chunk, see "Gradients": 512 by default),
-// which likewise runs one segment per thread.
+// split (n >= 512, the scan's rule), which likewise runs one segment per thread, cut as the
+// forward's scan cuts it.
 
 // Linear attention, O((n + n_k) m d_v) time and O(m d_v) extra memory besides the features;
 // never an n x n matrix:
@@ -115,10 +115,10 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
 // causal gradient never depends on a later key. Memory O(n): nothing n x n is stored (softmax
 // keeps two numbers per query row, the linear forms O(n m) features and O(m d_v) states).
 // Rows of the forward's zero outputs (a query with no admissible key; den + eps == 0) get zero
-// gradients. The causal linear backward has one form, chunked, whatever the forward's method:
-// masked products inside chunks of 16 rows for m <= 64, else 32 (options.chunk_size when
-// options.method is Chunked); a forward sweep gives dq, a reverse sweep dk and dv (Katharopoulos
-// et al. 2020, sec. 3.3, with the denominator and the stabilisers in the gradient).
+// gradients. The causal linear backward has one form whatever the forward's method (the chunked
+// form and the scan compute one function): the scan's, a forward sweep for dq and a reverse sweep
+// for dk and dv (Katharopoulos et al. 2020, sec. 3.3, with the denominator and the stabilisers in
+// the gradient), each a recurrence whose state is streamed from L1 in strips, no masked products.
 // Throws std::invalid_argument as the forward does, and when d_out is not [n x d_v] or holds a
 // non-finite value.
 template <class T>

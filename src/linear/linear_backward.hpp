@@ -45,7 +45,7 @@ struct LinearGradientHead {
 };
 
 // The gradients of linear_noncausal and linear_causal (any method: the causal backward has one
-// form, chunked). `parallel` as for the forwards. Inputs must already be checked (finite, shapes);
+// form, the scan's sweeps). `parallel` as for the forwards. Inputs must already be checked (finite, shapes);
 // never throw but std::bad_alloc.
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
@@ -186,6 +186,60 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index first_positio
                                   RowMap<T>(dx, rows, d));
   }
 }
+
+// What the segments of a causal backward share (linear_causal_backward.cpp): the head, every
+// query's and every seen key's features (kept: both sweeps read them), and each query's terms
+// g~ [n x d_v], delta and M (kEmpty for a zero output row), written by the sweep over the queries
+// and read by the sweep over the keys.
+template <class T>
+struct CausalGradients {
+  CausalGradients(const LinearGradientHead<T>& h, const LinearSetup& s)
+      : head(h),
+        setup(s),
+        shift(h.q_pos0 - h.k_pos0),
+        separate(s.options.placement == RopePlacement::NumeratorOnly),
+        queries(s, h.n, /*keep_plain=*/true),
+        keys(s, h.nk, /*keep_plain=*/true),
+        g_(h.n * s.dv, /*lasting=*/true),
+        delta_(h.n, /*lasting=*/true),
+        scale_(h.n, /*lasting=*/true),
+        g(g_.data()),
+        delta(delta_.data()),
+        scale(scale_.data()) {}
+
+  // Query i's own key, the last it sees: i + shift (outside [0, nk): none).
+  Index first_key(Index query) const { return std::clamp(query + shift, Index(0), head.nk); }
+  QueryTerms<T> terms(Index qs) const { return {g + qs * setup.dv, delta + qs, scale + qs}; }
+
+  const LinearGradientHead<T>& head;
+  const LinearSetup& setup;
+  const Index shift;
+  const bool separate;  // the denominator-side features are other rows (NumeratorOnly)
+  KeptFeatures<T> queries, keys;
+
+ private:
+  Scratch<T> g_;
+  Scratch<double> delta_, scale_;
+
+ public:
+  T* g;
+  double *delta, *scale;
+};
+
+// The two sweeps of the causal backward over one segment (linear_scan_backward.cpp), both the
+// forward scan's engine (scan_strips.hpp) with other operands:
+//   scan_queries_backward: queries [q_begin, q_end) from `state`, which holds the keys before
+//     first_key(q_begin) (segment 0: it absorbs the keys every query sees itself): their
+//     features (into c.queries), g~, delta, M and rows of dq. Consumes `state`.
+//   scan_keys_backward: keys [k_begin, k_end), from the last back, from `state`, which holds the
+//     queries from q_end on (the later segments'; it absorbs the segment's queries before q_end
+//     whose own key lies past k_end itself): their rows of dk and dv. Consumes `state`.
+template <class T>
+void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
+                           LinearState<T>& state);
+template <class T>
+void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index q_end,
+                        QueryState<T>& state);
 
 // g~_i = g_i / D~_i for one row (zeros when the output row is zero: divisor 0).
 template <class T>

@@ -190,6 +190,32 @@ void raise_scale(LinearState<T>& state, double new_max) {
   state.M = new_max;
 }
 
+// What admitting one key did to the running scale: the numerator side must be rescaled by
+// `factor` (1: no change) before it takes the key with `weight` = exp(c_j - M).
+template <class T>
+struct Admitted {
+  T factor = T(1), weight = T(1);
+};
+
+// The causal forms' prefix, one key at a time: z = sum_j exp(c_j - M) e_j at M, the largest c_j
+// admitted so far. Admits key j (log scale c, denominator-side features e [m]). Every causal form
+// calls this, forward (the scan, the chunked form's denominators) and backward (its sweep over the
+// queries), so that their denominators see the same operations in the same order.
+template <class T>
+Admitted<T> admit_key(Vector<T>& z, double& M, double c, const T* e) {
+  Admitted<T> a;
+  if (c > M) {
+    if (M != kEmpty) {
+      a.factor = T(std::exp(M - c));
+      z *= a.factor;
+    }
+    M = c;
+  }
+  a.weight = T(std::exp(c - M));
+  z += a.weight * Eigen::Map<const Vector<T>>(e, z.size());
+  return a;
+}
+
 // Adds the keys of `keys` (features) with values v [rows x d_v] to the state:
 // S += num^T diag(w) V, z += den^T w, with w_j = exp(c_j - M). The weights scale the rows of V
 // (d_v wide) rather than those of the features (m wide), and are skipped when every w_j is 1
@@ -303,6 +329,15 @@ void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index 
       absorb(state, keys, v + js * setup.dv, weighted, weights, next);
     }
   }
+}
+
+// Features of rows [begin, end) of x (positions pos0 + row) into `kept`, a block at a time.
+template <class T>
+void keep_features(KeptFeatures<T>& kept, const T* x, Index begin, Index end, Index pos0,
+                   const LinearSetup& setup) {
+  const Index block = block_rows(setup.m);
+  for (Index at = begin; at < end; at += block)
+    kept.compute_at(at, x + at * setup.d, std::min(block, end - at), pos0 + at);
 }
 
 // The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at

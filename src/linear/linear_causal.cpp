@@ -3,16 +3,14 @@
 #include <algorithm>
 #include <vector>
 
-#include "linear/linear_blocks.hpp"
+#include "linear/causal_plan.hpp"
 #include "linear/linear_forms.hpp"
 
 namespace linrope::detail {
 
-// Split across threads (when allowed and long enough): the queries are cut into one segment per
-// thread at chunk (or scan block) boundaries. Pass 1: each thread absorbs the keys that separate
-// its segment's start from the next one's into a partial state. The partial states are summed as a
-// prefix (cheap: m x d_v each). Pass 2: each segment runs the chunked form or the scan from its
-// prefix state. The key features of pass 1 are computed again in pass 2 (for the chunked form,
+// Split across threads (when allowed and long enough; causal_plan.hpp): the queries are cut into
+// one segment per thread at chunk (or scan block) boundaries, each segment's starting key state
+// summed first (prefix_states), then each segment runs the chunked form or the scan from it. The key features of pass 1 are computed again in pass 2 (for the chunked form,
 // measured when it was the only one split: ~25% more work for 2x the threads).
 template <class T>
 void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
@@ -31,7 +29,7 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
   constexpr Index kScanTokens = 3;
   const bool scan =
       setup.options.method == CausalMethod::Scan || (n <= kScanTokens && nk <= kScanTokens);
-  const Index d = setup.d, dv = setup.dv, shift = q_pos0 - k_pos0;
+  const Index d = setup.d, dv = setup.dv;
   // Queries [q0, q0 + rows) against the keys from k0 on, from the state `from`.
   const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, bool absorb_rest,
                        DenominatorTally* part) {
@@ -44,33 +42,18 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
   };
   const Index L =
       scan ? kScanBlock : std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));
-  const Index segments = std::min<Index>(usable_threads(parallel), n / std::max<Index>(4 * L, 256));
-  if (segments < 2) {
+  const CausalPlan plan = plan_causal(n, nk, q_pos0, k_pos0, L, usable_threads(parallel));
+  if (plan.segments < 2) {
     run(0, 0, n, state, absorb_all, tally);
     return;
   }
-  std::vector<Index> query_start(segments + 1), key_start(segments + 1);
-  for (Index t = 0; t <= segments; ++t) {
-    query_start[t] = split_point(n, segments, t, L);
-    key_start[t] = t == 0 ? 0 : std::clamp(query_start[t] + shift, Index(0), nk);
-  }
-  std::vector<LinearState<T>> prefix(segments);
-  // Pass 1: prefix[t + 1] takes keys [key_start[t], key_start[t + 1]).
-  parallel_for(segments - 1, int(segments), Schedule::Static, [&](Index t) {
-    prefix[t + 1].reset(setup.m, dv);
-    absorb_keys(prefix[t + 1], k + key_start[t] * d, v + key_start[t] * dv,
-                key_start[t + 1] - key_start[t], k_pos0 + key_start[t], setup);
-  });
-  prefix[0] = state;
-  for (Index t = 1; t < segments; ++t) {
-    LinearState<T> keys_of_previous = std::move(prefix[t]);
-    prefix[t] = prefix[t - 1];
-    merge(prefix[t], keys_of_previous);
-  }
+  const Index segments = plan.segments;
+  std::vector<LinearState<T>> prefix =
+      prefix_states<T>(plan, state, k, v, k_pos0, setup, /*keep=*/nullptr);
   std::vector<DenominatorTally> tallies(segments, tally ? tally->empty() : DenominatorTally(0));
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {  // pass 2
-    const Index q0 = query_start[t], k0 = key_start[t];
-    run(q0, k0, query_start[t + 1] - q0, prefix[t], absorb_all && t + 1 == segments,
+    const Index q0 = plan.query_start[t], k0 = plan.key_start[t];
+    run(q0, k0, plan.query_start[t + 1] - q0, prefix[t], absorb_all && t + 1 == segments,
         tally ? &tallies[t] : nullptr);
   });
   if (absorb_all) state = std::move(prefix[segments - 1]);

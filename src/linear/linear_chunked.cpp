@@ -53,14 +53,8 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
     double m_running = state.M;
     Index next = 0;  // next key of the chunk, relative to js
     for (Index r = 0; r < rows; ++r) {
-      for (; next < kb && js + next <= qs + r + shift; ++next) {
-        const double c = keys.log_scale(next);
-        if (c > m_running) {
-          if (m_running != kEmpty) z_running *= T(std::exp(m_running - c));
-          m_running = c;
-        }
-        z_running += T(std::exp(c - m_running)) * keys.den().row(next).transpose();
-      }
+      for (; next < kb && js + next <= qs + r + shift; ++next)
+        admit_key(z_running, m_running, keys.log_scale(next), keys.den().data() + next * setup.m);
       query_max[r] = m_running;
       den[r] = m_running == kEmpty ? 0.0 : double(queries.den().row(r).dot(z_running));
     }

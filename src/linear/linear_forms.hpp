@@ -4,12 +4,9 @@
 #pragma once
 
 #include "linear/linear_kernel.hpp"
+#include "linear/scan_strips.hpp"
 
 namespace linrope::detail {
-
-// Queries per block of the scan: their features are computed by one product, and their steps go
-// through each strip of the state together.
-constexpr Index kScanBlock = 64;
 
 // Quadratic (masked GEMMs) inside chunks of setup.options.chunk_size queries, the state between.
 template <class T>

@@ -1,6 +1,6 @@
 // The gradients of linear attention: argument checks and the entry points, single-head and
-// [batch, heads, n, d] (the kernels are linear_backward_noncausal.cpp and
-// linear_backward_causal.cpp).
+// [batch, heads, n, d] (the kernels are linear_noncausal_backward.cpp and
+// linear_causal_backward.cpp).
 #include <linrope/attention.hpp>
 #include <linrope/batched.hpp>
 

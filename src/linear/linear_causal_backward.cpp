@@ -1,0 +1,67 @@
+// The gradient of causal linear attention, whichever form ran the forward (the chunked form and
+// the scan compute one function): the scan's two sweeps (linear_scan_backward.cpp), over the
+// segments of the forward's plan (causal_plan.hpp). Nothing n x n, nothing recomputed from a
+// later key: query i's terms depend on keys up to i only, and key j's on queries from j on. The
+// features are computed once and kept for both sweeps (O(n m)), and each query's g~, delta and M
+// (O(n d_v)).
+//
+// A long head, when threads are free, is cut into one segment per thread: the keys' state at each
+// segment's start (prefix_states, as the forward) and the queries' state at each segment's end
+// are summed first (one extra GEMM pass over the keys and one over the queries), then the
+// segments sweep in parallel; the last bits then depend on the thread count (attention.hpp,
+// "Reproducibility").
+#include <algorithm>
+#include <vector>
+
+#include "linear/causal_plan.hpp"
+#include "linear/linear_backward.hpp"
+#include "linear/scan_strips.hpp"
+
+namespace linrope::detail {
+
+template <class T>
+void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
+                            bool parallel) {
+  CausalGradients<T> c(head, setup);
+  const Index n = head.n, nk = head.nk, d = setup.d, dv = setup.dv, m = setup.m;
+  const Index horizon = n > 0 ? c.first_key(n) : 0;  // keys [horizon, nk) are seen by no query
+  std::fill(head.dk + horizon * d, head.dk + nk * d, T(0));
+  std::fill(head.dv + horizon * dv, head.dv + nk * dv, T(0));
+  if (n == 0) return;
+  const CausalPlan plan =
+      plan_causal(n, nk, head.q_pos0, head.k_pos0, kScanBlock, usable_threads(parallel));
+  const Index segments = plan.segments;
+  const std::vector<Index>&query_start = plan.query_start, &key_start = plan.key_start;
+  LinearState<T> empty;
+  empty.reset(m, dv);
+  std::vector<LinearState<T>> start =
+      prefix_states<T>(plan, empty, head.k, head.v, head.k_pos0, setup, &c.keys);
+  parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
+    scan_queries_backward(c, query_start[t], query_start[t + 1], start[t]);
+  });
+  c.queries.fill(n);
+  // The queries' state at each segment's end: the later segments' queries, summed from the back.
+  std::vector<QueryState<T>> end(segments);
+  parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
+    end[t].reset(m, dv);
+    if (t == 0) return;  // end[t - 1] takes segment t's queries
+    Scratch<T> weighted(kScanBlock * dv);
+    for (Index qs = query_start[t]; qs < query_start[t + 1]; qs += kScanBlock) {
+      const Index rows = std::min(kScanBlock, query_start[t + 1] - qs);
+      absorb_queries(end[t], c.queries.range(qs, rows), c.terms(qs), weighted.data());
+    }
+  });
+  for (Index t = 0; t + 1 < segments; ++t) end[t] = std::move(end[t + 1]);
+  end[segments - 1].reset(m, dv);
+  for (Index t = segments - 3; t >= 0; --t) merge(end[t], end[t + 1]);
+  parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
+    scan_keys_backward(c, key_start[t], key_start[t + 1], query_start[t + 1], end[t]);
+  });
+}
+
+template void linear_causal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
+                                            bool);
+template void linear_causal_backward<double>(const LinearGradientHead<double>&, const LinearSetup&,
+                                             bool);
+
+}  // namespace linrope::detail

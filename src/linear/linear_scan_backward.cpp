@@ -1,0 +1,163 @@
+// The gradient of the causal scan (linear_scan.cpp), one segment of it: two sweeps, the forward
+// scan's engine (scan_strips.hpp) run three times with other operands. The algebra is in
+// linear_backward.hpp; in its terms, with w_ij = exp(gamma_j - M_i):
+//   queries, first to last:  Ga_i = sum_{j <= i} w_ij <g~_i, v_j> c~_j      state S^T [d_v x m]
+//                             (read g~_i, absorb key v_j with value c~_j): the forward's S, turned
+//   keys, last to first:      dv_j = sum_{i >= j} w_ij <a~_i, c~_j> g~_i     state U   [m x d_v]
+//                             (read c~_j, absorb a~_i with value g~_i)
+//                             Gc_j = sum_{i >= j} w_ij <g~_i, v_j> a~_i      state U^T [d_v x m]
+//                             (read v_j, absorb g~_i with value a~_i)
+// (indices shifted by q_pos0 - k_pos0 when queries and keys start at different positions). So
+// the backward streams its states from L1 as the forward does, and has no masked products:
+// 6 state-sized products per token against the forward's 2, plus the maps' backward.
+// The stabiliser: the queries' sweep keeps the forward's running maximum M (admit_key, as the
+// forward does); the keys' sweep keeps K, the smallest M_i absorbed (M_i never grows going back),
+// so that each query enters with weight exp(K - M_i) <= 1 and key j reads the state times
+// exp(gamma_j - K) <= 1. Every weight is at most 1: large inputs give finite gradients.
+#include <algorithm>
+
+#include "linear/linear_backward.hpp"
+#include "linear/scan_strips.hpp"
+
+namespace linrope::detail {
+
+template <class T>
+void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
+                           LinearState<T>& state) {
+  const LinearGradientHead<T>& h = c.head;
+  const LinearSetup& s = c.setup;
+  const Index m = s.m, d = s.d, dv = s.dv;
+  Matrix<T> weighted;
+  Vector<T> weights;
+  if (q_begin == 0) {  // the keys every query sees
+    const Index prefix = c.first_key(0);
+    if (prefix > 0) absorb(state, c.keys.range(0, prefix), h.v, weighted, weights);
+  }
+  Scratch<T> transposed(dv * m), ga_rows(kScanBlock * m), gb_rows(kScanBlock * m),
+      z_rows(kScanBlock * m);
+  RowMap<T> st(transposed.data(), dv, m);  // S^T, at the scale state.M
+  st = state.S.transpose();
+  ScanSteps<T> steps;
+  double divisor[kScanBlock];  // D~ of the block's rows (0: a zero output)
+  for (Index qs = q_begin; qs < q_end; qs += kScanBlock) {
+    const Index rows = std::min(kScanBlock, q_end - qs);
+    c.queries.compute_at(qs, h.q + qs * d, rows, h.q_pos0 + qs);
+    const FeatureRows<T> queries = c.queries.range(qs, rows), keys = c.keys.all();
+    RowMap<T> ga(ga_rows.data(), rows, m), gb(gb_rows.data(), rows, m), z(z_rows.data(), rows, m);
+    steps.count = rows;
+    for (Index r = 0; r < rows; ++r) {
+      const Index i = qs + r, j = i + c.shift;  // the query and its own key
+      steps.key[r] = nullptr;
+      steps.factor[r] = T(1);
+      if (j >= 0 && j < h.nk) {
+        const Admitted<T> a = admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
+        steps.key[r] = h.v + j * dv;
+        steps.value[r] = keys.num().data() + j * m;
+        steps.factor[r] = a.factor;
+        steps.weight[r] = a.weight;
+      }
+      z.row(r) = state.z.transpose();
+      const double den = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
+      divisor[r] = stabilized_divisor(
+          den, state.M == kEmpty ? kEmpty : queries.log_scale(r) + state.M, s.options.eps);
+      c.scale[i] = divisor[r] == 0 ? kEmpty : state.M;
+      scaled_gradient(h.d_out + i * dv, c.g + i * dv, dv, divisor[r]);
+      steps.read[r] = c.g + i * dv;
+      steps.out[r] = ga_rows.data() + r * m;
+    }
+    scan_steps(st.data(), dv, m, steps);  // Ga = S~_i g~_i, at each row's own scale M_i
+    // delta and Gb = delta z~, then dq.
+    RowMap<T>& den_side = c.separate ? gb : ga;
+    if (c.separate) gb.setZero();
+    for (Index r = 0; r < rows; ++r) {
+      const double D = divisor[r];
+      const double delta = D == 0 ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / D;
+      c.delta[qs + r] = delta;
+      den_side.row(r) += T(delta) * z.row(r);
+    }
+    input_gradient(queries, h.q + qs * d, h.q_pos0 + qs, ga.data(),
+                   c.separate ? gb.data() : nullptr, h.dq + qs * d);
+  }
+}
+
+template <class T>
+void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index q_end,
+                        QueryState<T>& state) {
+  const LinearGradientHead<T>& h = c.head;
+  const LinearSetup& s = c.setup;
+  const Index m = s.m, d = s.d, dv = s.dv;
+  // The segment's queries whose own key lies at or past k_end see every key of it: in first.
+  const Index q_first = std::clamp(k_end - c.shift, Index(0), q_end);
+  {
+    Scratch<T> weighted(kScanBlock * dv);
+    for (Index qs = q_first; qs < q_end; qs += kScanBlock) {
+      const Index rows = std::min(kScanBlock, q_end - qs);
+      absorb_queries(state, c.queries.range(qs, rows), c.terms(qs), weighted.data());
+    }
+  }
+  Scratch<T> transposed(dv * m), gc_rows(kScanBlock * m), ge_rows(kScanBlock * m);
+  RowMap<T> ut(transposed.data(), dv, m);  // U^T, at the scale state.K
+  ut = state.U.transpose();
+  ScanSteps<T> values, features;  // the dv sweep over U, the Gc sweep over U^T
+  double read_scale[kScanBlock];  // K when key r reads the states
+  const FeatureRows<T> queries = c.queries.all(), keys = c.keys.all();
+  for (Index je = k_end; je > k_begin; je -= kScanBlock) {
+    const Index rows = std::min(kScanBlock, je - k_begin), js = je - rows;
+    RowMap<T> gc(gc_rows.data(), rows, m), ge(ge_rows.data(), rows, m);
+    values.count = features.count = rows;
+    for (Index r = 0; r < rows; ++r) {
+      const Index j = je - 1 - r, i = j - c.shift;  // the key, its own query (first to see it)
+      values.key[r] = features.key[r] = nullptr;
+      values.factor[r] = features.factor[r] = T(1);
+      if (i >= 0 && i < h.n && c.scale[i] != kEmpty) {
+        const double M = c.scale[i];
+        if (M < state.K) {
+          if (state.K != kNoQueries) {
+            const T factor = T(std::exp(M - state.K));
+            state.y *= factor;
+            values.factor[r] = features.factor[r] = factor;
+          }
+          state.K = M;
+        }
+        const T weight = T(std::exp(state.K - M));
+        state.y += (weight * T(c.delta[i])) * queries.den().row(i).transpose();
+        values.key[r] = queries.num().data() + i * m;
+        values.value[r] = c.g + i * dv;
+        features.key[r] = c.g + i * dv;
+        features.value[r] = queries.num().data() + i * m;
+        values.weight[r] = features.weight[r] = weight;
+      }
+      read_scale[r] = state.K;
+      values.read[r] = keys.num().data() + j * m;
+      values.out[r] = h.dv + j * dv;
+      features.read[r] = h.v + j * dv;
+      features.out[r] = gc_rows.data() + (j - js) * m;
+      ge.row(j - js) = state.y.transpose();
+    }
+    scan_steps(state.U.data(), m, dv, values);
+    scan_steps(ut.data(), dv, m, features);
+    // Every read times exp(gamma_j - K); Ge = that times y, into Gc where the two sides are the
+    // same rows.
+    for (Index r = 0; r < rows; ++r) {
+      const Index j = je - 1 - r;
+      const T f = read_scale[r] == kNoQueries ? T(0) : T(std::exp(keys.log_scale(j) - read_scale[r]));
+      RowMap<T>(h.dv + j * dv, 1, dv) *= f;
+      gc.row(j - js) *= f;
+      ge.row(j - js) *= f;
+      if (!c.separate) gc.row(j - js) += ge.row(j - js);
+    }
+    input_gradient(c.keys.range(js, rows), h.k + js * d, h.k_pos0 + js, gc.data(),
+                   c.separate ? ge.data() : nullptr, h.dk + js * d);
+  }
+}
+
+template void scan_queries_backward<float>(CausalGradients<float>&, Index, Index,
+                                           LinearState<float>&);
+template void scan_queries_backward<double>(CausalGradients<double>&, Index, Index,
+                                            LinearState<double>&);
+template void scan_keys_backward<float>(CausalGradients<float>&, Index, Index, Index,
+                                        QueryState<float>&);
+template void scan_keys_backward<double>(CausalGradients<double>&, Index, Index, Index,
+                                         QueryState<double>&);
+
+}  // namespace linrope::detail
