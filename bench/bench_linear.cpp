@@ -298,8 +298,12 @@ bool register_all() {
         const std::string name = std::string("linear_backward/") + map_name(kind) + "/" +
                                  linrope::to_string(placement) + "/" +
                                  (causal ? "causal" : "noncausal");
+        // The backward's log-log slope (2k .. 32k), on the flagship configuration.
+        std::vector<std::int64_t> ns = sizes;
+        if (kind == FeatureMapKind::FavorPositive && placement == RopePlacement::NumeratorOnly)
+          ns = {1024, 2048, 4096, 8192, 16384, 32768};
         benchmark::RegisterBenchmark(name.c_str(), BM_LinearBackward, kind, placement, causal)
-            ->ArgsProduct({sizes})
+            ->ArgsProduct({ns})
             ->ArgNames({"n"})
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
