@@ -999,6 +999,64 @@ TEST_CASE("long sequences split across threads: float and double against the dou
   }
 }
 
+TEST_CASE("causal heads cut into 3 and 4 segments, with offsets that empty or clamp segments") {
+  // The split paths the case above never reaches: more than two segments (the suffix states'
+  // merge), segments whose first keys are clamped to 0 (queries that see no key), segments past
+  // the horizon with no key of their own, and queries absorbed in bulk because their own key lies
+  // past the last (n_k < n + shift, or shift > n_k). Against one thread in double, as above.
+  struct Case {
+    FeatureMapKind kind;
+    RopePlacement placement;
+    Index n, n_k, q_offset, k_offset;
+    int threads;
+  };
+  const Case cases[] = {
+      // shift -600: the first 600 queries see nothing, segment 1 starts at key 0 too
+      {FeatureMapKind::FavorPositive, RopePlacement::NumeratorOnly, 1100, 1100, 0, 600, 4},
+      // n_k < n: the keys end at 700; the later segments have none of their own
+      {FeatureMapKind::EluPlusOne, RopePlacement::Full, 1100, 700, 0, 0, 3},
+      // shift 900: keys [0, 900) seen by all, queries from 400 on see every key
+      {FeatureMapKind::FavorPositive, RopePlacement::Full, 1000, 1300, 900, 0, 4},
+      // shift 2000 > n_k: every query sees every key; segment 0 takes all keys, none its own
+      {FeatureMapKind::OnePlusCosine, RopePlacement::NumeratorOnly, 1100, 1100, 2000, 0, 3},
+      {FeatureMapKind::Relu, RopePlacement::BeforeMap, 1300, 1000, 0, 150, 4},
+  };
+  int counter = 0;
+  for (const Case& c : cases) {
+    Problem p;
+    p.kind = c.kind;
+    p.placement = c.placement;
+    p.causal = true;
+    p.n = c.n;
+    p.n_k = c.n_k;
+    p.q_offset = c.q_offset;
+    p.k_offset = c.k_offset;
+    p.d = 6;
+    p.d_v = 4;
+    p.layout = counter % 2 == 0 ? RopeLayout::Interleaved : RopeLayout::Half;
+    p.seed = std::uint64_t(5000 + 10 * counter++);
+    const std::string name = describe(p);
+    CAPTURE(name);
+    CAPTURE(c.threads);
+    const Setup s(p);
+    const ref::LinearResult want = s.reference();
+    const Bounds b = gradient_bounds(s, want);
+    const double gamma_d = rounding_gamma_of<double>(s);
+    REQUIRE(b.conditioned(gamma_d));
+    const Method scan{CausalMethod::Scan, 64};
+    AttentionGradients<double> one;
+    {
+      const ThreadCount threads(1);
+      one = s.run<double>(scan);
+    }
+    const ThreadCount threads(c.threads);
+    const AttentionGradients<double> split = s.run<double>(scan);
+    check_matrix<double>("dq double, split", split.dq, one.dq, b.dq, 2 * gamma_d, 0);
+    check_matrix<double>("dk double, split", split.dk, one.dk, b.dk, 2 * gamma_d, 0);
+    check_matrix<double>("dv double, split", split.dv, one.dv, b.dv, 2 * gamma_d, 0);
+  }
+}
+
 TEST_CASE("float against double on the same inputs, every map and placement") {
   // Each within gamma_T G of the exact gradient: within (gamma_float + gamma_double) G of each
   // other. n = 65 (past the default chunk and Scan's block of 64), causal and not.

@@ -331,15 +331,6 @@ void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index 
   }
 }
 
-// Features of rows [begin, end) of x (positions pos0 + row) into `kept`, a block at a time.
-template <class T>
-void keep_features(KeptFeatures<T>& kept, const T* x, Index begin, Index end, Index pos0,
-                   const LinearSetup& setup) {
-  const Index block = block_rows(setup.m);
-  for (Index at = begin; at < end; at += block)
-    kept.compute_at(at, x + at * setup.d, std::min(block, end - at), pos0 + at);
-}
-
 // The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at
 // most kMaxParts of them, each absorbed into its own state and the states merged in order; and its
 // queries likewise, at multiples of the feature block. The cuts depend on the lengths only, never

@@ -10,8 +10,9 @@ namespace linrope::detail {
 
 // Split across threads (when allowed and long enough; causal_plan.hpp): the queries are cut into
 // one segment per thread at chunk (or scan block) boundaries, each segment's starting key state
-// summed first (prefix_states), then each segment runs the chunked form or the scan from it. The key features of pass 1 are computed again in pass 2 (for the chunked form,
-// measured when it was the only one split: ~25% more work for 2x the threads).
+// summed first (prefix_states), then each segment runs the chunked form or the scan from it. The
+// key features that prefix_states absorbed are computed again by the segments (for the chunked
+// form, measured when it was the only one split: ~25% more work for 2x the threads).
 template <class T>
 void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
                    bool absorb_all, DenominatorTally* tally, bool parallel) {
@@ -48,10 +49,9 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
     return;
   }
   const Index segments = plan.segments;
-  std::vector<LinearState<T>> prefix =
-      prefix_states<T>(plan, state, k, v, k_pos0, setup, /*keep=*/nullptr);
+  std::vector<LinearState<T>> prefix = prefix_states<T>(plan, state, k, v, k_pos0, setup);
   std::vector<DenominatorTally> tallies(segments, tally ? tally->empty() : DenominatorTally(0));
-  parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {  // pass 2
+  parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     const Index q0 = plan.query_start[t], k0 = plan.key_start[t];
     run(q0, k0, plan.query_start[t + 1] - q0, prefix[t], absorb_all && t + 1 == segments,
         tally ? &tallies[t] : nullptr);

@@ -26,7 +26,7 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
   FeatureBlock<T> queries(setup, kScanBlock), keys(setup, kScanBlock);
   ScanSteps<T> steps;
   double scale[kScanBlock], den[kScanBlock];  // the state's log scale M and den~ at each read
-  Scratch<T> numerator(kScanBlock * dv);       // the block's numerators, row-major
+  Scratch<T> numerator(kScanBlock * dv);      // the block's numerators, row-major
   Matrix<T> weighted;
   Vector<T> weights;
   Index next = 0;  // keys [0, next) are in the state
@@ -51,7 +51,8 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
       steps.key[r] = nullptr;
       steps.factor[r] = T(1);
       if (j >= 0 && j < last - first) {
-        const Admitted<T> a = admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
+        const Admitted<T> a =
+            admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
         steps.key[r] = keys.num().data() + j * m;
         steps.value[r] = v + (first + j) * dv;
         steps.factor[r] = a.factor;
