@@ -113,8 +113,7 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
 // the function the forward computes, with the rope, the map's W and every option held fixed
 // (o = num / (den + eps) on the unstabilised scale; the stabilisers' shifts are constants). A
 // causal gradient never depends on a later key. Memory O(n): nothing n x n is stored (softmax
-// keeps two numbers per query row, the linear forms O(n d_v) per-query terms and O(m d_v)
-// states, and compute a block's features again where they need them).
+// keeps two numbers per query row, the linear forms O(n m) features and O(m d_v) states).
 // Rows of the forward's zero outputs (a query with no admissible key; den + eps == 0) get zero
 // gradients. The causal linear backward has one form whatever the forward's method (the chunked
 // form and the scan compute one function): the scan's, a forward sweep for dq and a reverse sweep

@@ -8,10 +8,10 @@
 // of buffers that grow as needed and are kept between calls, up to kKeptBytes each: after a
 // thread's first call, nothing is allocated. A larger buffer (a caller's huge chunk_size, say) is
 // released when the thread's outermost Scratch ends, so that one odd call does not pin its memory
-// to the thread for the rest of the program, unless it was asked for as `lasting`: the causal
-// backward keeps a whole sequence's per-query terms (O(n d_v), megabytes) and is called once per
-// training step with the same shapes; allocating its buffers afresh (then a sequence's features,
-// O(n m)) cost ~10% of a causal FAVOR+ backward in page faults and zeroing. A lasting buffer stays with the thread, at its largest size, until the
+// to the thread for the rest of the program, unless it was asked for as `lasting`: the backward
+// passes keep a whole sequence's features (O(n m), tens of MB) and are called once per training
+// step with the same shapes, and allocating those afresh cost ~10% of a causal FAVOR+ backward in
+// page faults and zeroing. A lasting buffer stays with the thread, at its largest size, until the
 // thread ends (what PyTorch's caching allocator does with its tensors).
 #pragma once
 

@@ -23,16 +23,22 @@ CausalPlan plan_causal(Index n, Index nk, Index q_pos0, Index k_pos0, Index alig
 template <class T>
 std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearState<T>& state,
                                           const T* k, const T* v, Index k_pos0,
-                                          const LinearSetup& setup) {
+                                          const LinearSetup& setup, KeptFeatures<T>* keep) {
   const Index segments = plan.segments, d = setup.d, dv = setup.dv;
   const std::vector<Index>& key_start = plan.key_start;
   std::vector<LinearState<T>> prefix(segments);
   // prefix[t + 1] takes keys [key_start[t], key_start[t + 1]) for now.
-  parallel_for(segments - 1, int(segments), Schedule::Static, [&](Index t) {
+  parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     const Index begin = key_start[t], end = key_start[t + 1];
-    prefix[t + 1].reset(setup.m, dv);
-    absorb_keys(prefix[t + 1], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
+    if (t + 1 < segments) {
+      prefix[t + 1].reset(setup.m, dv);
+      absorb_keys(prefix[t + 1], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup,
+                  keep, begin);
+    } else if (keep) {
+      keep_features(*keep, k, begin, end, k_pos0, setup);
+    }
   });
+  if (keep) keep->fill(key_start[segments]);
   prefix[0] = state;
   for (Index t = 1; t < segments; ++t) {
     LinearState<T> keys_of_previous = std::move(prefix[t]);
@@ -44,9 +50,10 @@ std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearSt
 
 template std::vector<LinearState<float>> prefix_states(const CausalPlan&, const LinearState<float>&,
                                                        const float*, const float*, Index,
-                                                       const LinearSetup&);
+                                                       const LinearSetup&, KeptFeatures<float>*);
 template std::vector<LinearState<double>> prefix_states(const CausalPlan&,
                                                         const LinearState<double>&, const double*,
-                                                        const double*, Index, const LinearSetup&);
+                                                        const double*, Index, const LinearSetup&,
+                                                        KeptFeatures<double>*);
 
 }  // namespace linrope::detail

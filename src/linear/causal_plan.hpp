@@ -24,10 +24,12 @@ struct CausalPlan {
 CausalPlan plan_causal(Index n, Index nk, Index q_pos0, Index k_pos0, Index align, int threads);
 
 // The key state at each segment's start: [0] = state, [t] = state and keys [0, key_start[t]). The
-// key ranges are absorbed in parallel, one per thread, then summed in order (m x d_v each).
+// key ranges are absorbed in parallel, one per thread, then summed in order (m x d_v each). With
+// `keep`, every key's features up to the horizon are also computed into it (the backward reuses
+// them), the last segment's keys included.
 template <class T>
 std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearState<T>& state,
                                           const T* k, const T* v, Index k_pos0,
-                                          const LinearSetup& setup);
+                                          const LinearSetup& setup, KeptFeatures<T>* keep);
 
 }  // namespace linrope::detail

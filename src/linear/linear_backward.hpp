@@ -27,7 +27,6 @@
 #include <vector>
 
 #include "linear/linear_blocks.hpp"
-#include "linear/scan_strips.hpp"
 
 namespace linrope::detail {
 
@@ -189,11 +188,10 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index first_positio
   }
 }
 
-// What the segments of a causal backward share (linear_causal_backward.cpp): the head, and each
-// query's terms g~ [n x d_v], delta and M (kEmpty for a zero output row), written by the sweep
-// over the queries and read by the sweep over the keys: O(n d_v). The features are not kept:
-// each sweep computes those of its block of tokens again, so that they stay in cache (written
-// to O(n m) buffers and read back, they cost twice as much; see bench/RESULTS.md).
+// What the segments of a causal backward share (linear_causal_backward.cpp): the head, every
+// query's and every seen key's features (kept: both sweeps read them), and each query's terms
+// g~ [n x d_v], delta and M (kEmpty for a zero output row), written by the sweep over the queries
+// and read by the sweep over the keys.
 template <class T>
 struct CausalGradients {
   CausalGradients(const LinearGradientHead<T>& h, const LinearSetup& s)
@@ -201,6 +199,8 @@ struct CausalGradients {
         setup(s),
         shift(h.q_pos0 - h.k_pos0),
         separate(s.options.placement == RopePlacement::NumeratorOnly),
+        queries(s, h.n, /*keep_plain=*/true),
+        keys(s, h.nk, /*keep_plain=*/true),
         g_(h.n * s.dv, /*lasting=*/true),
         delta_(h.n, /*lasting=*/true),
         scale_(h.n, /*lasting=*/true),
@@ -216,6 +216,7 @@ struct CausalGradients {
   const LinearSetup& setup;
   const Index shift;
   const bool separate;  // the denominator-side features are other rows (NumeratorOnly)
+  KeptFeatures<T> queries, keys;
 
  private:
   Scratch<T> g_;
@@ -226,25 +227,11 @@ struct CausalGradients {
   double *delta, *scale;
 };
 
-// Adds queries [begin, end) (whose terms are in c) to the queries' state, a block at a time, their
-// features computed here.
-template <class T>
-void absorb_query_range(QueryState<T>& state, const CausalGradients<T>& c, Index begin, Index end) {
-  const LinearSetup& s = c.setup;
-  FeatureBlock<T> queries(s, std::min<Index>(kScanBlock, std::max<Index>(end - begin, 1)));
-  Scratch<T> weighted(queries.capacity() * s.dv);
-  for (Index qs = begin; qs < end; qs += queries.capacity()) {
-    const Index rows = std::min(queries.capacity(), end - qs);
-    queries.compute(c.head.q + qs * s.d, rows, c.head.q_pos0 + qs);
-    absorb_queries(state, queries.all(), c.terms(qs), weighted.data());
-  }
-}
-
 // The two sweeps of the causal backward over one segment (linear_scan_backward.cpp), both the
 // forward scan's engine (scan_strips.hpp) with other operands:
 //   scan_queries_backward: queries [q_begin, q_end) from `state`, which holds the keys before
-//     first_key(q_begin) (segment 0: it absorbs the keys every query sees itself): their g~,
-//     delta, M and rows of dq. Consumes `state`.
+//     first_key(q_begin) (segment 0: it absorbs the keys every query sees itself): their
+//     features (into c.queries), g~, delta, M and rows of dq. Consumes `state`.
 //   scan_keys_backward: keys [k_begin, k_end), from the last back, from `state`, which holds the
 //     queries from q_end on (the later segments'); when the range is not empty it absorbs itself
 //     the queries before q_end whose own key lies at or past k_end (they see every key of the

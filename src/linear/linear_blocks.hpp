@@ -64,11 +64,19 @@ class FeatureRows {
   Index rows_;
 };
 
-// The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
-// per-thread scratch (scratch.hpp: no allocation after a thread's first call). The backward passes
-// compute a block's features again where they need them rather than keep a whole sequence's:
-// written to O(n m) buffers and read back, they cost twice as much (bench/RESULTS.md).
+// Memory for a FeatureBlock that a backward keeps between its passes (a whole sequence's
+// features): the calling thread's scratch, kept after the call (scratch.hpp, `lasting`), so that a
+// training loop's calls allocate nothing after the first. Other threads may read and write it
+// while it lives.
 template <class T>
+class LastingScratch : public Scratch<T> {
+ public:
+  explicit LastingScratch(Index count) : Scratch<T>(count, /*lasting=*/true) {}
+};
+
+// The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
+// per-thread scratch (scratch.hpp: no allocation after a thread's first call), or LastingScratch.
+template <class T, template <class> class Buffer = Scratch>
 class FeatureBlock {
  public:
   FeatureBlock(const LinearSetup& setup, Index capacity, bool keep_plain = false)
@@ -80,19 +88,22 @@ class FeatureBlock {
                               (setup.options.placement == RopePlacement::BeforeMap ? setup.d : 0))),
         log_scale_(capacity) {}
 
-  // Features of rows x [rows x d] (rows <= capacity) at positions first_position,
-  // first_position + 1, ...; they become rows [0, rows).
+  // Features of rows x [rows x d] at positions first_position, first_position + 1, ...; they
+  // become rows [0, rows).
   void compute(const T* x, Index rows, Index first_position) {
-    assert(rows <= capacity_);
+    compute_at(0, x, rows, first_position);
     rows_ = rows;
+  }
+  // The same into rows [at, at + rows), leaving rows() as it is (see fill()).
+  void compute_at(Index at, const T* x, Index rows, Index first_position) {
     check_input(setup_, x, rows, setup_.d);
     const FeatureMap& map = *setup_.map;
     const Rope* rope = setup_.options.rope;
     const Index m = setup_.m, d = setup_.d;
     ConstRowMap<T> input(x, rows, d);
-    T* num = num_data();
-    T* plain = plain_data();
-    double* log_scale = log_scale_.data();
+    T* num = num_data() + at * m;
+    T* plain = plain_data() + at * m;
+    double* log_scale = log_scale_.data() + at;
     const auto map_rows = [&](const auto& from, T* to) {
       FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale);
     };
@@ -101,7 +112,7 @@ class FeatureBlock {
         map_rows(input, num);
         break;
       case RopePlacement::BeforeMap: {
-        RowMap<T> rotated(rotated_input_data(), rows, d);
+        RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
         rotated = input;
         RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
         map_rows(rotated, num);
@@ -122,6 +133,9 @@ class FeatureBlock {
         break;
     }
   }
+  // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
+  void fill(Index rows) { rows_ = rows; }
+
   const LinearSetup& setup() const { return setup_; }
   Index capacity() const { return capacity_; }
   Index rows() const { return rows_; }
@@ -155,10 +169,14 @@ class FeatureBlock {
   const LinearSetup& setup_;
   Index capacity_;
   bool separate_plain_;
-  Scratch<T> features_;
-  Scratch<double> log_scale_;
+  Buffer<T> features_;
+  Buffer<double> log_scale_;
   Index rows_ = 0;
 };
+
+// A whole sequence's features, kept between the passes of a backward.
+template <class T>
+using KeptFeatures = FeatureBlock<T, LastingScratch>;
 
 // Rescales the state to log scale new_max (>= state.M).
 template <class T>
@@ -287,24 +305,39 @@ Prefetch::Range rows_of(const T* x, Index cols, Index first, Index rows) {
 }
 
 // Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time: the non-causal form,
-// and the first pass of the causal form split across threads. Each block's state update fetches the
-// next block's keys and values (gemm.hpp's Prefetch): elu+1's rows are cheap enough to map that
-// waiting for them, not the arithmetic, was much of its time. With read_out's fetches, elu+1
-// non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
+// and the first pass of the causal form split across threads. With `keep`, their features are
+// computed into rows [keep_at, keep_at + nk) of it instead of scratch (the backward reuses them).
+// Each block's state update fetches the next block's keys and values (gemm.hpp's Prefetch): elu+1's
+// rows are cheap enough to map that waiting for them, not the arithmetic, was much of its time.
+// With read_out's fetches, elu+1 non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
 template <class T>
 void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
-                 const LinearSetup& setup) {
+                 const LinearSetup& setup, KeptFeatures<T>* keep = nullptr, Index keep_at = 0) {
   const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(nk, 1));
-  FeatureBlock<T> keys(setup, block);
+  FeatureBlock<T> keys(setup, keep ? 0 : block);
   Matrix<T> weighted;
   Vector<T> weights;
   for (Index js = 0; js < nk; js += block) {
     const Index rows = std::min(block, nk - js), next_rows = std::min(block, nk - js - rows);
     const Prefetch next{
         {rows_of(k, setup.d, js + rows, next_rows), rows_of(v, setup.dv, js + rows, next_rows)}};
-    keys.compute(k + js * setup.d, rows, k_pos0 + js);
-    absorb(state, keys, v + js * setup.dv, weighted, weights, next);
+    if (keep) {
+      keep->compute_at(keep_at + js, k + js * setup.d, rows, k_pos0 + js);
+      absorb(state, keep->range(keep_at + js, rows), v + js * setup.dv, weighted, weights, next);
+    } else {
+      keys.compute(k + js * setup.d, rows, k_pos0 + js);
+      absorb(state, keys, v + js * setup.dv, weighted, weights, next);
+    }
   }
+}
+
+// Features of rows [begin, end) of x (positions pos0 + row) into `kept`, a block at a time.
+template <class T>
+void keep_features(KeptFeatures<T>& kept, const T* x, Index begin, Index end, Index pos0,
+                   const LinearSetup& setup) {
+  const Index block = block_rows(setup.m);
+  for (Index at = begin; at < end; at += block)
+    kept.compute_at(at, x + at * setup.d, std::min(block, end - at), pos0 + at);
 }
 
 // The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at
@@ -323,7 +356,7 @@ inline Index part_count(Index rows, Index unit) {
 // threads, the parts merged in order (linear_noncausal.cpp).
 template <class T>
 void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
-                      const LinearSetup& setup, int threads);
+                      const LinearSetup& setup, int threads, KeptFeatures<T>* keep = nullptr);
 
 // state += other, both brought to the larger of their two scales.
 template <class T>

@@ -49,7 +49,8 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
     return;
   }
   const Index segments = plan.segments;
-  std::vector<LinearState<T>> prefix = prefix_states<T>(plan, state, k, v, k_pos0, setup);
+  std::vector<LinearState<T>> prefix =
+      prefix_states<T>(plan, state, k, v, k_pos0, setup, /*keep=*/nullptr);
   std::vector<DenominatorTally> tallies(segments, tally ? tally->empty() : DenominatorTally(0));
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     const Index q0 = plan.query_start[t], k0 = plan.key_start[t];

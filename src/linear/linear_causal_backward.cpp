@@ -1,9 +1,9 @@
 // The gradient of causal linear attention, whichever form ran the forward (the chunked form and
 // the scan compute one function): the scan's two sweeps (linear_scan_backward.cpp), over the
 // segments of the forward's plan (causal_plan.hpp). Nothing n x n, nothing recomputed from a
-// later key: query i's terms depend on keys up to i only, and key j's on queries from j on. Each
-// sweep computes the features of its blocks itself; only each query's g~, delta and M are kept
-// between them (O(n d_v)).
+// later key: query i's terms depend on keys up to i only, and key j's on queries from j on. The
+// features are computed once and kept for both sweeps (O(n m)), and each query's g~, delta and M
+// (O(n d_v)).
 //
 // A long head, when threads are free, is cut into one segment per thread: the keys' state at each
 // segment's start (prefix_states, as the forward) and the queries' state at each segment's end
@@ -35,15 +35,21 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   LinearState<T> empty;
   empty.reset(m, dv);
   std::vector<LinearState<T>> start =
-      prefix_states<T>(plan, empty, head.k, head.v, head.k_pos0, setup);
+      prefix_states<T>(plan, empty, head.k, head.v, head.k_pos0, setup, &c.keys);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     scan_queries_backward(c, query_start[t], query_start[t + 1], start[t]);
   });
+  c.queries.fill(n);
   // The queries' state at each segment's end: the later segments' queries, summed from the back.
   std::vector<QueryState<T>> end(segments);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     end[t].reset(m, dv);
-    if (t > 0) absorb_query_range(end[t], c, query_start[t], query_start[t + 1]);  // for end[t - 1]
+    if (t == 0) return;  // end[t - 1] takes segment t's queries
+    Scratch<T> weighted(kScanBlock * dv);
+    for (Index qs = query_start[t]; qs < query_start[t + 1]; qs += kScanBlock) {
+      const Index rows = std::min(kScanBlock, query_start[t + 1] - qs);
+      absorb_queries(end[t], c.queries.range(qs, rows), c.terms(qs), weighted.data());
+    }
   });
   for (Index t = 0; t + 1 < segments; ++t) end[t] = std::move(end[t + 1]);
   end[segments - 1].reset(m, dv);

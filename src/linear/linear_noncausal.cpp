@@ -33,12 +33,12 @@ void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_
 
 template <class T>
 void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
-                      const LinearSetup& setup, int threads) {
+                      const LinearSetup& setup, int threads, KeptFeatures<T>* keep) {
   const Index d = setup.d, dv = setup.dv;
   state.reset(setup.m, dv);
   const Index key_parts = part_count(nk, kPartRows);
   if (key_parts == 1) {
-    absorb_keys(state, k, v, nk, k_pos0, setup);
+    absorb_keys(state, k, v, nk, k_pos0, setup, keep);
     return;
   }
   std::vector<LinearState<T>> parts(key_parts);
@@ -46,15 +46,16 @@ void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, I
   parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
     const Index begin = split_point(nk, key_parts, t, kPartRows);
     const Index end = split_point(nk, key_parts, t + 1, kPartRows);
-    absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup);
+    absorb_keys(parts[t], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup, keep,
+                begin);
   });
   for (const auto& part : parts) merge(state, part);
 }
 
 template void absorb_key_parts<float>(LinearState<float>&, const float*, const float*, Index, Index,
-                                      const LinearSetup&, int);
+                                      const LinearSetup&, int, KeptFeatures<float>*);
 template void absorb_key_parts<double>(LinearState<double>&, const double*, const double*, Index,
-                                       Index, const LinearSetup&, int);
+                                       Index, const LinearSetup&, int, KeptFeatures<double>*);
 
 // Keys cut into parts (part_count), each absorbed into its own state, the states merged in order;
 // then the queries read out in parts. Parts run on the OpenMP threads when `parallel`, else in

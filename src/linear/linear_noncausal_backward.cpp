@@ -1,9 +1,9 @@
 // The gradient of non-causal linear attention (the algebra is in linear_backward.hpp). Every query
 // reads the same state (S~, z~) at the same scale M, so the pass is: the keys' state, as in the
-// forward; the queries in parts, each giving its rows of dq and its share of the query state
-// (U, y); the shares merged in order; then the keys in parts, each giving its rows of dk and dv,
-// their features computed again (cheaper than keeping them, see FeatureBlock). The parts are those
-// of the forward (part_count): the same bits for any number of threads.
+// forward, their features kept; the queries in parts, each giving its rows of dq and its share of
+// the query state (U, y); the shares merged in order; then the keys in parts, each giving its rows
+// of dk and dv from the kept features. The parts are those of the forward (part_count): the same
+// bits for any number of threads.
 #include <vector>
 
 #include "linear/linear_backward.hpp"
@@ -49,20 +49,19 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
   }
 }
 
-// Keys [first, first + count) of the head: dk and dv from the complete query state, their
-// features computed again a block at a time.
+// Keys [first, first + count) of the head: dk and dv from the complete query state and the kept
+// key features.
 template <class T>
-void key_pass(const QueryState<T>& queries_state, const LinearGradientHead<T>& head, Index first,
-              Index count, const LinearSetup& setup) {
+void key_pass(const QueryState<T>& queries_state, const KeptFeatures<T>& features,
+              const LinearGradientHead<T>& head, Index first, Index count,
+              const LinearSetup& setup) {
   const Index m = setup.m, d = setup.d, dvw = setup.dv;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(count, 1));
-  FeatureBlock<T> features(setup, block, /*keep_plain=*/true);
   Scratch<T> gc(block * m), ge(block * m), scratch_m(block * m), scratch_dv(block * dvw);
   const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
   for (Index js = first; js < first + count; js += block) {
     const Index rows = std::min(block, first + count - js);
-    features.compute(head.k + js * d, rows, head.k_pos0 + js);
-    const FeatureRows<T> keys = features.all();
+    const FeatureRows<T> keys = features.range(js, rows);
     T* dv = head.dv + js * dvw;
     RowMap<T>(gc.data(), rows, m).setZero();
     if (separate) RowMap<T>(ge.data(), rows, m).setZero();
@@ -82,7 +81,9 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
   const Index n = head.n, nk = head.nk, d = setup.d, dv = setup.dv;
   const int threads = usable_threads(parallel);
   LinearState<T> keys_state;
-  absorb_key_parts(keys_state, head.k, head.v, nk, head.k_pos0, setup, threads);
+  KeptFeatures<T> key_features(setup, nk, /*keep_plain=*/true);
+  absorb_key_parts(keys_state, head.k, head.v, nk, head.k_pos0, setup, threads, &key_features);
+  key_features.fill(nk);
 
   const Index block = block_rows(setup.m);
   const Index query_parts = part_count(n, block);
@@ -102,7 +103,7 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
   parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
     const Index begin = split_point(nk, key_parts, t, kPartRows);
     const Index end = split_point(nk, key_parts, t + 1, kPartRows);
-    key_pass(queries_state, head, begin, end - begin, setup);
+    key_pass(queries_state, key_features, head, begin, end - begin, setup);
   });
 }
 

@@ -27,12 +27,11 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
   const LinearGradientHead<T>& h = c.head;
   const LinearSetup& s = c.setup;
   const Index m = s.m, d = s.d, dv = s.dv;
-  FeatureBlock<T> queries(s, kScanBlock, /*keep_plain=*/true), keys(s, kScanBlock);
   Matrix<T> weighted;
   Vector<T> weights;
   if (q_begin == 0) {  // the keys every query sees
-    Index next = 0;
-    absorb_through(state, keys, h.k, h.v, h.k_pos0, next, c.first_key(0), weighted, weights);
+    const Index prefix = c.first_key(0);
+    if (prefix > 0) absorb(state, c.keys.range(0, prefix), h.v, weighted, weights);
   }
   Scratch<T> transposed(dv * m), ga_rows(kScanBlock * m), gb_rows(kScanBlock * m),
       z_rows(kScanBlock * m);
@@ -42,22 +41,19 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
   double divisor[kScanBlock];  // D~ of the block's rows (0: a zero output)
   for (Index qs = q_begin; qs < q_end; qs += kScanBlock) {
     const Index rows = std::min(kScanBlock, q_end - qs);
-    queries.compute(h.q + qs * d, rows, h.q_pos0 + qs);
-    // The block's own keys: [first, last).
-    const Index first = c.first_key(qs), last = c.first_key(qs + rows);
-    if (last > first) keys.compute(h.k + first * d, last - first, h.k_pos0 + first);
+    c.queries.compute_at(qs, h.q + qs * d, rows, h.q_pos0 + qs);
+    const FeatureRows<T> queries = c.queries.range(qs, rows), keys = c.keys.all();
     RowMap<T> ga(ga_rows.data(), rows, m), gb(gb_rows.data(), rows, m), z(z_rows.data(), rows, m);
     steps.count = rows;
     for (Index r = 0; r < rows; ++r) {
       const Index i = qs + r, j = i + c.shift;  // the query and its own key
       steps.key[r] = nullptr;
       steps.factor[r] = T(1);
-      if (j >= first && j < last) {
-        const Index at = j - first;
+      if (j >= 0 && j < h.nk) {
         const Admitted<T> a =
-            admit_key(state.z, state.M, keys.log_scale(at), keys.den().data() + at * m);
+            admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
         steps.key[r] = h.v + j * dv;
-        steps.value[r] = keys.num().data() + at * m;
+        steps.value[r] = keys.num().data() + j * m;
         steps.factor[r] = a.factor;
         steps.weight[r] = a.weight;
       }
@@ -80,7 +76,7 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       c.delta[qs + r] = delta;
       den_side.row(r) += T(delta) * z.row(r);
     }
-    input_gradient(queries.all(), h.q + qs * d, h.q_pos0 + qs, ga.data(),
+    input_gradient(queries, h.q + qs * d, h.q_pos0 + qs, ga.data(),
                    c.separate ? gb.data() : nullptr, h.dq + qs * d);
   }
 }
@@ -93,29 +89,30 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
   const Index m = s.m, d = s.d, dv = s.dv;
   if (k_begin == k_end) return;  // a segment past the horizon, or whose queries see no key
   // The segment's queries whose own key lies at or past k_end see every key of it: in first.
-  absorb_query_range(state, c, std::clamp(k_end - c.shift, Index(0), q_end), q_end);
-  FeatureBlock<T> keys(s, kScanBlock, /*keep_plain=*/true), queries(s, kScanBlock);
+  const Index q_first = std::clamp(k_end - c.shift, Index(0), q_end);
+  {
+    Scratch<T> weighted(kScanBlock * dv);
+    for (Index qs = q_first; qs < q_end; qs += kScanBlock) {
+      const Index rows = std::min(kScanBlock, q_end - qs);
+      absorb_queries(state, c.queries.range(qs, rows), c.terms(qs), weighted.data());
+    }
+  }
   Scratch<T> transposed(dv * m), gc_rows(kScanBlock * m), ge_rows(kScanBlock * m);
   RowMap<T> ut(transposed.data(), dv, m);  // U^T, at the scale state.K
   ut = state.U.transpose();
   ScanSteps<T> values, features;  // the dv sweep over U, the Gc sweep over U^T
   double read_scale[kScanBlock];  // K when key r reads the states
+  const FeatureRows<T> queries = c.queries.all(), keys = c.keys.all();
   for (Index je = k_end; je > k_begin; je -= kScanBlock) {
     const Index rows = std::min(kScanBlock, je - k_begin), js = je - rows;
-    keys.compute(h.k + js * d, rows, h.k_pos0 + js);
-    // The block's own queries (each the first to see its key): [first, last).
-    const Index first = std::clamp(js - c.shift, Index(0), h.n);
-    const Index last = std::clamp(je - c.shift, Index(0), h.n);
-    if (last > first) queries.compute(h.q + first * d, last - first, h.q_pos0 + first);
     RowMap<T> gc(gc_rows.data(), rows, m), ge(ge_rows.data(), rows, m);
     values.count = features.count = rows;
     for (Index r = 0; r < rows; ++r) {
-      const Index j = je - 1 - r, i = j - c.shift;  // the key, its own query
+      const Index j = je - 1 - r, i = j - c.shift;  // the key, its own query (first to see it)
       values.key[r] = features.key[r] = nullptr;
       values.factor[r] = features.factor[r] = T(1);
-      if (i >= first && i < last && c.scale[i] != kEmpty) {
+      if (i >= 0 && i < h.n && c.scale[i] != kEmpty) {
         const double M = c.scale[i];
-        const T* a = queries.num().data() + (i - first) * m;
         if (M < state.K) {
           if (state.K != kNoQueries) {
             const T factor = T(std::exp(M - state.K));
@@ -125,15 +122,15 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
           state.K = M;
         }
         const T weight = T(std::exp(state.K - M));
-        state.y += (weight * T(c.delta[i])) * queries.den().row(i - first).transpose();
-        values.key[r] = a;
+        state.y += (weight * T(c.delta[i])) * queries.den().row(i).transpose();
+        values.key[r] = queries.num().data() + i * m;
         values.value[r] = c.g + i * dv;
         features.key[r] = c.g + i * dv;
-        features.value[r] = a;
+        features.value[r] = queries.num().data() + i * m;
         values.weight[r] = features.weight[r] = weight;
       }
       read_scale[r] = state.K;
-      values.read[r] = keys.num().data() + (j - js) * m;
+      values.read[r] = keys.num().data() + j * m;
       values.out[r] = h.dv + j * dv;
       features.read[r] = h.v + j * dv;
       features.out[r] = gc_rows.data() + (j - js) * m;
@@ -146,13 +143,13 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
     for (Index r = 0; r < rows; ++r) {
       const Index j = je - 1 - r;
       const T f =
-          read_scale[r] == kNoQueries ? T(0) : T(std::exp(keys.log_scale(j - js) - read_scale[r]));
+          read_scale[r] == kNoQueries ? T(0) : T(std::exp(keys.log_scale(j) - read_scale[r]));
       RowMap<T>(h.dv + j * dv, 1, dv) *= f;
       gc.row(j - js) *= f;
       ge.row(j - js) *= f;
       if (!c.separate) gc.row(j - js) += ge.row(j - js);
     }
-    input_gradient(keys.all(), h.k + js * d, h.k_pos0 + js, gc.data(),
+    input_gradient(c.keys.range(js, rows), h.k + js * d, h.k_pos0 + js, gc.data(),
                    c.separate ? ge.data() : nullptr, h.dk + js * d);
   }
 }
