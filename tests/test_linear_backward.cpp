@@ -1221,6 +1221,75 @@ TEST_CASE("batched backward: one long float head split along the sequence") {
   }
 }
 
+TEST_CASE("linear_attention_backward: a non-finite value anywhere in q, k, v or d_out is found") {
+  // The kernels find non-finite values as they read the inputs (NonFiniteFlag), so every row must
+  // pass through a check on every path, including those no gradient reads: keys past the last
+  // query's horizon, queries that see no key, a head split into segments (n >= 512 on 2 or more
+  // threads), the single-head and the batched calls. One value at a time: the first row, a middle
+  // one and the last, of each argument.
+  const Index d = 6;
+  FeatureMapConfig config;
+  config.kind = FeatureMapKind::FavorPositive;
+  config.input_dim = d;
+  config.num_features = 8;
+  const auto map = make_feature_map(config);
+  const Rope rope(RopeConfig{.dim = map->output_dim()});
+  struct Case {
+    bool causal;
+    Index n, n_k, q_offset, k_offset;
+  };
+  const Case cases[] = {
+      {true, 7, 7, 0, 0},       {true, 7, 12, 0, 0},     // keys 7..11 past the horizon
+      {true, 9, 9, 0, 4},       {true, 600, 700, 0, 0},  // queries 0..3 see no key; split
+      {true, 600, 500, 300, 0}, {false, 7, 9, 0, 0},    {false, 1100, 600, 0, 0}};
+  const char* fn = "linear_attention_backward";
+  for (const Case& c : cases) {
+    CAPTURE(c.causal);
+    CAPTURE(c.n);
+    CAPTURE(c.n_k);
+    CAPTURE(c.q_offset);
+    CAPTURE(c.k_offset);
+    LinearOptions options;
+    options.rope = &rope;
+    options.causal = c.causal;
+    options.q_offset = c.q_offset;
+    options.k_offset = c.k_offset;
+    const MatrixF q = gaussian(c.n, d, 1).cast<float>(), k = gaussian(c.n_k, d, 2).cast<float>(),
+                  v = gaussian(c.n_k, 3, 3).cast<float>(),
+                  d_out = gaussian(c.n, 3, 4).cast<float>();
+    REQUIRE_NOTHROW(linear_attention_backward(q, k, v, d_out, *map, options));
+    for (int which = 0; which < 4; ++which) {
+      const char* name = which == 0 ? "q" : which == 1 ? "k" : which == 2 ? "v" : "d_out";
+      CAPTURE(name);
+      MatrixF x[4] = {q, k, v, d_out};
+      const Index rows = x[which].rows();
+      for (const Index row : {Index(0), rows / 2, rows - 1}) {
+        CAPTURE(row);
+        MatrixF bad[4] = {q, k, v, d_out};
+        bad[which](row, row % bad[which].cols()) = std::numeric_limits<float>::quiet_NaN();
+        const std::string message = std::string(name) + " has the non-finite value";
+        check_invalid(
+            [&] { linear_attention_backward(bad[0], bad[1], bad[2], bad[3], *map, options); },
+            {fn, message.c_str()});
+        const auto in = [](const MatrixF& m) {
+          return Heads<const float>{m.data(), 1, 1, m.rows(), m.cols(), nullptr};
+        };
+        MatrixF dq(c.n, d), dk(c.n_k, d), dv(c.n_k, 3);
+        const auto out = [](MatrixF& m) {
+          return Heads<float>{m.data(), 1, 1, m.rows(), m.cols(), nullptr};
+        };
+        const std::string sliced = std::string(name) + "[0, 0] has the non-finite value";
+        check_invalid(
+            [&] {
+              linear_attention_backward(in(bad[0]), in(bad[1]), in(bad[2]), in(bad[3]), out(dq),
+                                        out(dk), out(dv), *map, options);
+            },
+            {fn, sliced.c_str()});
+      }
+    }
+  }
+}
+
 TEST_CASE("linear_attention_backward: bad input throws std::invalid_argument naming the argument") {
   const Index d = 6;
   FeatureMapConfig config;

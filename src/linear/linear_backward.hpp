@@ -46,8 +46,9 @@ struct LinearGradientHead {
 };
 
 // The gradients of linear_noncausal and linear_causal (any method: the causal backward has one
-// form, the scan's sweeps). `parallel` as for the forwards. Inputs must already be checked (finite,
-// shapes); never throw but std::bad_alloc.
+// form, the scan's sweeps). `parallel` as for the forwards. Shapes must already be checked; the
+// kernels check q, k, v and d_out for non-finite values as they read them, as the forwards do
+// (setup.nonfinite). Never throw but std::bad_alloc.
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
                                bool parallel);

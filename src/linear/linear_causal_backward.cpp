@@ -27,6 +27,8 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   const Index horizon = n > 0 ? c.first_key(n) : 0;  // keys [horizon, nk) are seen by no query
   std::fill(head.dk + horizon * d, head.dk + nk * d, T(0));
   std::fill(head.dv + horizon * dv, head.dv + nk * dv, T(0));
+  check_input(setup, head.k + horizon * d, nk - horizon, d);  // read by nothing else
+  check_input(setup, head.v + horizon * dv, nk - horizon, dv);
   if (n == 0) return;
   const CausalPlan plan =
       plan_causal(n, nk, head.q_pos0, head.k_pos0, kScanBlock, usable_threads(parallel));

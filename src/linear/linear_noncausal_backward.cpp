@@ -25,6 +25,7 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
   for (Index qs = 0; qs < n; qs += block) {
     const Index rows = std::min(block, n - qs);
     queries.compute(q + qs * d, rows, q_pos0 + qs);
+    check_input(setup, d_out + qs * dv, rows, dv);
     RowMap<T> g(g_scratch.data(), rows, dv), ga(ga_scratch.data(), rows, m),
         gb(gb_scratch.data(), rows, m);
     const Vector<T> den = queries.den() * keys_state.z;

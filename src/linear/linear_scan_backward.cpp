@@ -42,6 +42,11 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
   for (Index qs = q_begin; qs < q_end; qs += kScanBlock) {
     const Index rows = std::min(kScanBlock, q_end - qs);
     c.queries.compute_at(qs, h.q + qs * d, rows, h.q_pos0 + qs);
+    check_input(s, h.d_out + qs * dv, rows, dv);
+    {  // the values of the block's own keys (the others' are checked where they are absorbed)
+      const Index first = c.first_key(qs), last = c.first_key(qs + rows);
+      check_input(s, h.v + first * dv, last - first, dv);
+    }
     const FeatureRows<T> queries = c.queries.range(qs, rows), keys = c.keys.all();
     RowMap<T> ga(ga_rows.data(), rows, m), gb(gb_rows.data(), rows, m), z(z_rows.data(), rows, m);
     steps.count = rows;
