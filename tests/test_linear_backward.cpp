@@ -1221,19 +1221,24 @@ TEST_CASE("batched backward: one long float head split along the sequence") {
   }
 }
 
+// The bad-input tests' problem: FAVOR+ with d = 6 and 8 features, eq. 19's rope of width m.
+struct SmallFavor {
+  static constexpr Index d = 6;
+  std::unique_ptr<FeatureMap> map =
+      make_feature_map({.kind = FeatureMapKind::FavorPositive, .input_dim = d, .num_features = 8});
+  Rope rope{RopeConfig{.dim = map->output_dim()}};
+};
+
 TEST_CASE("linear_attention_backward: a non-finite value anywhere in q, k, v or d_out is found") {
   // The kernels find non-finite values as they read the inputs (NonFiniteFlag), so every row must
   // pass through a check on every path, including those no gradient reads: keys past the last
   // query's horizon, queries that see no key, a head split into segments (n >= 512 on 2 or more
   // threads), the single-head and the batched calls. One value at a time: the first row, a middle
   // one and the last, of each argument.
-  const Index d = 6;
-  FeatureMapConfig config;
-  config.kind = FeatureMapKind::FavorPositive;
-  config.input_dim = d;
-  config.num_features = 8;
-  const auto map = make_feature_map(config);
-  const Rope rope(RopeConfig{.dim = map->output_dim()});
+  const SmallFavor favor;
+  const Index d = favor.d;
+  const auto& map = favor.map;
+  const Rope& rope = favor.rope;
   struct Case {
     bool causal;
     Index n, n_k, q_offset, k_offset;
@@ -1291,13 +1296,10 @@ TEST_CASE("linear_attention_backward: a non-finite value anywhere in q, k, v or 
 }
 
 TEST_CASE("linear_attention_backward: bad input throws std::invalid_argument naming the argument") {
-  const Index d = 6;
-  FeatureMapConfig config;
-  config.kind = FeatureMapKind::FavorPositive;
-  config.input_dim = d;
-  config.num_features = 8;
-  const auto map = make_feature_map(config);
-  const Rope rope(RopeConfig{.dim = map->output_dim()});
+  const SmallFavor favor;
+  const Index d = favor.d;
+  const auto& map = favor.map;
+  const Rope& rope = favor.rope;
   LinearOptions ok;
   ok.rope = &rope;
   const MatrixF q = gaussian(7, d, 1).cast<float>(), k = gaussian(9, d, 2).cast<float>(),
