@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "linear/linear_blocks.hpp"
+#include "linear/scan_strips.hpp"
 
 namespace linrope::detail {
 
@@ -227,6 +228,17 @@ struct CausalGradients {
   T* g;
   double *delta, *scale;
 };
+
+// Adds queries [begin, end) (their kept features and terms) to the queries' state, a scan block at
+// a time: a later segment's queries for an earlier segment's state, or the queries that see every
+// key of a segment.
+template <class T>
+void absorb_query_range(QueryState<T>& state, const CausalGradients<T>& c, Index begin, Index end) {
+  Scratch<T> weighted(kScanBlock * c.setup.dv);
+  for (Index qs = begin; qs < end; qs += kScanBlock)
+    absorb_queries(state, c.queries.range(qs, std::min(kScanBlock, end - qs)), c.terms(qs),
+                   weighted.data());
+}
 
 // The two sweeps of the causal backward over one segment (linear_scan_backward.cpp), both the
 // forward scan's engine (scan_strips.hpp) with other operands:

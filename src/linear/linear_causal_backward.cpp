@@ -46,12 +46,7 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   std::vector<QueryState<T>> end(segments);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     end[t].reset(m, dv);
-    if (t == 0) return;  // end[t - 1] takes segment t's queries
-    Scratch<T> weighted(kScanBlock * dv);
-    for (Index qs = query_start[t]; qs < query_start[t + 1]; qs += kScanBlock) {
-      const Index rows = std::min(kScanBlock, query_start[t + 1] - qs);
-      absorb_queries(end[t], c.queries.range(qs, rows), c.terms(qs), weighted.data());
-    }
+    if (t > 0) absorb_query_range(end[t], c, query_start[t], query_start[t + 1]);  // for end[t - 1]
   });
   for (Index t = 0; t + 1 < segments; ++t) end[t] = std::move(end[t + 1]);
   end[segments - 1].reset(m, dv);

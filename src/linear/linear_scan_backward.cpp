@@ -94,14 +94,7 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
   const Index m = s.m, d = s.d, dv = s.dv;
   if (k_begin == k_end) return;  // a segment past the horizon, or whose queries see no key
   // The segment's queries whose own key lies at or past k_end see every key of it: in first.
-  const Index q_first = std::clamp(k_end - c.shift, Index(0), q_end);
-  {
-    Scratch<T> weighted(kScanBlock * dv);
-    for (Index qs = q_first; qs < q_end; qs += kScanBlock) {
-      const Index rows = std::min(kScanBlock, q_end - qs);
-      absorb_queries(state, c.queries.range(qs, rows), c.terms(qs), weighted.data());
-    }
-  }
+  absorb_query_range(state, c, std::clamp(k_end - c.shift, Index(0), q_end), q_end);
   Scratch<T> transposed(dv * m), gc_rows(kScanBlock * m), ge_rows(kScanBlock * m);
   RowMap<T> ut(transposed.data(), dv, m);  // U^T, at the scale state.K
   ut = state.U.transpose();
