@@ -47,15 +47,15 @@ struct LinearGradientHead {
 };
 
 // The gradients of linear_noncausal and linear_causal (any method: the causal backward has one
-// form, the scan's sweeps). `parallel` as for the forwards. Shapes must already be checked; the
+// form, the scan's sweeps). `threading` as for the forwards. Shapes must already be checked; the
 // kernels check q, k, v and d_out for non-finite values as they read them, as the forwards do
 // (setup.nonfinite). Never throw but std::bad_alloc.
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                               bool parallel);
+                               Threads threading);
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            bool parallel);
+                            Threads threading);
 
 inline constexpr double kNoQueries = std::numeric_limits<double>::infinity();
 
@@ -141,8 +141,8 @@ void key_terms_from_state(const QueryState<T>& state, const FeatureRows<T>& keys
   gemm(const_view(ConstRowMap<T>(v, rows, dvw)), const_view(state.U).transposed(), view(from_u),
        false);
   gemm(const_view(keys.num()), const_view(state.U), view(from_ut), false);
-  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
-  RowMap<T> c(gc, rows, m), e(separate ? ge : gc, rows, m), value(dv, rows, dvw);
+  RowMap<T> c(gc, rows, m), e(setup.plan.separate_denominator ? ge : gc, rows, m),
+      value(dv, rows, dvw);
   for (Index j = 0; j < rows; ++j) {
     const T f = T(std::exp(keys.log_scale(j) - state.K));
     c.row(j) += f * from_u.row(j);
@@ -167,20 +167,16 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index first_positio
   const auto add_den = [&] {
     if (g_den) g += ConstRowMap<T>(g_den, rows, m);
   };
-  switch (setup.options.placement) {
-    case RopePlacement::NumeratorOnly:  // den: the unrotated features
+  const PlacementPlan& plan = setup.plan;
+  if (plan.rotate_features && plan.separate_denominator) {  // den: the unrotated features
+    RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
+    add_den();
+  } else {
+    add_den();
+    if (plan.rotate_features)
       RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
-      add_den();
-      break;
-    case RopePlacement::Full:
-      add_den();
-      RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
-      break;
-    default:
-      add_den();
-      break;
   }
-  if (setup.options.placement == RopePlacement::BeforeMap) {
+  if (plan.rotate_input) {
     FeatureMapAccess::backward<T>(*setup.map, block.rotated_input(), block.plain(), g,
                                   RowMap<T>(dx, rows, d));
     RopeAccess::rotate_rows(*rope, dx, rows, d, first_position, Turn::Transpose);
@@ -200,9 +196,9 @@ struct CausalGradients {
       : head(h),
         setup(s),
         shift(h.q_pos0 - h.k_pos0),
-        separate(s.options.placement == RopePlacement::NumeratorOnly),
-        queries(s, h.n, /*keep_plain=*/true),
-        keys(s, h.nk, /*keep_plain=*/true),
+        separate(s.plan.separate_denominator),
+        queries(s, h.n, Plain::Kept),
+        keys(s, h.nk, Plain::Kept),
         g_(h.n * s.dv, /*lasting=*/true),
         delta_(h.n, /*lasting=*/true),
         scale_(h.n, /*lasting=*/true),
@@ -217,7 +213,7 @@ struct CausalGradients {
   const LinearGradientHead<T>& head;
   const LinearSetup& setup;
   const Index shift;
-  const bool separate;  // the denominator-side features are other rows (NumeratorOnly)
+  const bool separate;  // the denominator-side features are other rows (setup.plan)
   KeptFeatures<T> queries, keys;
 
  private:

@@ -20,10 +20,10 @@ namespace linrope::detail {
 inline constexpr double kEmpty = -std::numeric_limits<double>::infinity();
 
 // x, a [rows x cols] block of q, k or v: raises setup.nonfinite if it holds a non-finite value
-// (when the caller asked for checks).
+// (when the caller asked for checks; the policy: common/nonfinite.hpp).
 template <class T>
 void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
-  if (setup.nonfinite) setup.nonfinite->check(x, rows, cols);
+  if (setup.nonfinite) setup.nonfinite->check(ConstRowMap<T>(x, rows, cols));
 }
 
 // Some rows of stabilised features (a FeatureBlock's, or a part of them), in the form the
@@ -32,7 +32,7 @@ void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
 //   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
 //   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features;
 // and, for the backward, plain(): the map's own output before any rotation (kept for Full only
-// when asked, keep_plain), rotated_input(): BeforeMap's rotated rows, the map's input there.
+// when asked, Plain::Kept), rotated_input(): BeforeMap's rotated rows, the map's input there.
 template <class T>
 class FeatureRows {
  public:
@@ -74,18 +74,22 @@ class LastingScratch : public Scratch<T> {
   explicit LastingScratch(Index count) : Scratch<T>(count, /*lasting=*/true) {}
 };
 
+// Whether a FeatureBlock keeps the map's own output beside its rotation where the forward would not
+// need it (Full): the backward's map gradient reads it.
+enum class Plain { Dropped, Kept };
+
 // The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
 // per-thread scratch (scratch.hpp: no allocation after a thread's first call), or LastingScratch.
 template <class T, template <class> class Buffer = Scratch>
 class FeatureBlock {
  public:
-  FeatureBlock(const LinearSetup& setup, Index capacity, bool keep_plain = false)
+  FeatureBlock(const LinearSetup& setup, Index capacity, Plain plain = Plain::Dropped)
       : setup_(setup),
         capacity_(capacity),
-        separate_plain_(setup.options.placement == RopePlacement::NumeratorOnly ||
-                        (keep_plain && setup.options.placement == RopePlacement::Full)),
+        separate_plain_(setup.plan.rotate_features &&
+                        (setup.plan.separate_denominator || plain == Plain::Kept)),
         features_(capacity * ((separate_plain_ ? 2 : 1) * setup.m +
-                              (setup.options.placement == RopePlacement::BeforeMap ? setup.d : 0))),
+                              (setup.plan.rotate_input ? setup.d : 0))),
         log_scale_(capacity) {}
 
   // Features of rows x [rows x d] at positions first_position, first_position + 1, ...; they
@@ -107,30 +111,20 @@ class FeatureBlock {
     const auto map_rows = [&](const auto& from, T* to) {
       FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale);
     };
-    switch (setup_.options.placement) {
-      case RopePlacement::None:
-        map_rows(input, num);
-        break;
-      case RopePlacement::BeforeMap: {
-        RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
-        rotated = input;
-        RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
-        map_rows(rotated, num);
-        break;
-      }
-      case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
-      case RopePlacement::Full:
-        if (separate_plain_) {
-          map_rows(input, plain);
-          RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, first_position, Turn::Apply);
-        } else {
-          map_rows(input, num);
-          RopeAccess::rotate_rows(*rope, num, rows, m, first_position, Turn::Apply);
-        }
-        break;
-      default:  // check_linear_setup rejects any other value before a kernel runs
-        assert(false && "unchecked RopePlacement");
-        break;
+    const PlacementPlan& plan = setup_.plan;
+    if (plan.rotate_input) {
+      RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
+      rotated = input;
+      RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
+      map_rows(rotated, num);
+    } else if (!plan.rotate_features) {
+      map_rows(input, num);
+    } else if (separate_plain_) {  // den (or the backward): the features; num: their rotation
+      map_rows(input, plain);
+      RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, first_position, Turn::Apply);
+    } else {
+      map_rows(input, num);
+      RopeAccess::rotate_rows(*rope, num, rows, m, first_position, Turn::Apply);
     }
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
@@ -160,7 +154,7 @@ class FeatureBlock {
     return separate_plain_ ? features_.data() + capacity_ * setup_.m : features_.data();
   }
   T* den_data() const {
-    return setup_.options.placement == RopePlacement::NumeratorOnly ? plain_data() : num_data();
+    return setup_.plan.separate_denominator ? plain_data() : num_data();
   }
   T* rotated_input_data() const {
     return features_.data() + capacity_ * setup_.m * (separate_plain_ ? 2 : 1);
@@ -274,8 +268,13 @@ inline double stabilized_divisor(double den, double log_scale, double eps) {
 template <class T>
 void write_output(T* out, const T* numerator, Index dv, double den, double log_scale, double eps,
                   DenominatorTally* tally) {
-  if (tally) tally->add(log_scale == kEmpty ? 0.0 : den, log_scale == kEmpty ? 0.0 : log_scale);
   const double total = stabilized_divisor(den, log_scale, eps);
+  if (tally) {
+    if (log_scale == kEmpty)
+      tally->add_no_keys();
+    else
+      tally->add(den, log_scale, total == 0);
+  }
   if (total == 0) {
     std::fill(out, out + dv, T(0));
     return;
@@ -294,8 +293,6 @@ void write_output(T* out, const T* numerator, Index dv, double den, double log_s
 // per-block work (packing the state, the calls) over more of their cheap rows; else 256 (FAVOR+,
 // m = 256: 256 KiB, twice that for eq. 19).
 inline Index block_rows(Index m) { return m <= 64 ? 512 : 256; }
-
-inline int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_threads() : 1; }
 
 // Rows [first, first + rows) of a row-major [* x cols] buffer, as a range to prefetch (empty when
 // rows is 0).

@@ -21,7 +21,7 @@ namespace linrope::detail {
 
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            bool parallel) {
+                            Threads threading) {
   CausalGradients<T> c(head, setup);
   const Index n = head.n, nk = head.nk, d = setup.d, dv = setup.dv, m = setup.m;
   const Index horizon = n > 0 ? c.first_key(n) : 0;  // keys [horizon, nk) are seen by no query
@@ -31,7 +31,7 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   check_input(setup, head.v + horizon * dv, nk - horizon, dv);
   if (n == 0) return;
   const CausalPlan plan =
-      plan_causal(n, nk, head.q_pos0, head.k_pos0, kScanBlock, usable_threads(parallel));
+      plan_causal(n, nk, head.q_pos0, head.k_pos0, kScanBlock, usable_threads(threading));
   const Index segments = plan.segments;
   const std::vector<Index>&query_start = plan.query_start, &key_start = plan.key_start;
   LinearState<T> empty;
@@ -57,8 +57,8 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
 }
 
 template void linear_causal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
-                                            bool);
+                                            Threads);
 template void linear_causal_backward<double>(const LinearGradientHead<double>&, const LinearSetup&,
-                                             bool);
+                                             Threads);
 
 }  // namespace linrope::detail

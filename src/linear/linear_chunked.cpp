@@ -17,7 +17,7 @@ constexpr Index kKeyBlock = 32;
 // time, weighted with exp(c_j - M_i) computed once per run of queries sharing the same M_i.
 template <class T>
 void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
-                    bool absorb_all, DenominatorTally* tally) {
+                    FinalState final_state, DenominatorTally* tally) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
   const Index n = head.n, nk = head.nk, q_pos0 = head.q_pos0, k_pos0 = head.k_pos0;
@@ -110,7 +110,7 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, den[r],
                    queries.log_scale(r) + query_max[r], setup.options.eps, tally);
-    if (kb > 0 && (absorb_all || next_rows > 0)) {
+    if (kb > 0 && (final_state == FinalState::EveryKey || next_rows > 0)) {
       absorb(state, keys, v + js * dv, weighted, weights,
              Prefetch{{rows_of(v, dv, je, next_je - je), rows_of(out, dv, qs + rows, next_rows)}});
       absorbed = je;
@@ -120,12 +120,12 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
       check_input(setup, v + js * dv, kb, dv);
     }
   }
-  if (absorb_all) absorb_until(nk);
+  if (final_state == FinalState::EveryKey) absorb_until(nk);
 }
 
 template void causal_chunked<float>(const LinearHead<float>&, const LinearSetup&,
-                                    LinearState<float>&, bool, DenominatorTally*);
+                                    LinearState<float>&, FinalState, DenominatorTally*);
 template void causal_chunked<double>(const LinearHead<double>&, const LinearSetup&,
-                                     LinearState<double>&, bool, DenominatorTally*);
+                                     LinearState<double>&, FinalState, DenominatorTally*);
 
 }  // namespace linrope::detail

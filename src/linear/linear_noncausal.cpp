@@ -58,16 +58,16 @@ template void absorb_key_parts<double>(LinearState<double>&, const double*, cons
                                        Index, const LinearSetup&, int, KeptFeatures<double>*);
 
 // Keys cut into parts (part_count), each absorbed into its own state, the states merged in order;
-// then the queries read out in parts. Parts run on the OpenMP threads when `parallel`, else in
-// turn: the same arithmetic either way.
+// then the queries read out in parts. Parts run on the OpenMP threads when `threading` is
+// Parallel, else in turn: the same arithmetic either way.
 template <class T>
 void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, DenominatorTally* tally,
-                      bool parallel) {
+                      Threads threading) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
   const Index n = head.n, nk = head.nk, q_pos0 = head.q_pos0, k_pos0 = head.k_pos0;
   const Index d = setup.d, dv = setup.dv;
-  const int threads = usable_threads(parallel);
+  const int threads = usable_threads(threading);
   LinearState<T> state;
   absorb_key_parts(state, k, v, nk, k_pos0, setup, threads);
   // Query parts at multiples of read_out's block, so that every block of rows, and so every
@@ -91,8 +91,8 @@ void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, Denom
 }
 
 template void linear_noncausal<float>(const LinearHead<float>&, const LinearSetup&,
-                                      DenominatorTally*, bool);
+                                      DenominatorTally*, Threads);
 template void linear_noncausal<double>(const LinearHead<double>&, const LinearSetup&,
-                                       DenominatorTally*, bool);
+                                       DenominatorTally*, Threads);
 
 }  // namespace linrope::detail

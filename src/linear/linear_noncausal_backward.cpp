@@ -17,11 +17,11 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
                 Index q_pos0, const LinearSetup& setup, QueryState<T>& queries_state) {
   const Index m = setup.m, d = setup.d, dv = setup.dv;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(n, 1));
-  FeatureBlock<T> queries(setup, block, /*keep_plain=*/true);
+  FeatureBlock<T> queries(setup, block, Plain::Kept);
   Scratch<T> g_scratch(block * dv), ga_scratch(block * m), gb_scratch(block * m),
       weighted(block * dv);
   std::vector<double> delta(block), scale(block);
-  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
+  const bool separate = setup.plan.separate_denominator;
   for (Index qs = 0; qs < n; qs += block) {
     const Index rows = std::min(block, n - qs);
     queries.compute(q + qs * d, rows, q_pos0 + qs);
@@ -59,7 +59,7 @@ void key_pass(const QueryState<T>& queries_state, const KeptFeatures<T>& feature
   const Index m = setup.m, d = setup.d, dvw = setup.dv;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(count, 1));
   Scratch<T> gc(block * m), ge(block * m), scratch_m(block * m), scratch_dv(block * dvw);
-  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
+  const bool separate = setup.plan.separate_denominator;
   for (Index js = first; js < first + count; js += block) {
     const Index rows = std::min(block, first + count - js);
     const FeatureRows<T> keys = features.range(js, rows);
@@ -78,11 +78,11 @@ void key_pass(const QueryState<T>& queries_state, const KeptFeatures<T>& feature
 
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                               bool parallel) {
+                               Threads threading) {
   const Index n = head.n, nk = head.nk, d = setup.d, dv = setup.dv;
-  const int threads = usable_threads(parallel);
+  const int threads = usable_threads(threading);
   LinearState<T> keys_state;
-  KeptFeatures<T> key_features(setup, nk, /*keep_plain=*/true);
+  KeptFeatures<T> key_features(setup, nk, Plain::Kept);
   absorb_key_parts(keys_state, head.k, head.v, nk, head.k_pos0, setup, threads, &key_features);
   key_features.fill(nk);
 
@@ -109,8 +109,8 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
 }
 
 template void linear_noncausal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
-                                               bool);
+                                               Threads);
 template void linear_noncausal_backward<double>(const LinearGradientHead<double>&,
-                                                const LinearSetup&, bool);
+                                                const LinearSetup&, Threads);
 
 }  // namespace linrope::detail

@@ -13,11 +13,11 @@ namespace linrope::detail {
 // works out each query's scale and denominator (scalars and the m-vector z), then scan_steps runs
 // the block's rank-one updates and read-outs through strips of S. Keys that no query reads between
 // enter a block at a time, as in the chunked form (absorb): those before a block's first query
-// (n_k ahead of n), and those after the last query when absorb_all (which no caller has yet: the
+// (n_k ahead of n), and those after the last query for FinalState::EveryKey (which no caller has yet: the
 // stream's queries and keys are the same tokens).
 template <class T>
 void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
-                 bool absorb_all, DenominatorTally* tally) {
+                 FinalState final_state, DenominatorTally* tally) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
   const Index n = head.n, nk = head.nk, q_pos0 = head.q_pos0, k_pos0 = head.k_pos0;
@@ -67,12 +67,12 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
                    queries.log_scale(r) + scale[r], setup.options.eps, tally);
     next = last;
   }
-  if (absorb_all) absorb_until(nk);
+  if (final_state == FinalState::EveryKey) absorb_until(nk);
 }
 
 template void causal_scan<float>(const LinearHead<float>&, const LinearSetup&, LinearState<float>&,
-                                 bool, DenominatorTally*);
+                                 FinalState, DenominatorTally*);
 template void causal_scan<double>(const LinearHead<double>&, const LinearSetup&,
-                                  LinearState<double>&, bool, DenominatorTally*);
+                                  LinearState<double>&, FinalState, DenominatorTally*);
 
 }  // namespace linrope::detail
