@@ -73,7 +73,7 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
                                    q.rows(), k.rows(), options.q_offset, options.k_offset};
   if (options.causal) {
     detail::LinearState<T> state;
-    state.reset(setup.m, setup.dv);
+    state.reset(setup.m, setup.d_v);
     detail::linear_causal(head, setup, state, detail::FinalState::Discarded, tally_ptr,
                           detail::Threads::Parallel);
   } else {

@@ -67,16 +67,16 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
   const Index slices = q.batch * q.heads;
   std::vector<detail::NonFiniteFlag> nonfinite(slices);
   const auto run = [&](Index b, Index h, detail::Threads threading) {
-    const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+    const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[b * q.heads + h];
     run_head<T>(
         {slice(q, b, h), slice(k, b, h), slice(v, b, h), slice(d_out, b, h), slice_out(dq, b, h),
-         slice_out(dk, b, h), slice_out(dv, b, h), n, nk, options.q_offset, options.k_offset},
+         slice_out(dk, b, h), slice_out(dv, b, h), n, n_k, options.q_offset, options.k_offset},
         setup_of_slice, threading);
     detail::zero_rows_past(dq, b, h, n);
-    detail::zero_rows_past(dk, b, h, nk);
-    detail::zero_rows_past(dv, b, h, nk);
+    detail::zero_rows_past(dk, b, h, n_k);
+    detail::zero_rows_past(dv, b, h, n_k);
   };
   detail::for_each_head(q.batch, q.heads, run);
   for (Index s = 0; s < slices; ++s)

@@ -32,13 +32,13 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     detail::DenominatorTally* tally = stats ? &tallies[s] : nullptr;
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[s];
-    const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+    const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
     const detail::LinearHead<T> head{
-        slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, nk,
+        slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, n_k,
         options.q_offset, options.k_offset};
     if (options.causal) {
       detail::LinearState<T> state;
-      state.reset(setup.m, setup.dv);
+      state.reset(setup.m, setup.d_v);
       detail::linear_causal(head, setup_of_slice, state, detail::FinalState::Discarded, tally,
                             threading);
     } else {

@@ -218,11 +218,11 @@ Admitted<T> admit_key(Vector<T>& z, double& M, double c, const T* e) {
 template <class T, class Keys>
 void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weighted_v,
             Vector<T>& weights, const Prefetch& next = {}) {
-  const Index rows = keys.rows(), dv = keys.setup().dv;
+  const Index rows = keys.rows(), d_v = keys.setup().d_v;
   if (rows == 0) return;
-  check_input(keys.setup(), v, rows, dv);
+  check_input(keys.setup(), v, rows, d_v);
   raise_scale(state, keys.max_log_scale());
-  const ConstRowMap<T> values(v, rows, dv);
+  const ConstRowMap<T> values(v, rows, d_v);
   bool unit = true;
   for (Index j = 0; j < rows && unit; ++j) unit = keys.log_scale(j) == state.M;
   if (!unit) {
@@ -242,12 +242,12 @@ void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weig
 // the keys that no query reads between (the causal forms' keys before a block of queries).
 template <class T>
 void absorb_through(LinearState<T>& state, FeatureBlock<T>& keys, const T* k, const T* v,
-                    Index k_pos0, Index& next, Index end, Matrix<T>& weighted, Vector<T>& weights) {
-  const Index d = keys.setup().d, dv = keys.setup().dv;
+                    Index k_offset, Index& next, Index end, Matrix<T>& weighted, Vector<T>& weights) {
+  const Index d = keys.setup().d, d_v = keys.setup().d_v;
   while (next < end) {
     const Index rows = std::min(keys.capacity(), end - next);
-    keys.compute(k + next * d, rows, k_pos0 + next);
-    absorb(state, keys, v + next * dv, weighted, weights);
+    keys.compute(k + next * d, rows, k_offset + next);
+    absorb(state, keys, v + next * d_v, weighted, weights);
     next += rows;
   }
 }
@@ -266,7 +266,7 @@ inline double stabilized_divisor(double den, double log_scale, double eps) {
 // numerator: d_v contiguous values. Multiplying by the reciprocal in double (one rounding more
 // than dividing, far below float's) lets the loop vectorise.
 template <class T>
-void write_output(T* out, const T* numerator, Index dv, double den, double log_scale, double eps,
+void write_output(T* out, const T* numerator, Index d_v, double den, double log_scale, double eps,
                   DenominatorTally* tally) {
   const double total = stabilized_divisor(den, log_scale, eps);
   if (tally) {
@@ -276,15 +276,15 @@ void write_output(T* out, const T* numerator, Index dv, double den, double log_s
       tally->add(den, log_scale, total == 0);
   }
   if (total == 0) {
-    std::fill(out, out + dv, T(0));
+    std::fill(out, out + d_v, T(0));
     return;
   }
   const double inverse = 1.0 / total;
   if (!std::isfinite(inverse)) {  // a subnormal total (double, eps = 0): 1 / total overflows
-    for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) / total);
+    for (Index c = 0; c < d_v; ++c) out[c] = T(double(numerator[c]) / total);
     return;
   }
-  for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) * inverse);
+  for (Index c = 0; c < d_v; ++c) out[c] = T(double(numerator[c]) * inverse);
 }
 
 // Rows per feature block of the non-causal form: large enough for efficient GEMMs, small enough for
@@ -301,29 +301,29 @@ Prefetch::Range rows_of(const T* x, Index cols, Index first, Index rows) {
   return {x + first * cols, Index(sizeof(T)) * cols * rows};
 }
 
-// Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time: the non-causal form,
+// Adds keys [0, n_k) (positions k_offset..) to the state, a block at a time: the non-causal form,
 // and the first pass of the causal form split across threads. With `keep`, their features are
-// computed into rows [keep_at, keep_at + nk) of it instead of scratch (the backward reuses them).
+// computed into rows [keep_at, keep_at + n_k) of it instead of scratch (the backward reuses them).
 // Each block's state update fetches the next block's keys and values (gemm.hpp's Prefetch): elu+1's
 // rows are cheap enough to map that waiting for them, not the arithmetic, was much of its time.
 // With read_out's fetches, elu+1 non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
 template <class T>
-void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
                  const LinearSetup& setup, KeptFeatures<T>* keep = nullptr, Index keep_at = 0) {
-  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(nk, 1));
+  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n_k, 1));
   FeatureBlock<T> keys(setup, keep ? 0 : block);
   Matrix<T> weighted;
   Vector<T> weights;
-  for (Index js = 0; js < nk; js += block) {
-    const Index rows = std::min(block, nk - js), next_rows = std::min(block, nk - js - rows);
+  for (Index js = 0; js < n_k; js += block) {
+    const Index rows = std::min(block, n_k - js), next_rows = std::min(block, n_k - js - rows);
     const Prefetch next{
-        {rows_of(k, setup.d, js + rows, next_rows), rows_of(v, setup.dv, js + rows, next_rows)}};
+        {rows_of(k, setup.d, js + rows, next_rows), rows_of(v, setup.d_v, js + rows, next_rows)}};
     if (keep) {
-      keep->compute_at(keep_at + js, k + js * setup.d, rows, k_pos0 + js);
-      absorb(state, keep->range(keep_at + js, rows), v + js * setup.dv, weighted, weights, next);
+      keep->compute_at(keep_at + js, k + js * setup.d, rows, k_offset + js);
+      absorb(state, keep->range(keep_at + js, rows), v + js * setup.d_v, weighted, weights, next);
     } else {
-      keys.compute(k + js * setup.d, rows, k_pos0 + js);
-      absorb(state, keys, v + js * setup.dv, weighted, weights, next);
+      keys.compute(k + js * setup.d, rows, k_offset + js);
+      absorb(state, keys, v + js * setup.d_v, weighted, weights, next);
     }
   }
 }
@@ -349,10 +349,10 @@ inline Index part_count(Index rows, Index unit) {
   return std::clamp<Index>(rows / std::max(unit, kPartRows), 1, kMaxParts);
 }
 
-// state = every key [0, nk) (positions k_pos0..), absorbed in parts (part_count) on `threads`
+// state = every key [0, n_k) (positions k_offset..), absorbed in parts (part_count) on `threads`
 // threads, the parts merged in order (linear_noncausal.cpp).
 template <class T>
-void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
                       const LinearSetup& setup, int threads, KeptFeatures<T>* keep = nullptr);
 
 // state += other, both brought to the larger of their two scales.

@@ -1,5 +1,5 @@
 // Private: the two causal forms behind linear_causal (linear_kernel.hpp), one head, no thread
-// split: query i sees key j iff k_pos0 + j <= q_pos0 + i, plus everything already in `state`.
+// split: query i sees key j iff k_offset + j <= q_offset + i, plus everything already in `state`.
 // FinalState::EveryKey: every key ends up in `state`. Never throw but std::bad_alloc.
 #pragma once
 

@@ -35,8 +35,8 @@ struct LinearState {
   Matrix<T> S;  // [m x d_v]: sum_j exp(c_j - M) (R_j psi~_j) v_j^T (numerator features)
   Vector<T> z;  // [m]:       sum_j exp(c_j - M) psi~_j             (denominator features)
   double M = -std::numeric_limits<double>::infinity();  // log scale of S and z; -inf: empty
-  void reset(Index m, Index dv) {
-    S.setZero(m, dv);
+  void reset(Index m, Index d_v) {
+    S.setZero(m, d_v);
     z.setZero(m);
     M = -std::numeric_limits<double>::infinity();
   }
@@ -83,14 +83,14 @@ struct LinearSetup {
         options(linear_options),
         plan(plan_placement(linear_options.placement)),
         d(d_in),
-        dv(d_v),
+        d_v(d_v),
         m(feature_map.output_dim()),
         nonfinite(flag) {}
 
   const FeatureMap* map;
   LinearOptions options;
   PlacementPlan plan;
-  Index d, dv, m;
+  Index d, d_v, m;
   // If set, the kernels check every row of q, k and v (and a backward's d_out) that is within the
   // lengths n and n_k (whether or not it is attended to) and raise the flag on a non-finite value;
   // they still finish (with unspecified outputs). If null, the inputs must already be known to be
@@ -98,16 +98,16 @@ struct LinearSetup {
   NonFiniteFlag* nonfinite = nullptr;
 };
 
-// One head's rows: q [n x d], k [nk x d], v [nk x dv] -> out [n x dv], row-major and contiguous;
-// row i of q at position q_pos0 + i, row j of k and v at k_pos0 + j.
+// One head's rows: q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v], row-major and contiguous;
+// row i of q at position q_offset + i, row j of k and v at k_offset + j.
 template <class T>
 struct LinearHead {
   const T* q;
   const T* k;
   const T* v;
   T* out;
-  Index n, nk;
-  Index q_pos0, k_pos0;
+  Index n, n_k;
+  Index q_offset, k_offset;
 };
 
 // Non-causal: every query sees every key.
@@ -123,7 +123,7 @@ void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, Denom
 enum class FinalState { Discarded, EveryKey };
 
 // Causal, chunked or scan by setup.options.method: query i sees key j iff
-// k_pos0 + j <= q_pos0 + i, plus everything already in `state`.
+// k_offset + j <= q_offset + i, plus everything already in `state`.
 // Threads::Parallel: a long call is split into one segment of queries per thread, for either
 // method (its last bits then depend on the thread count; see attention.hpp, "Reproducibility").
 template <class T>

@@ -54,7 +54,7 @@ void require_state(const std::unique_ptr<State>& state, std::string_view fn) {
 template <class T>
 void LinearAttentionStream<T>::reset() {
   require_state(state_, "LinearAttentionStream::reset");
-  state_->running.reset(state_->setup.m, state_->setup.dv);
+  state_->running.reset(state_->setup.m, state_->setup.d_v);
   state_->position = state_->setup.options.q_offset;
 }
 
@@ -75,13 +75,13 @@ Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k,
   if (k.rows() != q.rows() || k.cols() != setup.d)
     detail::throw_invalid(fn, "k is ", detail::shape_of(k), " but expected [", q.rows(), " x ",
                           setup.d, "]");
-  if (v.rows() != q.rows() || v.cols() != setup.dv)
+  if (v.rows() != q.rows() || v.cols() != setup.d_v)
     detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but expected [", q.rows(), " x ",
-                          setup.dv, "]");
+                          setup.d_v, "]");
   detail::require_positions(fn, "position()", state_->position, q.rows());
   // Up front, not lazily (common/nonfinite.hpp): a bad token must not reach the state.
   detail::require_finite_each(fn, "q", q, "k", k, "v", v);
-  Matrix<T> out(q.rows(), setup.dv);
+  Matrix<T> out(q.rows(), setup.d_v);
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
   const detail::LinearHead<T> head{q.data(), k.data(), v.data(),         out.data(),
                                    q.rows(), k.rows(), state_->position, state_->position};
