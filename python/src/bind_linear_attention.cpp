@@ -1,0 +1,72 @@
+// linear_attention and linear_attention_backward on NumPy arrays.
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "attention_inputs.hpp"
+#include "bindings.hpp"
+#include "options.hpp"
+
+namespace linrope::python {
+namespace {
+
+py::object linear_forward(const py::array& q, const py::array& k, const py::array& v,
+                          const FeatureMap& map, bool causal, const std::string& placement,
+                          const Rope* rope, double eps, Index q_offset, Index k_offset,
+                          bool return_stats, double stats_threshold, const std::string& method,
+                          Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths) {
+  constexpr std::string_view fn = "linear_attention";
+  const LinearOptions options =
+      linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
+  return with_inputs(fn, q, k, v, nullptr, q_lengths, k_lengths, [&]<class T>() -> py::object {
+    const Inputs<T> in = inputs<T>(q, k, v, nullptr, q_lengths, k_lengths);
+    CArray<T> out = in.new_output();
+    DenominatorStats stats{.threshold = stats_threshold};
+    {
+      KernelScope scope;
+      linear_attention(in.q_heads(), in.k_heads(), in.v_heads(),
+                       with_lengths(output_heads(out), q_lengths), map, options,
+                       return_stats ? &stats : nullptr);
+    }
+    if (return_stats) return py::make_tuple(std::move(out), stats_dict(stats));
+    return out;
+  });
+}
+
+py::object linear_backward(const py::array& q, const py::array& k, const py::array& v,
+                           const py::array& d_out, const FeatureMap& map, bool causal,
+                           const std::string& placement, const Rope* rope, double eps,
+                           Index q_offset, Index k_offset, const std::string& method,
+                           Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths) {
+  constexpr std::string_view fn = "linear_attention_backward";
+  const LinearOptions options =
+      linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
+  return with_inputs(fn, q, k, v, &d_out, q_lengths, k_lengths, [&]<class T>() -> py::object {
+    const Inputs<T> in = inputs<T>(q, k, v, &d_out, q_lengths, k_lengths);
+    return gradients<T>(in, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
+      linear_attention_backward(in.q_heads(), in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
+                                dv, map, options);
+    });
+  });
+}
+
+}  // namespace
+
+void bind_linear_attention(py::module_& m) {
+  using namespace pybind11::literals;
+  // The arguments in DESIGN.md's order (positional use allowed), then the ones added since:
+  // method, chunk_size, the lengths.
+  m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a,
+        "causal"_a = false, "placement"_a = "numerator_only", "rope"_a = py::none(), "eps"_a = 1e-6,
+        "q_offset"_a = 0, "k_offset"_a = 0, "return_stats"_a = false, "stats_threshold"_a = 1e-3,
+        "method"_a = "scan", "chunk_size"_a = 64, "q_lengths"_a = py::none(),
+        "k_lengths"_a = py::none(),
+        "Linear attention; with return_stats=True returns (out, denominator statistics).");
+  m.def("linear_attention_backward", &linear_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
+        "feature_map"_a, "causal"_a = false, "placement"_a = "numerator_only",
+        "rope"_a = py::none(), "eps"_a = 1e-6, "q_offset"_a = 0, "k_offset"_a = 0,
+        "method"_a = "scan", "chunk_size"_a = 64, "q_lengths"_a = py::none(),
+        "k_lengths"_a = py::none(), "(dq, dk, dv) of sum(d_out * linear_attention(...)).");
+}
+
+}  // namespace linrope::python
