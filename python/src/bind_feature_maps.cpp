@@ -53,11 +53,12 @@ py::object map_backward(const FeatureMap& map, const py::array& x, const py::arr
 
 void bind_feature_maps(py::module_& m) {
   using namespace pybind11::literals;
+  const FeatureMapConfig& c = map_defaults;
   py::class_<FeatureMap, std::unique_ptr<FeatureMap>>(
       m, "FeatureMap", "A feature map phi: R^d -> R^m; see include/linrope/feature_maps.hpp.")
-      .def(py::init(&make_map), "kind"_a, "input_dim"_a, "num_features"_a = 0,
-           "orthogonal"_a = true, "seed"_a = 0, "regularized"_a = false)
-      .def_property_readonly("kind", [](const FeatureMap& f) { return to_string(f.kind()); })
+      .def(py::init(&make_map), "kind"_a, "input_dim"_a, "num_features"_a = c.num_features,
+           "orthogonal"_a = c.orthogonal, "seed"_a = c.seed, "regularized"_a = c.regularized)
+      .def_property_readonly("kind", [](const FeatureMap& f) { return name_of(f.kind()); })
       .def_property_readonly("input_dim", &FeatureMap::input_dim)
       .def_property_readonly("output_dim", &FeatureMap::output_dim)
       .def_property_readonly("num_features",
@@ -106,7 +107,7 @@ void bind_feature_maps(py::module_& m) {
       .def(py::pickle(
           [](const FeatureMap& f) {
             const FeatureMapConfig& fc = f.config();
-            return py::make_tuple(to_string(fc.kind), fc.input_dim, fc.num_features, fc.orthogonal,
+            return py::make_tuple(name_of(fc.kind), fc.input_dim, fc.num_features, fc.orthogonal,
                                   fc.seed, fc.regularized);
           },
           [](const py::tuple& t) {

@@ -54,19 +54,22 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
 
 void bind_linear_attention(py::module_& m) {
   using namespace pybind11::literals;
+  const LinearOptions& o = linear_defaults;
   // The arguments in DESIGN.md's order (positional use allowed), then the ones added since:
   // method, chunk_size, the lengths.
   m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a,
-        "causal"_a = false, "placement"_a = "numerator_only", "rope"_a = py::none(), "eps"_a = 1e-6,
-        "q_offset"_a = 0, "k_offset"_a = 0, "return_stats"_a = false, "stats_threshold"_a = 1e-3,
-        "method"_a = "scan", "chunk_size"_a = 64, "q_lengths"_a = py::none(),
+        "causal"_a = o.causal, "placement"_a = name_of(o.placement), "rope"_a = py::none(),
+        "eps"_a = o.eps, "q_offset"_a = o.q_offset, "k_offset"_a = o.k_offset,
+        "return_stats"_a = false, "stats_threshold"_a = stats_defaults.threshold,
+        "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size, "q_lengths"_a = py::none(),
         "k_lengths"_a = py::none(),
         "Linear attention; with return_stats=True returns (out, denominator statistics).");
   m.def("linear_attention_backward", &linear_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
-        "feature_map"_a, "causal"_a = false, "placement"_a = "numerator_only",
-        "rope"_a = py::none(), "eps"_a = 1e-6, "q_offset"_a = 0, "k_offset"_a = 0,
-        "method"_a = "scan", "chunk_size"_a = 64, "q_lengths"_a = py::none(),
-        "k_lengths"_a = py::none(), "(dq, dk, dv) of sum(d_out * linear_attention(...)).");
+        "feature_map"_a, "causal"_a = o.causal, "placement"_a = name_of(o.placement),
+        "rope"_a = py::none(), "eps"_a = o.eps, "q_offset"_a = o.q_offset,
+        "k_offset"_a = o.k_offset, "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size,
+        "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
+        "(dq, dk, dv) of sum(d_out * linear_attention(...)).");
 }
 
 }  // namespace linrope::python

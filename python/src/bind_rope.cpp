@@ -101,17 +101,20 @@ py::object turn_method(const Rope& r, const py::array& x, Index first_position,
 
 void bind_rope(py::module_& m) {
   using namespace pybind11::literals;
+  const RopeConfig& c = rope_defaults;
   py::class_<Rope>(m, "Rope",
                    "Rotary Position Embedding of width dim; see include/linrope/rope.hpp.")
-      .def(py::init(&make_rope), "dim"_a, "rotary_dim"_a = 0, "base"_a = 10000.0,
-           "layout"_a = "interleaved", "scaling"_a = "none", "factor"_a = 1.0,
-           "original_max_position"_a = 0, "beta_fast"_a = 32.0, "beta_slow"_a = 1.0)
+      .def(py::init(&make_rope), "dim"_a, "rotary_dim"_a = c.rotary_dim, "base"_a = c.base,
+           "layout"_a = name_of(c.layout), "scaling"_a = name_of(c.scaling.kind),
+           "factor"_a = c.scaling.factor,
+           "original_max_position"_a = c.scaling.original_max_position,
+           "beta_fast"_a = c.scaling.beta_fast, "beta_slow"_a = c.scaling.beta_slow)
       .def_property_readonly("dim", &Rope::dim)
       .def_property_readonly("rotary_dim", &Rope::rotary_dim)
       .def_property_readonly("base", [](const Rope& r) { return r.config().base; })
-      .def_property_readonly("layout", [](const Rope& r) { return to_string(r.config().layout); })
+      .def_property_readonly("layout", [](const Rope& r) { return name_of(r.config().layout); })
       .def_property_readonly("scaling",
-                             [](const Rope& r) { return to_string(r.config().scaling.kind); })
+                             [](const Rope& r) { return name_of(r.config().scaling.kind); })
       .def_property_readonly("factor", [](const Rope& r) { return r.config().scaling.factor; })
       .def_property_readonly("magnitude", &Rope::magnitude)
       .def("frequencies",
@@ -131,8 +134,8 @@ void bind_rope(py::module_& m) {
       .def(py::pickle(
           [](const Rope& r) {
             const RopeConfig& rc = r.config();
-            return py::make_tuple(rc.dim, r.rotary_dim(), rc.base, to_string(rc.layout),
-                                  to_string(rc.scaling.kind), rc.scaling.factor,
+            return py::make_tuple(rc.dim, r.rotary_dim(), rc.base, name_of(rc.layout),
+                                  name_of(rc.scaling.kind), rc.scaling.factor,
                                   rc.scaling.original_max_position, rc.scaling.beta_fast,
                                   rc.scaling.beta_slow);
           },

@@ -45,15 +45,16 @@ py::object softmax_backward(const py::array& q, const py::array& k, const py::ar
 
 void bind_softmax_attention(py::module_& m) {
   using namespace pybind11::literals;
+  const SoftmaxOptions& o = softmax_defaults;
   // The arguments in DESIGN.md's order (positional use allowed), then the lengths, added since.
-  m.def("softmax_attention", &softmax_forward, "q"_a, "k"_a, "v"_a, "causal"_a = false,
-        "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = 0, "k_offset"_a = 0,
-        "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
+  m.def("softmax_attention", &softmax_forward, "q"_a, "k"_a, "v"_a, "causal"_a = o.causal,
+        "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = o.q_offset,
+        "k_offset"_a = o.k_offset, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
         "Exact softmax attention: q [.., n, d], k [.., n_k, d], v [.., n_k, d_v] -> [.., n, d_v].");
   m.def("softmax_attention_backward", &softmax_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
-        "causal"_a = false, "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = 0,
-        "k_offset"_a = 0, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
-        "(dq, dk, dv) of sum(d_out * softmax_attention(...)).");
+        "causal"_a = o.causal, "scale"_a = py::none(), "rope"_a = py::none(),
+        "q_offset"_a = o.q_offset, "k_offset"_a = o.k_offset, "q_lengths"_a = py::none(),
+        "k_lengths"_a = py::none(), "(dq, dk, dv) of sum(d_out * softmax_attention(...)).");
 }
 
 }  // namespace linrope::python

@@ -21,8 +21,13 @@ class Stream {
   Stream(const FeatureMap& map, Index value_dim, const std::string& dtype,
          const std::string& placement, const Rope* rope, double eps, Index offset)
       : stream_(make(map, value_dim, dtype,
-                     linear_options("LinearAttentionStream", true, placement, rope, eps, offset,
-                                    offset, "scan", 64))) {}
+                     {.causal = true,
+                      .placement = parse_name("LinearAttentionStream", rope_placement_from_string,
+                                              placement),
+                      .rope = rope,
+                      .eps = eps,
+                      .q_offset = offset,
+                      .k_offset = offset})) {}
 
   // q [t, d], k [t, d], v [t, d_v] of the stream's dtype -> [t, d_v] (and the statistics).
   py::object step(const py::array& q, const py::array& k, const py::array& v, bool return_stats,
@@ -81,16 +86,17 @@ class Stream {
 
 void bind_stream(py::module_& m) {
   using namespace pybind11::literals;
+  const LinearOptions& o = linear_defaults;
   py::class_<Stream>(m, "LinearAttentionStream",
                      "Causal linear attention for decoding, a few tokens per step; "
                      "see include/linrope/attention.hpp.")
       .def(py::init<const FeatureMap&, Index, const std::string&, const std::string&, const Rope*,
                     double, Index>(),
            "feature_map"_a, "value_dim"_a, py::kw_only(), "dtype"_a = "float32",
-           "placement"_a = "numerator_only", "rope"_a = py::none(), "eps"_a = 1e-6, "offset"_a = 0,
-           py::keep_alive<1, 2>(), py::keep_alive<1, 6>())
+           "placement"_a = name_of(o.placement), "rope"_a = py::none(), "eps"_a = o.eps,
+           "offset"_a = o.q_offset, py::keep_alive<1, 2>(), py::keep_alive<1, 6>())
       .def("step", &Stream::step, "q"_a, "k"_a, "v"_a, py::kw_only(), "return_stats"_a = false,
-           "stats_threshold"_a = 1e-3,
+           "stats_threshold"_a = stats_defaults.threshold,
            "Appends t tokens (q, k [t, d], v [t, d_v]) and returns their outputs [t, d_v].")
       .def_property_readonly("position", &Stream::position, "Position of the next token.")
       .def_property_readonly("dtype", &Stream::dtype)

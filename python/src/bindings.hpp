@@ -12,6 +12,7 @@ namespace py = pybind11;
 
 void bind_threads(py::module_& m);            // threads.cpp: openmp, set/get_num_threads
 void bind_arrays(py::module_& m);             // arrays.cpp: the tests' _kernel_view
+void bind_options(py::module_& m);            // bind_options.cpp: the options structs, defaults
 void bind_rope(py::module_& m);               // bind_rope.cpp: Rope
 void bind_feature_maps(py::module_& m);       // bind_feature_maps.cpp: FeatureMap
 void bind_stream(py::module_& m);             // bind_stream.cpp: LinearAttentionStream

@@ -8,8 +8,9 @@
 // single-head calls take `const MatrixF&`, which a NumPy buffer can only reach through a copy.
 // Every output is a new array, so none aliases an input.
 //
-// The pieces: arrays.* (NumPy <-> the C++ views), threads.* (thread count, GIL), options.* (the
-// C++ options from the keyword arguments), and one bind_<name>.cpp per class or operation.
+// The pieces: arrays.* (NumPy <-> the C++ views), threads.* (thread count, GIL, maps in use),
+// options.hpp and bind_options.cpp (the options structs and the keyword defaults they hold), and
+// one bind_<name>.cpp per class or operation.
 #include <pybind11/pybind11.h>
 
 #include "bindings.hpp"
@@ -19,6 +20,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "linrope: linear attention with Rotary Position Embedding, on NumPy arrays.";
   bind_threads(m);
   bind_arrays(m);
+  bind_options(m);
   bind_rope(m);
   bind_feature_maps(m);
   bind_stream(m);

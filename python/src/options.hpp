@@ -1,4 +1,6 @@
-// Options of linrope._core: the C++ options structs from the Python keyword arguments.
+// Options of linrope._core: the C++ options structs from the Python keyword arguments, and the
+// keyword arguments' defaults, which are the default-constructed C++ structs (bound as classes by
+// bind_options, so that linrope.torch reads them too): each default lives in the C++ header alone.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -15,6 +17,12 @@ namespace linrope::python {
 
 namespace py = pybind11;
 
+inline const SoftmaxOptions softmax_defaults{};
+inline const LinearOptions linear_defaults{};
+inline const DenominatorStats stats_defaults{};
+inline const RopeConfig rope_defaults{};
+inline const FeatureMapConfig map_defaults{};
+
 // The C++ parsers throw std::invalid_argument listing the valid names; prefix the Python function.
 template <class Parse>
 auto parse_name(std::string_view function, Parse parse, const std::string& name) {
@@ -23,6 +31,12 @@ auto parse_name(std::string_view function, Parse parse, const std::string& name)
   } catch (const std::invalid_argument& e) {
     fail(function, e.what());
   }
+}
+
+// An enum's default as the string the Python keyword takes ("numerator_only", "scan", ...).
+template <class Enum>
+std::string name_of(Enum value) {
+  return to_string(value);
 }
 
 SoftmaxOptions softmax_options(std::string_view function, bool causal, std::optional<double> scale,

@@ -116,6 +116,24 @@ def test_feature_maps_match_their_formulas_and_gradients(rng, kind):
     close(fm.apply(x.astype(np.float32)), phi, 1e-5)
 
 
+def test_options_structs():
+    # The C++ options structs, bound: their defaults are the functions' (test_torch checks every
+    # one), enum fields read and write as the functions' names, and a bad name is refused.
+    options = linrope.LinearOptions()
+    options.placement, options.method, options.eps = "full", "chunked", 0.5
+    assert (options.placement, options.method, options.eps) == ("full", "chunked", 0.5)
+    assert linrope.LinearOptions().placement == "numerator_only"  # each instance its own
+    with pytest.raises(ValueError, match="LinearOptions.placement: "):
+        options.placement = "sideways"
+    config = linrope.RopeConfig()
+    config.scaling, config.factor = "yarn", 4.0
+    assert repr(config).startswith("RopeConfig(dim=0, rotary_dim=0, base=10000.0, "
+                                   "layout='interleaved', scaling='yarn', factor=4.0")
+    with pytest.raises(ValueError, match="FeatureMapConfig.kind: "):
+        linrope.FeatureMapConfig().kind = "favor++"
+    assert linrope.SoftmaxOptions().scale == 0 and linrope.DenominatorStats().count == 0
+
+
 def test_feature_map_redraw_and_projection():
     fm = linrope.FeatureMap("favor+", 8, num_features=16, seed=1)
     w1 = fm.projection
