@@ -67,14 +67,14 @@ Inputs<T> inputs(const py::array& q, const py::array& k, const py::array& v, con
 }
 
 // dq, dk, dv: new arrays of the shapes of q, k, v; `run` calls the C++ backward on their views
-// (which writes every row, zeros past the lengths).
+// (which writes every row, zeros past the lengths), holding `map` (if any) while it runs.
 template <class T, class Run>
-py::object gradients(const Inputs<T>& in, Run&& run) {
+py::object gradients(const Inputs<T>& in, const FeatureMap* map, Run&& run) {
   CArray<T> dq = new_array<T>(in.q, in.q.shape(in.q.ndim() - 1));
   CArray<T> dk = new_array<T>(in.k, in.k.shape(in.k.ndim() - 1));
   CArray<T> dv = new_array<T>(in.v, in.v.shape(in.v.ndim() - 1));
   {
-    KernelScope scope;
+    KernelScope scope(map);
     run(with_lengths(output_heads(dq), in.q_lengths), with_lengths(output_heads(dk), in.k_lengths),
         with_lengths(output_heads(dv), in.k_lengths));
   }

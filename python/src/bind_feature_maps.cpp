@@ -30,7 +30,7 @@ py::object map_apply(const FeatureMap& map, const py::array& x) {
   auto rows = rows_of(out);
   const auto x_rows = rows_of(xc);
   {
-    KernelScope scope;
+    KernelScope scope(&map);
     map.apply(x_rows, rows);
   }
   return out;
@@ -43,7 +43,7 @@ py::object map_backward(const FeatureMap& map, const py::array& x, const py::arr
   auto rows = rows_of(dx);
   const auto x_rows = rows_of(xc), g_rows = rows_of(gc);
   {
-    KernelScope scope;
+    KernelScope scope(&map);
     map.backward(x_rows, g_rows, rows);
   }
   return dx;
@@ -101,8 +101,11 @@ void bind_feature_maps(py::module_& m) {
             return map_backward<double>(f, x, d_out);
           },
           "x"_a, "d_out"_a, "J^T d_out, the gradient through apply at x: [..., d].")
-      .def("redraw", &FeatureMap::redraw, "seed"_a,
-           "Draws a new W from seed. Not while a kernel that uses the map runs in another thread.")
+      .def("redraw", &redraw_unless_in_use, "seed"_a,
+           "Draws a new W from seed. Kernels read W without the GIL, so while a call that uses "
+           "this map (apply, backward, linear_attention, its backward, a stream's step) runs in "
+           "another thread, redraw raises RuntimeError and leaves W unchanged; redraw after the "
+           "call returns, or draw a new FeatureMap.")
       // Pickled as its configuration: the seed determines W (copy.deepcopy, torch.save).
       .def(py::pickle(
           [](const FeatureMap& f) {

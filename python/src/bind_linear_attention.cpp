@@ -23,7 +23,7 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
     CArray<T> out = in.new_output();
     DenominatorStats stats{.threshold = stats_threshold};
     {
-      KernelScope scope;
+      KernelScope scope(&map);
       linear_attention(in.q_heads(), in.k_heads(), in.v_heads(),
                        with_lengths(output_heads(out), q_lengths), map, options,
                        return_stats ? &stats : nullptr);
@@ -43,7 +43,7 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
       linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
   return with_inputs(fn, q, k, v, &d_out, q_lengths, k_lengths, [&]<class T>() -> py::object {
     const Inputs<T> in = inputs<T>(q, k, v, &d_out, q_lengths, k_lengths);
-    return gradients<T>(in, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
+    return gradients<T>(in, &map, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
       linear_attention_backward(in.q_heads(), in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
                                 dv, map, options);
     });
@@ -63,13 +63,15 @@ void bind_linear_attention(py::module_& m) {
         "return_stats"_a = false, "stats_threshold"_a = stats_defaults.threshold,
         "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size, "q_lengths"_a = py::none(),
         "k_lengths"_a = py::none(),
-        "Linear attention; with return_stats=True returns (out, denominator statistics).");
+        "Linear attention; with return_stats=True returns (out, denominator statistics). Holds "
+        "feature_map while it runs: a redraw from another thread meanwhile raises RuntimeError.");
   m.def("linear_attention_backward", &linear_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
         "feature_map"_a, "causal"_a = o.causal, "placement"_a = name_of(o.placement),
         "rope"_a = py::none(), "eps"_a = o.eps, "q_offset"_a = o.q_offset,
         "k_offset"_a = o.k_offset, "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size,
         "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
-        "(dq, dk, dv) of sum(d_out * linear_attention(...)).");
+        "(dq, dk, dv) of sum(d_out * linear_attention(...)). Holds feature_map while it runs, as "
+        "linear_attention does.");
 }
 
 }  // namespace linrope::python

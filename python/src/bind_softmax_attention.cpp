@@ -34,7 +34,7 @@ py::object softmax_backward(const py::array& q, const py::array& k, const py::ar
   const SoftmaxOptions options = softmax_options(fn, causal, scale, rope, q_offset, k_offset);
   return with_inputs(fn, q, k, v, &d_out, q_lengths, k_lengths, [&]<class T>() -> py::object {
     const Inputs<T> in = inputs<T>(q, k, v, &d_out, q_lengths, k_lengths);
-    return gradients<T>(in, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
+    return gradients<T>(in, nullptr, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
       softmax_attention_backward(in.q_heads(), in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
                                  dv, options);
     });

@@ -20,7 +20,8 @@ class Stream {
  public:
   Stream(const FeatureMap& map, Index value_dim, const std::string& dtype,
          const std::string& placement, const Rope* rope, double eps, Index offset)
-      : stream_(make(map, value_dim, dtype,
+      : map_(&map),
+        stream_(make(map, value_dim, dtype,
                      {.causal = true,
                       .placement = parse_name("LinearAttentionStream", rope_placement_from_string,
                                               placement),
@@ -50,7 +51,7 @@ class Stream {
           DenominatorStats stats{.threshold = stats_threshold};
           Matrix<T> out;
           {
-            KernelScope scope;
+            KernelScope scope(map_);
             out = stream.step(qm, km, vm, return_stats ? &stats : nullptr);
           }
           CArray<T> result({out.rows(), out.cols()});
@@ -79,6 +80,7 @@ class Stream {
     if (dtype == "float64") return LinearAttentionStream<double>(map, value_dim, options);
     fail("LinearAttentionStream", "dtype is \"", dtype, "\" but expected one of float32, float64");
   }
+  const FeatureMap* map_;  // held during each step, which reads its W
   Either stream_;
 };
 

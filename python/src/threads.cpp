@@ -1,6 +1,10 @@
 #include "threads.hpp"
 
 #include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
@@ -28,6 +32,18 @@ int default_threads() {
 #endif
 }
 
+// How many kernel calls hold each feature map now; a map held by none has no entry. A mutex, not
+// the GIL, guards it, so the count stays right whatever thread state a caller is in.
+struct MapsInUse {
+  std::mutex mutex;
+  std::unordered_map<const FeatureMap*, int> calls;
+};
+
+MapsInUse& maps_in_use() {
+  static MapsInUse maps;
+  return maps;
+}
+
 }  // namespace
 
 std::atomic<int>& thread_count() {
@@ -40,7 +56,35 @@ std::atomic<std::int64_t>& kernel_nanoseconds() {
   return total;
 }
 
-KernelScope::KernelScope() {
+MapInUse::MapInUse(const FeatureMap* map) : map_(map) {
+  if (!map_) return;
+  MapsInUse& maps = maps_in_use();
+  const std::lock_guard lock(maps.mutex);
+  ++maps.calls[map_];
+}
+
+MapInUse::~MapInUse() {
+  if (!map_) return;
+  MapsInUse& maps = maps_in_use();
+  const std::lock_guard lock(maps.mutex);
+  if (--maps.calls[map_] == 0) maps.calls.erase(map_);
+}
+
+void redraw_unless_in_use(FeatureMap& map, std::uint64_t seed) {
+  MapsInUse& maps = maps_in_use();
+  // Held through the redraw, so that no kernel can take the map halfway through it.
+  const std::lock_guard lock(maps.mutex);
+  if (const auto it = maps.calls.find(&map); it != maps.calls.end()) {
+    std::ostringstream message;
+    message << "FeatureMap.redraw: the map is in use by " << it->second
+            << " kernel call(s) running in other threads (they read W without the GIL); redraw "
+               "after they return, or draw a new FeatureMap with the new seed";
+    throw std::runtime_error(message.str());
+  }
+  map.redraw(seed);
+}
+
+KernelScope::KernelScope(const FeatureMap* map) : in_use_(map) {
 #ifdef _OPENMP
   previous_ = omp_get_max_threads();
   omp_set_num_threads(thread_count().load());

@@ -1,5 +1,6 @@
-// The thread policy of linrope._core: how many OpenMP threads a kernel runs on, and the GIL
-// released around every kernel.
+// The thread policy of linrope._core: how many OpenMP threads a kernel runs on, the GIL released
+// around every kernel, and the feature maps a running kernel holds (so that FeatureMap.redraw from
+// another Python thread is refused instead of racing with it).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -7,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <linrope/linrope.hpp>
 
 namespace linrope::python {
 
@@ -19,16 +21,36 @@ std::atomic<int>& thread_count();
 // binding's overhead subtracts from the time of a whole call (bench/bench_torch_layer.py).
 std::atomic<std::int64_t>& kernel_nanoseconds();
 
-// One kernel call: releases the GIL and sets linrope's thread count on this thread, restoring
-// both on exit.
+// Marks `map` (if not null) as read by a kernel for its lifetime. Kernels read W while the GIL is
+// released, so another Python thread may call FeatureMap.redraw meanwhile; redraw_unless_in_use
+// refuses while any MapInUse holds the map. Taken while the GIL is held, before it is released:
+// taken after, a redraw could slip in between the release and the count.
+class MapInUse {
+ public:
+  explicit MapInUse(const FeatureMap* map);
+  ~MapInUse();
+  MapInUse(const MapInUse&) = delete;
+  MapInUse& operator=(const MapInUse&) = delete;
+
+ private:
+  const FeatureMap* map_;
+};
+
+// map.redraw(seed), or std::runtime_error (RuntimeError) if a kernel holds the map.
+void redraw_unless_in_use(FeatureMap& map, std::uint64_t seed);
+
+// One kernel call: holds `map` (if any), releases the GIL and sets linrope's thread count on this
+// thread, restoring all three on exit. The members are declared in that order, so the map is
+// held before the GIL is released and let go only after it is re-acquired.
 class KernelScope {
  public:
-  KernelScope();
+  explicit KernelScope(const FeatureMap* map = nullptr);
   ~KernelScope();
   KernelScope(const KernelScope&) = delete;
   KernelScope& operator=(const KernelScope&) = delete;
 
  private:
+  MapInUse in_use_;
   py::gil_scoped_release release_;
   int previous_ = 1;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
