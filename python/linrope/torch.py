@@ -171,7 +171,8 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
     """Linear attention, differentiable in q, k and v (W held fixed); see
     linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
     forward; both give the same gradients. With return_stats=True returns (out, stats), stats a
-    dict of the denominator statistics (min, nonpositive, below_threshold, threshold, count)."""
+    dict of the denominator statistics (min, nonpositive, below_threshold, threshold, count,
+    no_keys, zero_divisor; include/linrope/attention.hpp says what each counts)."""
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
                    k_offset=k_offset, method=method, chunk_size=chunk_size,
                    q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))

@@ -113,7 +113,9 @@ void bind_options(py::module_& m) {
       .field("nonpositive", &DenominatorStats::nonpositive)
       .field("below_threshold", &DenominatorStats::below_threshold)
       .field("threshold", &DenominatorStats::threshold)
-      .field("count", &DenominatorStats::count);
+      .field("count", &DenominatorStats::count)
+      .field("no_keys", &DenominatorStats::no_keys)
+      .field("zero_divisor", &DenominatorStats::zero_divisor);
 
   StructBinding<RopeConfig>(
       m, "RopeConfig",

@@ -35,7 +35,7 @@ LinearOptions linear_options(std::string_view function, bool causal, const std::
 py::dict stats_dict(const DenominatorStats& s) {
   return py::dict("min"_a = s.min, "nonpositive"_a = s.nonpositive,
                   "below_threshold"_a = s.below_threshold, "threshold"_a = s.threshold,
-                  "count"_a = s.count);
+                  "count"_a = s.count, "no_keys"_a = s.no_keys, "zero_divisor"_a = s.zero_divisor);
 }
 
 }  // namespace linrope::python

@@ -217,6 +217,7 @@ def test_linear_attention_and_backward_match_the_reference(rng, kind, placement,
     assert stats["min"] == pytest.approx(den.min(), rel=1e-9, abs=1e-12)
     assert stats["nonpositive"] == int((den <= 0).sum())
     assert stats["below_threshold"] == int((np.abs(den) < stats["threshold"]).sum())
+    assert stats["no_keys"] == 0 and stats["zero_divisor"] == 0  # every row sees a key here
     g = randn(rng, *expected.shape)
     grads = linrope.linear_attention_backward(q, k, v, g, fm, rope=rope, **options)
     for actual, wanted in zip(grads, torch.autograd.grad(expected, (qt, kt, vt), t(g))):
@@ -225,6 +226,19 @@ def test_linear_attention_and_backward_match_the_reference(rng, kind, placement,
                                      **options)
     assert out32.dtype == np.float32
     close(out32, out, 1e-4 / min(1.0, smallest))
+
+
+def test_stats_count_rows_without_keys_apart(rng):
+    # Causal, keys starting 4 positions after the queries: rows 0..3 attend to no key. They have
+    # no denominator, so they are counted in no_keys and not as non-positive denominators.
+    fm = make_map("elu+1", 4)
+    q, v = randn(rng, 7, 4), randn(rng, 7, 2)
+    out, stats = linrope.linear_attention(q, q, v, fm, causal=True, placement="none",
+                                          k_offset=4, return_stats=True)
+    assert stats["count"] == 7 and stats["no_keys"] == 4
+    assert stats["nonpositive"] == 0 and stats["zero_divisor"] == 0
+    assert stats["min"] > 0
+    assert not out[:4].any()
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 64])
