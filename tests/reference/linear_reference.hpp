@@ -36,6 +36,7 @@
 
 #include "feature_map_reference.hpp"
 #include "rope_reference.hpp"
+#include "softmax_reference.hpp"
 
 namespace linrope::reference {
 
@@ -297,16 +298,11 @@ inline Stats denominator_stats(const VectorD& den, double threshold) {
 }
 
 // Exact softmax attention, o_i = sum_j softmax_j(scale <q_i, k_j>) v_j, explicitly and without
-// RoPE: only what the FAVOR+ estimator is checked against.
+// RoPE: only what the FAVOR+ estimator is checked against (softmax_reference.hpp's textbook form).
 inline MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                                  double scale) {
-  MatrixD logits = scale * (q * k.transpose());
-  MatrixD out(q.rows(), v.cols());
-  for (Index i = 0; i < q.rows(); ++i) {
-    const double top = logits.row(i).maxCoeff();
-    const VectorD w = (logits.row(i).array() - top).exp().matrix().transpose();
-    out.row(i) = (w.transpose() * v) / w.sum();
-  }
+  MatrixD scores, out(q.rows(), v.cols());
+  textbook_softmax_attention<double>(q, k, v, scale, false, 0, 0, scores, out);
   return out;
 }
 
