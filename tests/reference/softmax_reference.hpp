@@ -48,10 +48,7 @@ inline MatrixD plain_rope_matrix(const PlainRope& rope, Index position) {
 //   is zero.
 //   q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v]; scores: scratch, resized to n x n_k
 //   (the caller keeps it, so that a loop over heads allocates it once: 4 n n_k bytes in float).
-// Eigen's products and array expressions; no linrope code. The rows run in parallel only when
-// called outside a parallel region: the scaling experiment calls this once per head from its own
-// loop over heads, where a nested team per head waited on descheduled threads (20-50x slower
-// than one thread at n = 512 on a loaded machine).
+// Eigen's products and array expressions; no linrope code.
 template <class T>
 void textbook_softmax_attention(const Eigen::Ref<const Matrix<T>>& q,
                                 const Eigen::Ref<const Matrix<T>>& k,
@@ -64,7 +61,14 @@ void textbook_softmax_attention(const Eigen::Ref<const Matrix<T>>& q,
   // Inside a parallel region Eigen keeps this product on the calling thread.
   scores.noalias() = q * k.transpose();
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (!omp_in_parallel())
+  // Rows in parallel for the large single calls that bench_softmax times (n n_k >= 2^18), never
+  // inside a parallel region (the scaling experiment's loop over heads: a nested team per head
+  // waited on descheduled threads, 20-50x slower than one thread at n = 512 on a loaded machine)
+  // nor for small problems, where a team's fork and join costs more than the rows (the
+  // finite-difference tests call this thousands of times at n n_k < 10^4: 16x slower with 2
+  // threads than with 1, measured at load 10 on 2 cores).
+  const bool rows_in_parallel = !omp_in_parallel() && n * n_k >= (Index(1) << 18);
+#pragma omp parallel for schedule(static) if (rows_in_parallel)
 #endif
   for (Index i = 0; i < n; ++i) {
     auto row = scores.row(i);
