@@ -90,6 +90,36 @@ class Formatting(unittest.TestCase):
                          {"a": [1.0, None], "b": None})
 
 
+class ReadingTheCsv(unittest.TestCase):
+    """A column the analysis asks for and the CSV lacks is an error naming both, never a NaN
+    that a fit or a mean would swallow."""
+
+    def setUp(self):
+        self.directory = tempfile.TemporaryDirectory()
+        self.addCleanup(self.directory.cleanup)
+        with open(os.path.join(self.directory.name, "scaling.csv"), "w") as f:
+            f.write("method,n,time_ms\nlinear,256,1.5\nlinear,512,nan\nlinear,1024,abc\n")
+        self.rows = common.read_rows(self.directory.name, "scaling")
+        self.path = os.path.join(self.directory.name, "scaling.csv")
+
+    def test_numbers_and_the_programs_nan(self):
+        self.assertEqual(common.num(self.rows[0], "time_ms"), 1.5)
+        self.assertTrue(math.isnan(common.num(self.rows[1], "time_ms")))
+
+    def test_a_misspelt_column_names_the_column_and_the_file(self):
+        with self.assertRaises(KeyError) as caught:
+            common.num(self.rows[0], "time_msec")
+        self.assertIn("'time_msec'", str(caught.exception))
+        self.assertIn(self.path, str(caught.exception))
+        with self.assertRaises(KeyError):
+            self.rows[0]["mthod"]  # text columns are read as row[...] too
+
+    def test_a_cell_that_is_not_a_number_names_the_column_the_file_and_the_line(self):
+        with self.assertRaises(ValueError) as caught:
+            common.num(self.rows[2], "time_ms")
+        self.assertIn("%s line 4: column 'time_ms' is 'abc'" % self.path, str(caught.exception))
+
+
 class RopeDecaySection(unittest.TestCase):
     """A section written from a small CSV: its numbers are those of the CSV."""
 
