@@ -1,10 +1,11 @@
 """python3 -m training [--quick | --full] --out DIR [options]: trains small decoders with each
-attention variant (RoPE numerator-only against full normalisation, other placements, softmax) on
-character-level English and on associative recall (see __init__.py). Writes the measurements,
-DIR/runs.csv, curves.csv, layers.csv, evaluations.csv, step_time.csv, and their metadata,
-training.json; DIR/runs/ keeps each finished run and DIR/checkpoints/ the unfinished ones
-(--resume continues them). The analysis, experiments/analysis/report.py, then writes summary.json,
-the plots and the report section from them."""
+attention variant (RoPE numerator-only against full normalisation, the other placements, softmax)
+on character-level English and on associative recall, and writes the measurements to DIR.
+
+DIR/runs.csv, curves.csv, layers.csv, evaluations.csv and step_time.csv hold the measurements and
+training.json their metadata; DIR/runs/ keeps each finished run and DIR/checkpoints/ the
+unfinished ones (--resume continues them). The analysis, experiments/analysis/report.py, writes
+summary.json, the plots and the report section from them. See __init__.py for the pieces."""
 import argparse
 import dataclasses
 import os
