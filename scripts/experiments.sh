@@ -61,6 +61,7 @@ if [ "$1" = training ]; then
   fi
   exit
 fi
+asks_help "$@" && exec "$ROOT/build/release/experiments/linrope-experiments" "$@"
 if [ "$1" = all ]; then
   shared=()
   for a in "$@"; do
@@ -68,7 +69,6 @@ if [ "$1" = all ]; then
   done
   training "${shared[@]}"
 fi
-asks_help "$@" && exec "$ROOT/build/release/experiments/linrope-experiments" "$@"
 status=0
 "$ROOT/build/release/experiments/linrope-experiments" "$@" --out "$ROOT/results" || status=$?
 # 2: a bad command line, nothing run. After a failed experiment (1) or an interruption (130, 143)
