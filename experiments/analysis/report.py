@@ -12,7 +12,8 @@ its CSVs and training.json), it writes into that experiment's directory
 then RESULTS/REPORT.md, the sections in report order. Every file is written under a temporary
 name and renamed. The experiment programs never read any of this: the data flow one way, from
 them to here. An experiment whose metadata says its sweep was interrupted gets a section saying
-so, and its figures and summary.json (drawn from an earlier, complete CSV) are removed.
+so, and its figures and summary.json (drawn from an earlier, complete CSV) are removed; without
+plots, so are the figures older than an experiment's metadata (drawn from an earlier run).
 
     /usr/bin/python3 experiments/analysis/report.py --training DIR [--no-plots]
 
@@ -77,11 +78,25 @@ def render(stem, directory, title, meta, figures, paragraphs, plot_note):
         p + "\n\n" for p in paragraphs)
 
 
+def is_figure(name):
+    return os.path.splitext(name)[1] in (".png", ".svg")
+
+
 def remove_derived(directory):
     """summary.json and the figures: what an earlier analysis drew from an earlier CSV."""
     for name in os.listdir(directory):
-        if name == "summary.json" or os.path.splitext(name)[1] in (".png", ".svg"):
+        if name == "summary.json" or is_figure(name):
             os.remove(os.path.join(directory, name))
+
+
+def remove_stale_figures(directory, metadata):
+    """The figures older than the metadata (written when a run ends): drawn from an earlier run's
+    CSV, they would be linked beside findings they no longer match when no plots are made."""
+    written = os.path.getmtime(metadata)
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if is_figure(name) and os.path.getmtime(path) < written:
+            os.remove(path)
 
 
 def program_section(stem, directory, plot_note):
@@ -104,6 +119,8 @@ def program_section(stem, directory, plot_note):
     write_json(os.path.join(directory, "summary.json"), summary)
     if plot_note is None:
         module.plot(directory, rows, summary)
+    else:
+        remove_stale_figures(directory, os.path.join(directory, stem + ".json"))
     return render(stem, directory, module.TITLE, meta, module.figures(summary, meta),
                   module.paragraphs(summary, meta), plot_note)
 

@@ -222,6 +222,22 @@ class Report(unittest.TestCase):
         self.assertIn("--resume", md)
         self.assertNotIn("![", md)
 
+    def test_without_plots_a_figure_older_than_the_run_is_removed_a_newer_one_kept(self):
+        directory = write_rope_decay(self.results)
+        meta = os.path.join(directory, "rope_decay.json")
+        for name, age in (("rope_decay.png", 60), ("rope_decay.svg", -60)):
+            path = os.path.join(directory, name)
+            with open(path, "w") as f:
+                f.write("a figure")
+            written = os.path.getmtime(meta)
+            os.utime(path, (written - age, written - age))
+        self.assertEqual(run_report(self.results, "--no-plots")[0], 0)
+        self.assertFalse(os.path.exists(os.path.join(directory, "rope_decay.png")))
+        self.assertTrue(os.path.exists(os.path.join(directory, "rope_decay.svg")))
+        md = read(os.path.join(self.results, "REPORT.md"))
+        self.assertNotIn("](rope_decay/rope_decay.png)", md)
+        self.assertIn("Some plots were not generated: run with --no-plots", md)
+
     def test_a_misspelt_column_fails_that_section_in_one_line_and_keeps_the_others(self):
         write_rope_decay(self.results, column="decya")
         directory = write_rope_decay(os.path.join(self.results, "elsewhere"))
