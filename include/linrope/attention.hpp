@@ -116,7 +116,7 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                          const FeatureMap& map, const LinearOptions& options = {},
                          DenominatorStats* stats = nullptr);
 
-// Gradients (DESIGN.md, "Gradients"): for L = sum(d_out * out), the exact dL/dq, dL/dk, dL/dv of
+// Gradients (docs/DESIGN.md, "Gradients"): for L = sum(d_out * out), the exact dL/dq, dL/dk, dL/dv of
 // the function the forward computes, with the rope, the map's W and every option held fixed
 // (o = num / (den + eps) on the unstabilised scale; the stabilisers' shifts are constants). A
 // causal gradient never depends on a later key. Memory O(n): nothing n x n is stored (softmax

@@ -55,8 +55,8 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
 void bind_linear_attention(py::module_& m) {
   using namespace pybind11::literals;
   const LinearOptions& o = linear_defaults;
-  // The arguments in DESIGN.md's order (positional use allowed), then the ones added since:
-  // method, chunk_size, the lengths.
+  // The arguments in docs/DESIGN.md's order ("Python"; positional use allowed), then the ones
+  // added since: method, chunk_size, the lengths.
   m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a,
         "causal"_a = o.causal, "placement"_a = name_of(o.placement), "rope"_a = py::none(),
         "eps"_a = o.eps, "q_offset"_a = o.q_offset, "k_offset"_a = o.k_offset,

@@ -46,7 +46,8 @@ py::object softmax_backward(const py::array& q, const py::array& k, const py::ar
 void bind_softmax_attention(py::module_& m) {
   using namespace pybind11::literals;
   const SoftmaxOptions& o = softmax_defaults;
-  // The arguments in DESIGN.md's order (positional use allowed), then the lengths, added since.
+  // The arguments in docs/DESIGN.md's order ("Python"; positional use allowed), then the
+  // lengths, added since.
   m.def("softmax_attention", &softmax_forward, "q"_a, "k"_a, "v"_a, "causal"_a = o.causal,
         "scale"_a = py::none(), "rope"_a = py::none(), "q_offset"_a = o.q_offset,
         "k_offset"_a = o.k_offset, "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),

@@ -1,7 +1,8 @@
 """The pure-PyTorch float64 reference the Python package is checked against: explicit rotation
-matrices and explicit n x n attention, written from DESIGN.md's formulas and sharing nothing with
-linrope (the one input taken from linrope is a favor map's W, its random parameter). Every
-function is differentiable by torch.autograd, which gives the reference gradients."""
+matrices and explicit n x n attention, written from docs/DESIGN.md's formulas ("RoPE", "Feature
+maps", "Placements") and sharing nothing with linrope (the one input taken from linrope is a
+favor map's W, its random parameter). Every function is differentiable by torch.autograd, which
+gives the reference gradients."""
 import math
 
 import torch
@@ -48,7 +49,7 @@ def rotate(x, first_position=0, positions=None, **rope):
 
 
 def feature_map(x, kind, W=None):
-    """phi(x) row by row, unstabilised (DESIGN.md, "Feature maps")."""
+    """phi(x) row by row, unstabilised (docs/DESIGN.md, "Feature maps")."""
     d = x.shape[-1]
     xs = x * d ** -0.25
     if kind == "elu+1":
@@ -93,7 +94,8 @@ def softmax_attention(q, k, v, causal=False, scale=None, rope=None, q_offset=0, 
 
 def linear_attention(q, k, v, kind, W=None, causal=False, placement="numerator_only", rope=None,
                      eps=1e-6, q_offset=0, k_offset=0):
-    """The explicit n x n linear attention of DESIGN.md's placement table. Returns (out, den)."""
+    """The explicit n x n linear attention of docs/DESIGN.md's placement table ("Placements").
+    Returns (out, den)."""
     if placement == "before_map":
         q, k = rotate(q, q_offset, **rope), rotate(k, k_offset, **rope)
     phi, psi = feature_map(q, kind, W), feature_map(k, kind, W)

@@ -372,7 +372,7 @@ def test_pickled_arrays_and_objects_and_positional_arguments(rng):
     for clone in (pickle.loads(pickle.dumps(fm)), copy.deepcopy(fm)):
         assert clone.seed == 9
         np.testing.assert_array_equal(clone.projection, fm.projection)
-    # The arguments DESIGN.md lists, by position.
+    # The arguments docs/DESIGN.md lists ("Python"), by position.
     np.testing.assert_array_equal(linrope.softmax_attention(q, q, q, True),
                                   linrope.softmax_attention(q, q, q, causal=True))
     fm8 = linrope.FeatureMap("elu+1", 8)

@@ -1,5 +1,5 @@
-// Naive reference for linear attention with the four RoPE placements (DESIGN.md, the placement
-// table), in double precision, sharing no code with src/: features by the formulas of
+// Naive reference for linear attention with the four RoPE placements (docs/DESIGN.md,
+// "Placements"), in double precision, sharing no code with src/: features by the formulas of
 // feature_map_reference.hpp (from the map only its projection W, which is data), explicit rotation
 // matrices R(p) built from theta_i = base^(-2i/r), and the explicit n x n_k weight matrices
 //   A_ij (weight of v_j in the numerator) and B_ij (its term in the denominator),
