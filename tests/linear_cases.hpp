@@ -4,11 +4,11 @@
 #include <linrope/attention.hpp>
 #include <linrope/feature_maps.hpp>
 
+#include "map_cases.hpp"
+
 namespace linrope::testing {
 
-inline constexpr FeatureMapKind kMaps[] = {
-    FeatureMapKind::EluPlusOne, FeatureMapKind::Relu,          FeatureMapKind::FavorPositive,
-    FeatureMapKind::FavorTrig,  FeatureMapKind::OnePlusCosine, FeatureMapKind::FavorHyperbolic};
+// The maps swept: kMaps (map_cases.hpp).
 inline constexpr RopePlacement kPlacements[] = {RopePlacement::None, RopePlacement::BeforeMap,
                                                 RopePlacement::NumeratorOnly, RopePlacement::Full};
 // Every causal method, the default (Scan) first. Non-causal calls have one method and ignore it.

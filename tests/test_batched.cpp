@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "check_close.hpp"
+#include "map_cases.hpp"
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
 #include "threads.hpp"
@@ -87,17 +88,9 @@ struct LinearCase {
   bool causal;
 };
 
-std::unique_ptr<FeatureMap> make_map(FeatureMapKind kind, Index d) {
-  FeatureMapConfig config;
-  config.kind = kind;
-  config.input_dim = d;
-  config.num_features = kind == FeatureMapKind::FavorPositive ||
-                                kind == FeatureMapKind::FavorTrig ||
-                                kind == FeatureMapKind::FavorHyperbolic
-                            ? 10
-                            : 0;
-  config.seed = 11;
-  return make_feature_map(config);
+// The maps here: 10 random features for FAVOR+ maps, seed 11.
+std::unique_ptr<FeatureMap> batch_map(FeatureMapKind kind, Index d) {
+  return linrope::testing::make_map(kind, d, linrope::testing::favor_features(kind, 10), 11);
 }
 
 // Batched linear attention against single-head calls on every slice (truncated to lengths[b] when
@@ -118,7 +111,7 @@ void check_linear_method(const LinearCase& c, CausalMethod method, Index batch, 
   CAPTURE(n_k);
   CAPTURE(lengths.size());
   const Index d = 6, d_v = 5;
-  const auto map = make_map(c.kind, d);
+  const auto map = batch_map(c.kind, d);
   const Index m = map->output_dim();
   std::optional<Rope> rope;
   std::optional<ref::RopeSpec> spec;
@@ -344,7 +337,7 @@ TEST_CASE("batched softmax attention equals the single-head call on every slice"
 TEST_CASE("batched: padding may hold anything, even NaN") {
   // Non-finite values are only rejected within the lengths: padding is never read as data.
   const Index n = 21, d = 6;
-  const auto map = make_map(FeatureMapKind::EluPlusOne, d);
+  const auto map = batch_map(FeatureMapKind::EluPlusOne, d);
   const Rope rope(RopeConfig{.dim = d});
   LinearOptions options;
   options.rope = &rope;
@@ -384,7 +377,7 @@ TEST_CASE("batched: padding may hold anything, even NaN") {
 
 TEST_CASE("batched: bad views throw std::invalid_argument naming the argument") {
   const Index d = 6;
-  const auto map = make_map(FeatureMapKind::EluPlusOne, d);
+  const auto map = batch_map(FeatureMapKind::EluPlusOne, d);
   const Rope rope(RopeConfig{.dim = d});
   LinearOptions lo;
   lo.rope = &rope;

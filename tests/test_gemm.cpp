@@ -341,8 +341,8 @@ void check_eigen_path_determinism() {
   };
   // Small products where rows + cols + depth < 20 (the coefficient-based product's range), one
   // row or column (GEMV), a dot product, and products across Eigen's register and cache blocks.
-  const Case cases[] = {{2, 3, 4},  {3, 5, 7},  {4, 4, 4},    {1, 6, 5},     {6, 1, 5},
-                        {1, 1, 9},  {7, 9, 33}, {65, 67, 300}, {100, 45, 257}};
+  const Case cases[] = {{2, 3, 4}, {3, 5, 7},  {4, 4, 4},     {1, 6, 5},     {6, 1, 5},
+                        {1, 1, 9}, {7, 9, 33}, {65, 67, 300}, {100, 45, 257}};
   // Every element offset within 64 bytes: all alignments of A, B and C.
   const Index offsets = Index(64 / sizeof(T));
   std::uint64_t seed = 4000;

@@ -38,6 +38,7 @@
 
 #include "check_close.hpp"
 #include "linear_cases.hpp"
+#include "map_cases.hpp"
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
 #include "threads.hpp"
@@ -47,6 +48,7 @@ namespace {
 using namespace linrope;
 namespace ref = linrope::reference;
 using linrope::testing::check_close;
+using linrope::testing::favor_features;
 using linrope::testing::gaussian;
 using linrope::testing::kCausalMethods;
 using linrope::testing::kMaps;
@@ -55,22 +57,13 @@ using linrope::testing::kSplitThreads;
 using linrope::testing::ThreadCount;
 using ref::VectorD;
 
-bool is_favor(FeatureMapKind kind) {
-  return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
-         kind == FeatureMapKind::FavorHyperbolic;
-}
-
 // Few random features so that m (f, or 2f for Trig and Hyperbolic) stays small: f = d + 4 is not a
 // multiple of d, so the last orthogonal block is cut, and d = 5 gives odd m for FavorPositive.
 // FAVOR+ maps draw `features` random features (default d + 4).
-std::unique_ptr<FeatureMap> make_map(FeatureMapKind kind, Index d, std::uint64_t seed = 7,
-                                     Index features = -1) {
-  FeatureMapConfig config;
-  config.kind = kind;
-  config.input_dim = d;
-  config.num_features = is_favor(kind) ? (features > 0 ? features : d + 4) : 0;
-  config.seed = seed;
-  return make_feature_map(config);
+std::unique_ptr<FeatureMap> small_map(FeatureMapKind kind, Index d, std::uint64_t seed = 7,
+                                      Index features = -1) {
+  return linrope::testing::make_map(kind, d, favor_features(kind, features > 0 ? features : d + 4),
+                                    seed);
 }
 
 // The reference's per-row bounds for a kernel in precision T (see the header comment).
@@ -157,7 +150,7 @@ void vary(Problem& p, int counter) {
 template <class T>
 struct Fixture {
   explicit Fixture(const Problem& p) : problem(p) {
-    map = make_map(p.kind, p.d, 7, p.features);
+    map = small_map(p.kind, p.d, 7, p.features);
     m = map->output_dim();
     const Index n_k = p.n_k < 0 ? p.n : p.n_k;
     if (p.placement != RopePlacement::None) {
@@ -272,7 +265,7 @@ TEST_CASE("FeatureMap::apply agrees with the reference feature formulas") {
       const std::string map_name = to_string(kind);
       CAPTURE(map_name);
       CAPTURE(d);
-      const auto map = make_map(kind, d);
+      const auto map = small_map(kind, d);
       MatrixD x = gaussian(9, d, 42, 0.8);
       x.row(3).setZero();  // 1+cos maps 0 to [0, ..., 0, 1]
       const MatrixD by_formula = ref::feature_formula(*map)(x);
@@ -474,7 +467,7 @@ TEST_CASE("no keys at all (n_k = 0): every row is a zero row") {
     for (const double eps : {0.0, 1e-6}) {
       CAPTURE(causal);
       CAPTURE(eps);
-      const auto map = make_map(FeatureMapKind::FavorPositive, 6);
+      const auto map = small_map(FeatureMapKind::FavorPositive, 6);
       const Rope rope(RopeConfig{.dim = map->output_dim()});
       LinearOptions options;
       options.causal = causal;
@@ -997,7 +990,7 @@ TEST_CASE("LinearAttentionStream: a first step long enough to be split across th
 
 TEST_CASE("bad input throws std::invalid_argument naming the argument") {
   const Index d = 6;
-  const auto map = make_map(FeatureMapKind::FavorPositive, d);
+  const auto map = small_map(FeatureMapKind::FavorPositive, d);
   const Index m = map->output_dim();
   const Rope feature_rope(RopeConfig{.dim = m});
   const Rope input_rope(RopeConfig{.dim = d});
@@ -1135,8 +1128,8 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
   // n = 700 (causal) is split into two segments whatever the machine gives.
   const ThreadCount threads(kSplitThreads);
   const Index d = 6, dv = 3;
-  const auto elu = make_map(FeatureMapKind::EluPlusOne, d);
-  const auto favor = make_map(FeatureMapKind::FavorPositive, d);
+  const auto elu = small_map(FeatureMapKind::EluPlusOne, d);
+  const auto favor = small_map(FeatureMapKind::FavorPositive, d);
   const Rope feature_rope(RopeConfig{.dim = favor->output_dim()});
   const float inf = std::numeric_limits<float>::infinity();
   struct Method {
@@ -1251,8 +1244,8 @@ TEST_CASE("check_close's minimum: a comparison that skipped every row, or had no
   const MatrixF wrong = MatrixF::Constant(1, 2, 1000.0f);
   const auto all_skipped = compare_rows(wrong, want, VectorD::Constant(1, inf), 1, 1);
   CHECK(all_skipped.compared == 0);
-  CHECK(all_skipped.failed == 0);  // nothing compared, nothing failed...
-  CHECK_FALSE(enough_rows_compared(all_skipped, 10));  // ...and check_close fails it
+  CHECK(all_skipped.failed == 0);                       // nothing compared, nothing failed...
+  CHECK_FALSE(enough_rows_compared(all_skipped, 10));   // ...and check_close fails it
   CHECK_FALSE(enough_rows_compared(all_skipped, 100));  // whatever share a caller allows
   // No rows at all.
   const auto none = compare_rows(MatrixF(0, 2), MatrixD(0, 2), VectorD(0), 1, 0);
