@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linrope/attention.hpp>
 #include <linrope/rope.hpp>
 #include <memory>
+#include <string>
 
 #include "reference/random.hpp"
 #include "reference/softmax_reference.hpp"
@@ -63,5 +65,36 @@ struct Ropes {
   std::unique_ptr<Rope> rope;
   reference::PlainRope plain;
 };
+
+// A case of the position sweeps (decoding against a cache, cross attention, offsets) that the
+// forward and the backward tests run: n queries from q_offset, n_k keys from k_offset.
+struct PositionCase {
+  Index n, n_k, q_offset, k_offset;
+  bool causal;
+};
+
+// The reference's options and the kernel's for a case, with the rope of `ropes`.
+inline reference::SoftmaxReferenceOptions reference_options(const PositionCase& c,
+                                                            const Ropes& ropes) {
+  return {.causal = c.causal,
+          .rope = ropes.reference(),
+          .q_offset = c.q_offset,
+          .k_offset = c.k_offset};
+}
+inline SoftmaxOptions kernel_options(const PositionCase& c, const Ropes& ropes, Index block_size) {
+  return {.causal = c.causal,
+          .rope = ropes.fast(),
+          .q_offset = c.q_offset,
+          .k_offset = c.k_offset,
+          .block_size = block_size};
+}
+
+// One line naming a case, its rope and its block size, to CAPTURE.
+inline std::string describe(const PositionCase& c, const RopeCase& rope, Index block_size) {
+  return "n " + std::to_string(c.n) + ", n_k " + std::to_string(c.n_k) + ", q_offset " +
+         std::to_string(c.q_offset) + ", k_offset " + std::to_string(c.k_offset) +
+         (c.causal ? ", causal" : ", not causal") + ", rope " + rope.name + ", block_size " +
+         std::to_string(block_size);
+}
 
 }  // namespace linrope::testing

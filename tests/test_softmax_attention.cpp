@@ -9,6 +9,7 @@
 #include <limits>
 #include <linrope/attention.hpp>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "reference/softmax_reference.hpp"
@@ -26,11 +27,15 @@ using linrope::RopeConfig;
 using linrope::RopeLayout;
 using linrope::SoftmaxOptions;
 using linrope::testing::default_scale;
+using linrope::testing::describe;
 using linrope::testing::input;
+using linrope::testing::kernel_options;
 using linrope::testing::kNoRope;
 using linrope::testing::kRopeCases;
 using linrope::testing::kSplitThreads;
 using linrope::testing::max_row_norm;
+using linrope::testing::PositionCase;
+using linrope::testing::reference_options;
 using linrope::testing::RopeCase;
 using linrope::testing::Ropes;
 using linrope::testing::score_error;
@@ -127,11 +132,7 @@ TEST_CASE("softmax_attention matches the naive reference: self-attention sweep")
 }
 
 TEST_CASE("softmax_attention matches the reference: cross attention, offsets, key caches") {
-  struct Case {
-    Index n, n_k, q_offset, k_offset;
-    bool causal;
-  };
-  const Case cases[] = {
+  const PositionCase cases[] = {
       {5, 70, 65, 0, true},      // decoding against a cache: the last query sees all 70 keys
       {65, 130, 65, 0, true},    // second half of a sequence; the last block sees the whole cache
       {1, 1000, 999, 0, true},   // one new token against a long cache
@@ -147,29 +148,16 @@ TEST_CASE("softmax_attention matches the reference: cross attention, offsets, ke
   };
   const Index d = 16, d_v = 9;
   std::uint64_t seed = 500;
-  for (const Case& c : cases) {
+  for (const PositionCase& c : cases) {
     const MatrixD q = input(c.n, d, ++seed), k = input(c.n_k, d, ++seed),
                   v = input(c.n_k, d_v, ++seed);
     for (const RopeCase& rope_case : {kNoRope, kRopeCases[0], kRopeCases[1]}) {
       const Ropes ropes(rope_case, d);
-      const MatrixD expected = ref::softmax_attention(q, k, v,
-                                                      {.causal = c.causal,
-                                                       .rope = ropes.reference(),
-                                                       .q_offset = c.q_offset,
-                                                       .k_offset = c.k_offset});
+      const MatrixD expected = ref::softmax_attention(q, k, v, reference_options(c, ropes));
       for (const Index block_size : {0, 7, 64}) {
-        CAPTURE(c.n);
-        CAPTURE(c.n_k);
-        CAPTURE(c.q_offset);
-        CAPTURE(c.k_offset);
-        CAPTURE(c.causal);
-        CAPTURE(rope_case.name);
-        CAPTURE(block_size);
-        const SoftmaxOptions options{.causal = c.causal,
-                                     .rope = ropes.fast(),
-                                     .q_offset = c.q_offset,
-                                     .k_offset = c.k_offset,
-                                     .block_size = block_size};
+        const std::string where = describe(c, rope_case, block_size);
+        CAPTURE(where);
+        const SoftmaxOptions options = kernel_options(c, ropes, block_size);
         check_against_reference(q, k, v, options, ropes.reference(), expected);
         if (c.causal && c.k_offset > c.q_offset) {
           // Queries before the first key have no admissible key: exactly zero, not NaN.

@@ -11,6 +11,7 @@
 #include <limits>
 #include <linrope/attention.hpp>
 #include <linrope/batched.hpp>
+#include <string>
 #include <vector>
 
 #include "reference/finite_difference.hpp"
@@ -161,11 +162,7 @@ TEST_CASE("softmax_attention_backward matches finite differences: self-attention
 }
 
 TEST_CASE("softmax_attention_backward matches finite differences: cross attention and offsets") {
-  struct Case {
-    Index n, n_k, q_offset, k_offset;
-    bool causal;
-  };
-  const Case cases[] = {
+  const PositionCase cases[] = {
       {5, 23, 18, 0, true},   // decoding against a cache: the last query sees all 23 keys
       {5, 23, 10, 0, true},   // keys 15..22 come after every query: zero dk, dv rows
       {12, 8, 0, 6, true},    // queries 0..5 precede every key: zero dq rows
@@ -176,29 +173,16 @@ TEST_CASE("softmax_attention_backward matches finite differences: cross attentio
   };
   const Index d = 8, d_v = 5;
   std::uint64_t seed = 500;
-  for (const Case& c : cases) {
+  for (const PositionCase& c : cases) {
     const MatrixD q = input(c.n, d, ++seed), k = input(c.n_k, d, ++seed),
                   v = input(c.n_k, d_v, ++seed), d_out = input(c.n, d_v, ++seed);
     for (const RopeCase& rope_case : {kNoRope, kRopeCases[0], kRopeCases[1]}) {
       const Ropes ropes(rope_case, d);
-      const Gradients expected = finite_differences(q, k, v, d_out,
-                                                    {.causal = c.causal,
-                                                     .rope = ropes.reference(),
-                                                     .q_offset = c.q_offset,
-                                                     .k_offset = c.k_offset});
+      const Gradients expected = finite_differences(q, k, v, d_out, reference_options(c, ropes));
       for (const Index block_size : {0, 7}) {
-        CAPTURE(c.n);
-        CAPTURE(c.n_k);
-        CAPTURE(c.q_offset);
-        CAPTURE(c.k_offset);
-        CAPTURE(c.causal);
-        CAPTURE(rope_case.name);
-        CAPTURE(block_size);
-        const SoftmaxOptions options{.causal = c.causal,
-                                     .rope = ropes.fast(),
-                                     .q_offset = c.q_offset,
-                                     .k_offset = c.k_offset,
-                                     .block_size = block_size};
+        const std::string where = describe(c, rope_case, block_size);
+        CAPTURE(where);
+        const SoftmaxOptions options = kernel_options(c, ropes, block_size);
         check_gradients(q, k, v, d_out, options, expected);
         if (!c.causal) continue;
         // Exact zeros, not merely small: a query before every key, a key after every query.
