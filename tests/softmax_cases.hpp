@@ -2,6 +2,8 @@
 // the ropes they sweep, each paired with its independent reference twin.
 #pragma once
 
+#include <doctest/doctest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -87,6 +89,29 @@ inline SoftmaxOptions kernel_options(const PositionCase& c, const Ropes& ropes, 
           .q_offset = c.q_offset,
           .k_offset = c.k_offset,
           .block_size = block_size};
+}
+
+// The large-norm cases of the forward and the backward tests: n rows of d = 16 (q and k of row
+// norm ~100 and ~1000, seeds 31 and 32; v [n x d_v], seed 33), the half-width rope, causal or not,
+// blocks of 0 (the default) and 7. fn(q, k, v, ropes, options) for each, with the case CAPTUREd.
+inline constexpr Index kLargeNormD = 16;
+template <class Fn>
+void for_each_large_norm_case(Index n, Index d_v, Fn&& fn) {
+  const Index d = kLargeNormD;
+  for (const double norm : {100.0, 1000.0}) {
+    const double sigma = norm / std::sqrt(double(d));
+    const MatrixD q = input(n, d, 31, sigma), k = input(n, d, 32, sigma), v = input(n, d_v, 33);
+    const Ropes ropes(kRopeCases[1], d);
+    for (const bool causal : {false, true})
+      for (const Index block_size : {0, 7}) {
+        CAPTURE(norm);
+        CAPTURE(causal);
+        CAPTURE(block_size);
+        const SoftmaxOptions options{
+            .causal = causal, .rope = ropes.fast(), .block_size = block_size};
+        fn(q, k, v, ropes, options);
+      }
+  }
 }
 
 // One line naming a case, its rope and its block size, to CAPTURE.

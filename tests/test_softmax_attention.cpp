@@ -28,6 +28,7 @@ using linrope::RopeLayout;
 using linrope::SoftmaxOptions;
 using linrope::testing::default_scale;
 using linrope::testing::describe;
+using linrope::testing::for_each_large_norm_case;
 using linrope::testing::input;
 using linrope::testing::kernel_options;
 using linrope::testing::kNoRope;
@@ -296,18 +297,11 @@ TEST_CASE("softmax_attention: large-norm queries and keys give finite outputs (o
   // range (float overflows at 88.7), so only the running max keeps the weights finite. Float is
   // ill-conditioned here (a score error of d u |q| |k| scale ~ 1e-2 at norm 100), which the
   // derived tolerance states; the double comparison is tight.
-  const Index n = 150, d = 16, d_v = 6;
-  for (const double norm : {100.0, 1000.0}) {
-    const double sigma = norm / std::sqrt(double(d));
-    const MatrixD q = input(n, d, 31, sigma), k = input(n, d, 32, sigma), v = input(n, d_v, 33);
-    const Ropes ropes(kRopeCases[1], d);
-    for (const bool causal : {false, true})
-      for (const Index block_size : {0, 7}) {
-        CAPTURE(norm);
-        CAPTURE(causal);
-        CAPTURE(block_size);
-        const SoftmaxOptions options{
-            .causal = causal, .rope = ropes.fast(), .block_size = block_size};
+  const Index n = 150, d_v = 6;
+  for_each_large_norm_case(
+      n, d_v,
+      [&](const MatrixD& q, const MatrixD& k, const MatrixD& v, const Ropes& ropes,
+          const SoftmaxOptions& options) {
         const MatrixD got_f = run<float>(q, k, v, options);
         CHECK(got_f.allFinite());
         // Every output is a convex combination of the rows of v.
@@ -316,10 +310,9 @@ TEST_CASE("softmax_attention: large-norm queries and keys give finite outputs (o
           CHECK(got_f.col(c).minCoeff() >= v.col(c).minCoeff() * (1 + 1e-6) - 1e-6);
         }
         const MatrixD expected =
-            ref::softmax_attention(q, k, v, {.causal = causal, .rope = ropes.reference()});
+            ref::softmax_attention(q, k, v, {.causal = options.causal, .rope = ropes.reference()});
         check_against_reference(q, k, v, options, ropes.reference(), expected);
-      }
-  }
+      });
 }
 
 TEST_CASE("softmax_attention leaves its inputs alone and is deterministic") {
