@@ -716,25 +716,41 @@ struct Sample {
   double mean = 0, standard_error = 0;
 };
 
+// Mean and standard error of the values add()ed, one per draw of W.
+class Draws {
+ public:
+  void add(double value) {
+    sum_ += value;
+    sum_sq_ += value * value;
+    ++count_;
+  }
+  Sample sample() const {
+    const double n = double(count_);
+    Sample out;
+    out.mean = sum_ / n;
+    const double variance = (sum_sq_ - n * out.mean * out.mean) / (n - 1);
+    out.standard_error = std::sqrt(variance / n);
+    return out;
+  }
+
+ private:
+  double sum_ = 0, sum_sq_ = 0;
+  Index count_ = 0;
+};
+
 // phi(x).phi(y) over `seeds` independent draws of W, in double.
 Sample kernel_estimates(FeatureMapKind kind, bool orthogonal, const MatrixD& x, const MatrixD& y,
                         Index f, Index seeds, std::uint64_t first_seed) {
   const auto map = make_map(kind, x.cols(), f, first_seed, orthogonal);
   MatrixD xy(2, x.cols()), phi(2, map->output_dim());
   xy << x, y;
-  double sum = 0, sum_sq = 0;
+  Draws draws;
   for (Index s = 0; s < seeds; ++s) {
     map->redraw(first_seed + std::uint64_t(s));
     map->apply(xy, phi);
-    const double estimate = phi.row(0).dot(phi.row(1));
-    sum += estimate;
-    sum_sq += estimate * estimate;
+    draws.add(phi.row(0).dot(phi.row(1)));
   }
-  Sample out;
-  out.mean = sum / double(seeds);
-  const double variance = (sum_sq - double(seeds) * out.mean * out.mean) / double(seeds - 1);
-  out.standard_error = std::sqrt(variance / double(seeds));
-  return out;
+  return draws.sample();
 }
 
 // Per draw of W, the squared error of phi(x_p).phi(y_p) against exp(<x_p, y_p>/sqrt d), averaged
@@ -744,7 +760,7 @@ Sample kernel_squared_errors(FeatureMapKind kind, bool orthogonal, const MatrixD
   const auto map = make_map(kind, x.cols(), f, first_seed, orthogonal);
   const Index pairs = x.rows();
   MatrixD px(pairs, map->output_dim()), py(pairs, map->output_dim());
-  double sum = 0, sum_sq = 0;
+  Draws draws;
   for (Index s = 0; s < seeds; ++s) {
     map->redraw(first_seed + std::uint64_t(s));
     map->apply(x, px);
@@ -754,14 +770,9 @@ Sample kernel_squared_errors(FeatureMapKind kind, bool orthogonal, const MatrixD
       const double e = px.row(p).dot(py.row(p)) - reference::softmax_kernel(x, p, y, p);
       error += e * e / double(pairs);
     }
-    sum += error;
-    sum_sq += error * error;
+    draws.add(error);
   }
-  Sample out;
-  out.mean = sum / double(seeds);
-  const double variance = (sum_sq - double(seeds) * out.mean * out.mean) / double(seeds - 1);
-  out.standard_error = std::sqrt(variance / double(seeds));
-  return out;
+  return draws.sample();
 }
 
 TEST_CASE("Favor maps are unbiased - mean of phi(x).phi(y) over seeds is exp(<x y>/sqrt d)") {
