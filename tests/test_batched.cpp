@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "check_close.hpp"
+#include "linear_cases.hpp"
 #include "map_cases.hpp"
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
@@ -154,16 +155,9 @@ void check_linear_method(const LinearCase& c, CausalMethod method, Index batch, 
                       vs = v.slice(b, h).topRows(keys);
       const Matrix<T> single = linear_attention(qs, ks, vs, *map, options);
       const Matrix<T> got = out.slice(b, h);
-      ref::LinearSpec s;
-      s.causal = c.causal;
-      s.placement = c.placement;
-      s.rope = spec;
-      s.eps = options.eps;
-      s.q_offset = options.q_offset;
-      s.k_offset = options.k_offset;
-      const ref::LinearResult want =
-          ref::linear_attention(qs.template cast<double>(), ks.template cast<double>(),
-                                vs.template cast<double>(), ref::feature_formula(*map), s);
+      const ref::LinearResult want = ref::linear_attention(
+          qs.template cast<double>(), ks.template cast<double>(), vs.template cast<double>(),
+          ref::feature_formula(*map), linrope::testing::reference_spec(options, spec));
       const double z = std::max(ref::exponent_size(*map, qs.template cast<double>()),
                                 ref::exponent_size(*map, ks.template cast<double>()));
       const double gamma = ref::rounding_gamma<T>(m, d, keys, z);

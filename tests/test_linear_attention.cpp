@@ -54,6 +54,8 @@ using linrope::testing::kCausalMethods;
 using linrope::testing::kMaps;
 using linrope::testing::kPlacements;
 using linrope::testing::kSplitThreads;
+using linrope::testing::placement_rope;
+using linrope::testing::reference_spec;
 using linrope::testing::ThreadCount;
 using ref::VectorD;
 
@@ -154,12 +156,7 @@ struct Fixture {
     m = map->output_dim();
     const Index n_k = p.n_k < 0 ? p.n : p.n_k;
     if (p.placement != RopePlacement::None) {
-      const Index width = p.placement == RopePlacement::BeforeMap ? p.d : m;
-      Index r = width - width % 2;
-      if (p.rope.partial && r > 2) r -= 2;
-      RopeConfig config;
-      config.dim = width;
-      config.rotary_dim = r;
+      RopeConfig config = placement_rope(p.placement, p.d, m, p.rope.partial);
       config.base = p.rope.base;
       config.layout = p.rope.layout;
       rope.emplace(config);
@@ -179,20 +176,10 @@ struct Fixture {
   }
   Fixture(const Fixture&) = delete;  // options.rope points into this object
 
-  ref::LinearSpec reference_spec() const {
-    ref::LinearSpec s;
-    s.causal = problem.causal;
-    s.placement = problem.placement;
-    s.rope = spec;
-    s.eps = options.eps;
-    s.q_offset = options.q_offset;
-    s.k_offset = options.k_offset;
-    return s;
-  }
   ref::LinearResult reference() const {
     return ref::linear_attention(q.template cast<double>(), k.template cast<double>(),
                                  v.template cast<double>(), ref::feature_formula(*map),
-                                 reference_spec());
+                                 reference_spec(options, spec));
   }
   double gamma() const {
     const double z = std::max(ref::exponent_size(*map, q.template cast<double>()),
