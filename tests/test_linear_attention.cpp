@@ -47,16 +47,7 @@ namespace {
 
 using namespace linrope;
 namespace ref = linrope::reference;
-using linrope::testing::check_close;
-using linrope::testing::favor_features;
-using linrope::testing::gaussian;
-using linrope::testing::kCausalMethods;
-using linrope::testing::kMaps;
-using linrope::testing::kPlacements;
-using linrope::testing::kSplitThreads;
-using linrope::testing::placement_rope;
-using linrope::testing::reference_spec;
-using linrope::testing::ThreadCount;
+using namespace linrope::testing;  // the shared cases, maps, comparison, inputs and threads
 using ref::VectorD;
 
 // Few random features so that m (f, or 2f for Trig and Hyperbolic) stays small: f = d + 4 is not a
