@@ -4,6 +4,7 @@
 // den + eps is determined) and is skipped, but counted: a comparison passes only if it compared at
 // least one row and skipped at most a stated share of them. Without that minimum a case whose
 // rows were all skipped (or that had no rows) would pass having compared nothing.
+// Also the check of DenominatorStats against the reference's denominators.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <linrope/attention.hpp>
 #include <linrope/types.hpp>
 
 namespace linrope::testing {
@@ -93,6 +95,34 @@ void check_close(const Matrix<T>& got, const MatrixD& want, const Eigen::VectorX
   INFO("at least one row and ", 100 - max_skipped_percent, "% of the ", rows,
        " rows must be compared");
   CHECK(enough_rows_compared(r, max_skipped_percent));
+}
+
+// DenominatorStats against the reference's den_i, each of which the kernel computes to within
+// t_i: the counts are pinned between those of the rows certainly on one side and the rows possibly
+// so, and the minimum to within the largest t_i.
+inline void check_denominator_stats(const DenominatorStats& got, const Eigen::VectorXd& den,
+                                    const Eigen::VectorXd& t, double threshold) {
+  const Index n = den.size();
+  CHECK(got.count == n);
+  CHECK(got.threshold == threshold);
+  if (n == 0) return;
+  double slack = 0;
+  Index nonpos_lo = 0, nonpos_hi = 0, below_lo = 0, below_hi = 0;
+  for (Index i = 0; i < n; ++i) {
+    slack = std::max(slack, t(i));
+    nonpos_lo += den(i) <= -t(i);
+    nonpos_hi += den(i) <= t(i);
+    below_lo += std::abs(den(i)) < threshold - t(i);
+    below_hi += std::abs(den(i)) < threshold + t(i);
+  }
+  const double ref_min = den.minCoeff();
+  INFO("reference min ", ref_min, ", nonpositive in [", nonpos_lo, ", ", nonpos_hi,
+       "], below_threshold in [", below_lo, ", ", below_hi, "]");
+  CHECK(std::abs(got.min - ref_min) <= slack);
+  CHECK(got.nonpositive >= nonpos_lo);
+  CHECK(got.nonpositive <= nonpos_hi);
+  CHECK(got.below_threshold >= below_lo);
+  CHECK(got.below_threshold <= below_hi);
 }
 
 }  // namespace linrope::testing
