@@ -7,7 +7,6 @@
 // FlashAttention-2's useful work, 2.5x the forward's (five products: S, dP, dV, dQ, dK), which is
 // also what it computes (S and dP once, kept in a strip per block of queries). items = query
 // tokens.
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <linrope/attention.hpp>
@@ -15,6 +14,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "reference/softmax_reference.hpp"
 
 namespace {
 
@@ -31,30 +31,16 @@ double attention_flops(Index n, Index n_k, Index d, Index d_v, bool causal) {
   return causal ? flops / 2 : flops;
 }
 
-// The textbook form: S = scale Q K^T [n x n], mask, row-wise softmax, S V. O(n^2) memory.
-void naive_softmax_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v, bool causal,
-                             MatrixF& s, MatrixF& out) {
-  const Index n = q.rows(), n_k = k.rows();
-  const float scale = 1.0f / std::sqrt(float(q.cols()));
-  s.noalias() = (scale * q) * k.transpose();  // Eigen parallelises this GEMM itself
-#pragma omp parallel for schedule(static)
-  for (Index i = 0; i < n; ++i) {
-    const Index len = causal ? std::min(i + 1, n_k) : n_k;
-    auto row = s.row(i).head(len).array();
-    row = (row - row.maxCoeff()).exp();
-    row /= row.sum();
-    s.row(i).tail(n_k - len).setZero();
-  }
-  out.noalias() = s * v;
-}
-
 void BM_Naive(benchmark::State& state) {
   const Index n = state.range(0), d = state.range(1);
   const bool causal = state.range(2) != 0;
   const MatrixF q = random_matrix(n, d, 1), k = random_matrix(n, d, 2), v = random_matrix(n, d, 3);
   MatrixF s(n, n), out(n, d);
   for (auto _ : state) {
-    naive_softmax_attention(q, k, v, causal, s, out);
+    // The reference's textbook form: S = Q K^T [n x n], mask, row-wise softmax, S V; O(n^2)
+    // memory. Eigen threads the products, the rows run in parallel.
+    linrope::reference::textbook_softmax_attention<float>(q, k, v, 1 / std::sqrt(double(d)),
+                                                          causal, 0, 0, s, out);
     benchmark::DoNotOptimize(out.data());
   }
   state.SetItemsProcessed(state.iterations() * n);

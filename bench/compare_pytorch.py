@@ -3,11 +3,11 @@
 
 What it does, in order:
   1. Agreement: on a small case (batch 1, 2 heads, n = 200, d = 64, m = 256) every computation is
-     run by linrope (bench/compare_io, raw float32 files) and by PyTorch on the same q, k, v
-     and, for FAVOR+, the same projection W (written by compare_io); prints
+     run by linrope (its Python package, the batched [B, H, n, d] calls) and by PyTorch on the
+     same q, k, v and, for FAVOR+, the same projection W (the feature map's); prints
      max|ours - torch| / max|torch| per computation and exits 1 if any exceeds 1e-3.
-     Then the gradients of L = sum(d_out * out), one d_out file for both sides: ours from
-     compare_io --d-out (the batched *_backward calls), PyTorch's by autograd through its
+     Then the gradients of L = sum(d_out * out), one d_out for both sides: ours from the
+     package's *_backward calls (the batched C++ backward), PyTorch's by autograd through its
      implementations below (loss = (out * d_out).sum(); loss.backward()); prints
      max|ours - torch| / max|torch| for dq, dk and dv, beside PyTorch's and our own distance to
      PyTorch's float64 gradients, and exits 1 if any exceeds 1e-3. Cases: every forward case,
@@ -60,8 +60,10 @@ Environment, so that PyTorch runs at its best:
     glibc returns every large temporary to the kernel and it is page-faulted afresh on the next
     call (PyTorch 1.5-3x slower). The script re-executes itself with it when it is not set. Our
     binaries run without it (the environment a user has; it does not help linrope's kernels).
-  * torch.set_num_threads(T) and OMP_NUM_THREADS=T for our binaries, T = --threads (default:
-    OMP_NUM_THREADS, else the number of CPUs).
+  * torch.set_num_threads(T), linrope.set_num_threads(T) and OMP_NUM_THREADS=T for
+    bench_linear, T = --threads (default: OMP_NUM_THREADS, else the number of CPUs).
+The linrope package is imported from <build dir>/python (built with -DLINROPE_BUILD_PYTHON=ON),
+else from wherever `import linrope` finds it (scripts/common.sh links a build's package).
 Cases skipped: a PyTorch computation needing more than --max-gb GB (default 20, for a 24 GiB
 machine) of memory, or predicted (from the previous size) to take more than 60 s per call; they
 print as "skipped". With the defaults every case up to n = 4096 runs. At n = 16384 the FAVOR+
@@ -82,7 +84,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 from torch_side import (CHUNK, EPS, linear_causal_chunked, loaded_blas, phi_favor,
@@ -105,8 +106,8 @@ def parse_args():
                           if os.path.exists(os.path.join(ROOT, d, "bench", "bench_linear"))),
                          os.path.join(ROOT, "build/release"))
     parser.add_argument("--build-dir", default=default_build,
-                        help="build tree holding bench/bench_linear and bench/compare_io "
-                             "(default: build/release, else build-bench)")
+                        help="build tree holding bench/bench_linear and the linrope package "
+                             "(python/) (default: build/release, else build-bench)")
     parser.add_argument("--threads", type=int,
                         default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count()))
     parser.add_argument("--bench-json",
@@ -146,6 +147,22 @@ import torch.nn.functional as F  # noqa: E402
 
 torch.set_num_threads(args.threads)
 torch.set_grad_enabled(False)
+
+
+def import_linrope():
+    """The linrope package of --build-dir (else the one `import linrope` finds), on --threads
+    threads: its own count, which `import torch` does not lower."""
+    sys.path.insert(0, os.path.join(args.build_dir, "python"))
+    try:
+        import linrope
+    except ImportError as error:
+        sys.exit(f"compare_pytorch.py: cannot import linrope ({error}); build it with "
+                 f"-DLINROPE_BUILD_PYTHON=ON into {args.build_dir}, or pass --build-dir")
+    linrope.set_num_threads(args.threads)
+    return linrope
+
+
+linrope = None  # the package, imported by main() when the agreement checks run
 
 
 def say(*parts):
@@ -193,26 +210,38 @@ def rope_interleaved(x, base=10000.0):
 # ---------------------------------------------------------------------------------------------
 # Agreement on a small case.
 
-def run_compare_io(tmp, kind, causal, placement="none", method="chunked", n=200, heads=2,
-                   seed=11, backward=False):
-    """Our output [1, heads, n, d], or with backward=True our (dq, dk, dv) for tmp/d_out.bin."""
-    out = os.path.join(tmp, "out.bin")
-    command = [os.path.join(args.build_dir, "bench", "compare_io"), "--kind", kind,
-               "--causal", str(int(causal)), "--placement", placement, "--method", method,
-               "--chunk", str(CHUNK), "--seed", str(seed), "--m", str(FEATURES),
-               "--batch", "1", "--heads", str(heads), "--n", str(n), "--d", str(DIM),
-               "--q", os.path.join(tmp, "q.bin"), "--k", os.path.join(tmp, "k.bin"),
-               "--v", os.path.join(tmp, "v.bin"), "--out", out, "--w", os.path.join(tmp, "w.bin")]
-    grads = [os.path.join(tmp, name + ".bin") for name in ("dq", "dk", "dv")]
-    if backward:
-        command += ["--d-out", os.path.join(tmp, "d_out.bin"), "--dq", grads[0], "--dk", grads[1],
-                    "--dv", grads[2]]
-    subprocess.run(command, check=True, env=our_env())
+def our_map(kind, seed=11):
+    """linrope's feature map: elu+1, or FAVOR+ with FEATURES orthogonal features drawn from seed."""
+    if kind == "favor":
+        return linrope.FeatureMap("favor+", DIM, num_features=FEATURES, orthogonal=True, seed=seed)
+    return linrope.FeatureMap("elu+1", DIM)
 
-    def load(path):
-        return torch.from_numpy(np.fromfile(path, dtype=np.float32).reshape(1, heads, n, DIM))
 
-    return tuple(load(path) for path in grads) if backward else load(out)
+def our_projection(seed=11):
+    """FAVOR+'s W [m x d] (double in linrope) as float32, so that PyTorch builds the same
+    features."""
+    return torch.from_numpy(our_map("favor", seed).projection.astype(np.float32))
+
+
+def run_ours(q, k, v, kind, causal, placement="none", method="chunked", seed=11, d_out=None):
+    """Our output for q, k, v (torch float32 [1, heads, n, d]) by the linrope package's batched
+    calls, or with d_out our (dq, dk, dv). softmax: scale 1/sqrt(d), no rope; elu and favor:
+    RoPE (placements other than none) interleaved, base 10000, of width d for before_map and m
+    otherwise, the causal method given, chunks of CHUNK."""
+    arrays = [x.numpy() for x in (q, k, v)]
+    if kind == "softmax":
+        call, backward, options = linrope.softmax_attention, linrope.softmax_attention_backward, {}
+    else:
+        feature_map = our_map(kind, seed)
+        width = DIM if placement == "before_map" else feature_map.output_dim
+        call, backward = linrope.linear_attention, linrope.linear_attention_backward
+        arrays.append(feature_map)
+        options = dict(placement=placement, method=method, chunk_size=CHUNK,
+                       rope=None if placement == "none" else linrope.Rope(width))
+    if d_out is None:
+        return torch.from_numpy(call(*arrays, causal=causal, **options))
+    arrays.insert(3, d_out.numpy())
+    return tuple(torch.from_numpy(g) for g in backward(*arrays, causal=causal, **options))
 
 
 def check_agreement():
@@ -223,42 +252,37 @@ def check_agreement():
     q, k, v = (torch.randn(1, heads, n, DIM, generator=gen) for _ in range(3))
     worst = 0.0
     failures = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            x.numpy().tofile(os.path.join(tmp, name + ".bin"))
-        run_compare_io(tmp, "favor", False)  # writes W
-        w = torch.from_numpy(np.fromfile(os.path.join(tmp, "w.bin"), dtype=np.float32)
-                             .reshape(FEATURES, DIM))
-        features = {"elu": (phi_elu(q), phi_elu(k)), "favor": (phi_favor(q, w), phi_favor(k, w))}
-        cases = [("softmax non-causal", ("softmax", False), torch_softmax(q, k, v, False)),
-                 ("softmax causal (masked)", ("softmax", True), torch_softmax(q, k, v, True))]
-        for kind, label in (("elu", "elu+1"), ("favor", "favor+")):
-            fq, fk = features[kind]
-            rq, rk = rope_interleaved(fq), rope_interleaved(fk)
-            cases += [
-                (f"{label} non-causal (einsum)", (kind, False), linear_noncausal(fq, fk, v)),
-                (f"{label} causal: ours chunked vs torch cumsum", (kind, True),
-                 linear_causal_cumsum(fq, fk, v)),
-                (f"{label} causal: ours scan vs torch cumsum", (kind, True, "none", "scan"),
-                 linear_causal_cumsum(fq, fk, v)),
-                (f"{label} causal: ours chunked vs torch chunked", (kind, True),
-                 linear_causal_chunked(fq, fk, v)),
-                (f"{label} numerator_only non-causal (eq. 19 written here)",
-                 (kind, False, "numerator_only"), linear_noncausal(fq, fk, v, rq, rk)),
-                (f"{label} numerator_only causal (eq. 19 written here, cumsum)",
-                 (kind, True, "numerator_only"), linear_causal_cumsum(fq, fk, v, rq, rk)),
-                (f"{label} numerator_only causal: ours scan (eq. 19 written here, cumsum)",
-                 (kind, True, "numerator_only", "scan"), linear_causal_cumsum(fq, fk, v, rq, rk)),
-            ]
-        say("| computation | max rel. diff |\n|---|---|")
-        for name, call, expected in cases:
-            ours = run_compare_io(tmp, *call)
-            diff = float((ours - expected).abs().max() / expected.abs().max())
-            worst = max(worst, diff)
-            flag = "" if diff <= TOLERANCE else "  **FAILED**"
-            if diff > TOLERANCE:
-                failures.append(name)
-            say(f"| {name} | {diff:.2e}{flag} |")
+    w = our_projection()
+    features = {"elu": (phi_elu(q), phi_elu(k)), "favor": (phi_favor(q, w), phi_favor(k, w))}
+    cases = [("softmax non-causal", ("softmax", False), torch_softmax(q, k, v, False)),
+             ("softmax causal (masked)", ("softmax", True), torch_softmax(q, k, v, True))]
+    for kind, label in (("elu", "elu+1"), ("favor", "favor+")):
+        fq, fk = features[kind]
+        rq, rk = rope_interleaved(fq), rope_interleaved(fk)
+        cases += [
+            (f"{label} non-causal (einsum)", (kind, False), linear_noncausal(fq, fk, v)),
+            (f"{label} causal: ours chunked vs torch cumsum", (kind, True),
+             linear_causal_cumsum(fq, fk, v)),
+            (f"{label} causal: ours scan vs torch cumsum", (kind, True, "none", "scan"),
+             linear_causal_cumsum(fq, fk, v)),
+            (f"{label} causal: ours chunked vs torch chunked", (kind, True),
+             linear_causal_chunked(fq, fk, v)),
+            (f"{label} numerator_only non-causal (eq. 19 written here)",
+             (kind, False, "numerator_only"), linear_noncausal(fq, fk, v, rq, rk)),
+            (f"{label} numerator_only causal (eq. 19 written here, cumsum)",
+             (kind, True, "numerator_only"), linear_causal_cumsum(fq, fk, v, rq, rk)),
+            (f"{label} numerator_only causal: ours scan (eq. 19 written here, cumsum)",
+             (kind, True, "numerator_only", "scan"), linear_causal_cumsum(fq, fk, v, rq, rk)),
+        ]
+    say("| computation | max rel. diff |\n|---|---|")
+    for name, call, expected in cases:
+        ours = run_ours(q, k, v, *call)
+        diff = float((ours - expected).abs().max() / expected.abs().max())
+        worst = max(worst, diff)
+        flag = "" if diff <= TOLERANCE else "  **FAILED**"
+        if diff > TOLERANCE:
+            failures.append(name)
+        say(f"| {name} | {diff:.2e}{flag} |")
     say("")
     if failures:
         say("AGREEMENT CHECK FAILED (> %g): %s" % (TOLERANCE, "; ".join(failures)))
@@ -301,8 +325,8 @@ def check_gradients():
     say("## Agreement of the gradients (L = sum(d_out * out); the same q, k, v, W and one d_out "
         "on both sides)\n")
     say("Batch 1, 2 heads, n = 200, d = 64, m = 256, float32 (the last row: 1 head, n = 1100, "
-        "which our causal backward cuts into one segment per thread). Ours: compare_io "
-        "(batched *_backward); PyTorch: autograd through its implementations above. "
+        "which our causal backward cuts into one segment per thread). Ours: the linrope "
+        "package (batched *_backward); PyTorch: autograd through its implementations above. "
         "max|ours - torch| / max|torch| per gradient; a failure is > %g. The last two columns "
         "(the worst of dq, dk, dv) measure rounding: PyTorch's float32 gradients and ours "
         "against PyTorch's in float64 from the same inputs.\n" % GRAD_TOLERANCE)
@@ -332,32 +356,27 @@ def check_gradients():
                   torch_linear("favor", "cumsum", "numerator_only"), 1100, 1))
     say("| computation | dq | dk | dv | torch f32 vs f64 | ours vs f64 |\n|---|---|---|---|---|---|")
     worst, failures, inputs = 0.0, [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, call, fn, n, heads in cases:
-            if (n, heads) not in inputs:  # q, k, v, d_out per shape, seeded by it
-                gen = torch.Generator().manual_seed(5 + n + heads)
-                inputs[(n, heads)] = [torch.randn(1, heads, n, DIM, generator=gen)
-                                      for _ in range(4)]
-            q, k, v, d_out = inputs[(n, heads)]
-            for name, x in (("q", q), ("k", k), ("v", v), ("d_out", d_out)):
-                x.numpy().tofile(os.path.join(tmp, name + ".bin"))
-            ours = run_compare_io(tmp, *call, n=n, heads=heads, backward=True)  # also writes W
-            w = (torch.from_numpy(np.fromfile(os.path.join(tmp, "w.bin"), dtype=np.float32)
-                                  .reshape(FEATURES, DIM)) if call[0] == "favor"
-                 else torch.zeros(FEATURES, DIM))  # only FAVOR+ has a W
-            expected = torch_gradients(fn, q, k, v, w, d_out, torch.float32)
-            exact = torch_gradients(fn, q, k, v, w, d_out, torch.float64)
-            diffs = [float((o - e).abs().max() / e.abs().max()) for o, e in zip(ours, expected)]
-            def against_exact(grads):
-                return max(float((g.double() - x).abs().max() / x.abs().max())
-                           for g, x in zip(grads, exact))
-            floor, mine = against_exact(expected), against_exact(ours)
-            worst = max([worst] + diffs)
-            bad = [g for g, diff in zip(("dq", "dk", "dv"), diffs) if diff > GRAD_TOLERANCE]
-            if bad:
-                failures.append(f"{label} ({', '.join(bad)})")
-            say(f"| {label} | " + " | ".join(f"{diff:.2e}" for diff in diffs)
-                + f" | {floor:.2e} | {mine:.2e} |" + ("  **FAILED**" if bad else ""))
+    for label, call, fn, n, heads in cases:
+        if (n, heads) not in inputs:  # q, k, v, d_out per shape, seeded by it
+            gen = torch.Generator().manual_seed(5 + n + heads)
+            inputs[(n, heads)] = [torch.randn(1, heads, n, DIM, generator=gen)
+                                  for _ in range(4)]
+        q, k, v, d_out = inputs[(n, heads)]
+        ours = run_ours(q, k, v, *call, d_out=d_out)
+        w = our_projection() if call[0] == "favor" else torch.zeros(FEATURES, DIM)
+        expected = torch_gradients(fn, q, k, v, w, d_out, torch.float32)
+        exact = torch_gradients(fn, q, k, v, w, d_out, torch.float64)
+        diffs = [float((o - e).abs().max() / e.abs().max()) for o, e in zip(ours, expected)]
+        def against_exact(grads):
+            return max(float((g.double() - x).abs().max() / x.abs().max())
+                       for g, x in zip(grads, exact))
+        floor, mine = against_exact(expected), against_exact(ours)
+        worst = max([worst] + diffs)
+        bad = [g for g, diff in zip(("dq", "dk", "dv"), diffs) if diff > GRAD_TOLERANCE]
+        if bad:
+            failures.append(f"{label} ({', '.join(bad)})")
+        say(f"| {label} | " + " | ".join(f"{diff:.2e}" for diff in diffs)
+            + f" | {floor:.2e} | {mine:.2e} |" + ("  **FAILED**" if bad else ""))
     say("")
     if failures:
         say("GRADIENT CHECK FAILED (> %g): %s" % (GRAD_TOLERANCE, "; ".join(failures)))
@@ -867,10 +886,12 @@ def training_targets(train_ratios, bwd_ratios, slopes):
 
 
 def main():
+    global linrope
     say("# linrope vs PyTorch — %s, %d threads, load average %s\n"
         % (time.strftime("%Y-%m-%d %H:%M"), args.threads,
            " ".join(f"{x:.2f}" for x in os.getloadavg())))
     if not args.skip_check:
+        linrope = import_linrope()
         check_agreement()
         if not args.skip_backward:
             check_gradients()

@@ -36,7 +36,7 @@ CLI::Validator stating(const CLI::Validator& check, const std::string& requireme
 const CLI::Validator kPositive = stating(CLI::PositiveNumber, "a number > 0");
 const CLI::Validator kNonNegative = stating(CLI::NonNegativeNumber, "a number >= 0");
 
-void add_global_options(CLI::App& app, Options& o, bool& quick, bool& no_plots) {
+void add_global_options(CLI::App& app, Options& o, bool& quick) {
   app.add_flag("--quick", quick,
                "small sweeps; every experiment together in a few minutes (default)");
   app.add_flag("--full", o.full, "the sizes of the paper figures (long)")->excludes("--quick");
@@ -49,9 +49,7 @@ void add_global_options(CLI::App& app, Options& o, bool& quick, bool& no_plots) 
   app.add_flag("--resume", o.resume,
                "keep the points already in the CSV files and measure the rest (e.g. after Ctrl-C "
                "or SIGTERM, which save every finished point and exit with 130 or 143)");
-  app.add_flag("--no-plots", no_plots, "write CSV, JSON and REPORT.md but no PNG");
   app.add_flag("--quiet", o.quiet, "no progress bar");
-  app.add_option("--python", o.python, "Python interpreter with matplotlib")->capture_default_str();
 }
 
 // Sizes: counts (>= 1) and lists of them.
@@ -143,13 +141,15 @@ std::optional<std::string> misplaced_option(const CLI::App& app,
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
             MeasureHook on_measure) {
   Options options;
-  bool quick = false, no_plots = false;
+  bool quick = false;
   CLI::App app{
-      "Experiments on linear attention with RoPE. Writes <out>/<experiment>/ (CSV, JSON, "
-      "PNG) and <out>/REPORT.md.",
+      "Experiments on linear attention with RoPE. Writes the measurements, "
+      "<out>/<experiment>/<experiment>.csv, and their metadata, <experiment>.json; "
+      "experiments/analysis/report.py <out> then writes the plots and <out>/REPORT.md "
+      "(bash scripts/experiments.sh runs both).",
       kProgram};
   app.require_subcommand(1, 1);
-  add_global_options(app, options, quick, no_plots);
+  add_global_options(app, options, quick);
   const std::vector<std::pair<std::string, void (*)(CLI::App&, Options&)>> adders = {
       {"scaling", [](CLI::App& s, Options& o) { add_scaling_options(s, o.scaling); }},
       {"normalization",
@@ -175,7 +175,6 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   const std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
   try {
     app.parse(argc, argv);
-    options.plots = !no_plots;
     resolve_presets(options);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) {  // --help
@@ -250,21 +249,21 @@ int run_experiments(const std::vector<const Experiment*>& chosen, const Options&
       status = 1;
       failed = true;
     }
-    // A signal after the last point of `e` (while it was summarised, plotted or reported): `e` is
-    // complete (or failed on its own); stop before the next experiment.
+    // A signal after the last point of `e` (while its metadata was written): `e` is complete (or
+    // failed on its own); stop before the next experiment.
     if (interrupted()) {
       std::string rest;
       for (std::size_t j = i + 1; j < chosen.size(); ++j)
         rest += (rest.empty() ? "" : ", ") + chosen[j]->name;
-      // Nothing left to run: --resume then only remakes plots the signal may have cut short.
       return stop(interrupt_signal(),
                   "after " + e->name + (failed ? " failed; " : " completed; ") +
                       (rest.empty() ? "nothing left to run" : "not run: " + rest),
-                  rest.empty() ? "if its plots were cut short, run again with --resume to make them"
-                               : "run again with --resume to continue");
+                  rest.empty() ? "every point is saved" : "run again with --resume to continue");
     }
   }
-  out << "total " << since(start) << "; report: " << (options.out / "REPORT.md").string() << '\n';
+  out << "total " << since(start) << "; measurements in " << options.out.string()
+      << "/ (experiments/analysis/report.py " << options.out.string()
+      << " writes the plots and REPORT.md)\n";
   return status;
 }
 

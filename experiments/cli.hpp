@@ -1,7 +1,7 @@
 // The command line of linrope-experiments: one subcommand per experiment, each with its own
 // options, and `all`, which runs every experiment with its defaults; global options (--quick,
-// --full, --out, --seed, --threads, --resume, --no-plots, --quiet, --python) go before or after
-// the subcommand.
+// --full, --out, --seed, --threads, --resume, --quiet) go before or after the subcommand. It writes
+// CSV and JSON only; experiments/analysis/report.py makes the plots and REPORT.md from them.
 #pragma once
 
 #include <functional>

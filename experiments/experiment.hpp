@@ -1,6 +1,7 @@
 // The experiments and what they share: a Context in, the CSV of measurements and an Outcome (what
-// the run used that the CSV does not say) out. The runner (runner.cpp) adds the JSON metadata and
-// runs the analysis (analysis/report.py: derived numbers, plots, report section), then REPORT.md.
+// the run used that the CSV does not say) out. The runner (runner.cpp) adds the JSON metadata.
+// What is derived from the two (summary.json, plots, REPORT.md) is experiments/analysis/report.py's
+// alone: it reads them, and nothing here reads what it writes.
 #pragma once
 
 #include <cstdint>
@@ -47,12 +48,11 @@ std::string stem_of(const std::string& name);
 const std::vector<Experiment>& all_experiments();
 const Experiment* find_experiment(const std::string& name);
 
-// Runs one experiment into options.out/<name>: CSV (by the experiment), <name>.json, then the
-// analysis (summary.json, plots, report_section.md), then rebuilds options.out/REPORT.md. Returns
+// Runs one experiment into options.out/<name>: CSV (by the experiment), then <name>.json. Returns
 // the context (counters) for tests. Throws on failure (std::runtime_error, std::invalid_argument).
 // After SIGINT or SIGTERM (see interrupt.hpp) throws Interrupted once the sweep has saved its CSV,
-// having written <name>.json with "status": "interrupted" and a report section saying the sweep
-// is incomplete, without plots.
+// having written <name>.json with "status": "interrupted" (the analysis then says the sweep is
+// incomplete and draws nothing from it); before the first point finished, writes nothing.
 Context run_experiment(const Experiment& experiment, const Options& options,
                        std::function<void(const std::vector<std::string>&)> on_measure = {});
 

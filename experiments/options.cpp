@@ -70,8 +70,7 @@ nlohmann::json to_json(const Options& o, const std::string& stem) {
                          {"out", o.out.string()},
                          {"seed", o.seed},
                          {"threads", o.threads},
-                         {"resume", o.resume},
-                         {"plots", o.plots}};
+                         {"resume", o.resume}};
   if (stem == "scaling") {
     const ScalingOptions& s = o.scaling;
     json["scaling"] = {{"lengths", s.lengths},

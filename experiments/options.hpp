@@ -61,9 +61,7 @@ struct Options {
   std::uint64_t seed = 1;
   int threads = 0;  // 0: leave OpenMP's default
   bool resume = false;
-  bool plots = true;
-  bool quiet = false;  // no progress bar
-  std::string python = "/usr/bin/python3";
+  bool quiet = false;        // no progress bar
   std::string command_line;  // recorded in the metadata
 
   // Per experiment.

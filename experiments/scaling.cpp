@@ -13,7 +13,7 @@
 #include "inputs.hpp"
 #include "memory.hpp"
 #include "metadata.hpp"
-#include "naive_softmax.hpp"
+#include "reference/softmax_reference.hpp"
 #include "stats.hpp"
 #include "sweep.hpp"
 
@@ -64,6 +64,40 @@ double work_of(const Point& p, Index reps) {
 }
 
 double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
+
+// The softmax_naive baseline: the reference's textbook softmax in float, with an explicit n x n
+// score matrix per head (the library never builds one), multi-head and with RoPE (width d, by the
+// library's Rope: the baseline is the algorithm with an O(n^2) matrix, not a slow rotation).
+//   q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n,d_v]; scale 1/sqrt(d)
+// Parallel over heads, one head per thread at a time, each with its own n x n_k float matrix:
+// 4 n n_k bytes per thread (256 MiB at n = 8192). One parallel region per call: on a loaded
+// machine finer-grained parallelism (Eigen's threaded GEMM, a parallel loop per head) waited on
+// descheduled threads and ran 20-50x slower than one thread (measured at n = 512, load 5 on 2
+// cores).
+void naive_softmax_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                             Heads<float> out, bool causal, const Rope& rope) {
+  using ConstMap = Eigen::Map<const MatrixF>;
+  const Index n = q.n, n_k = k.n, d = q.d, d_v = v.d, slices = q.batch * q.heads;
+  const double scale = 1.0 / std::sqrt(double(d));
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+  {
+    MatrixF scores(n, n_k), qr(n, d), kr(n_k, d);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (Index slice = 0; slice < slices; ++slice) {
+      qr = ConstMap(q.data + slice * n * d, n, d);
+      kr = ConstMap(k.data + slice * n_k * d, n_k, d);
+      rope.apply(qr, 0);
+      rope.apply(kr, 0);
+      reference::textbook_softmax_attention<float>(
+          qr, kr, ConstMap(v.data + slice * n_k * d_v, n_k, d_v), scale, causal, 0, 0, scores,
+          Eigen::Map<MatrixF>(out.data + slice * n * d_v, n, d_v));
+    }
+  }
+}
 
 // Inputs of one (heads, n): q, k, v and an output buffer, all touched so that they are resident
 // before the peak-memory reset.
@@ -193,7 +227,7 @@ Outcome run_scaling(Context& context) {
     const Heads<float> out{buffers.out.data(), 1, p.heads, p.n, p.d};
     Measurement result;
     if (p.method == "softmax_naive") {
-      result = measure([&] { naive_softmax_attention(q, k, v, out, p.causal, &rope_d); },
+      result = measure([&] { naive_softmax_attention(q, k, v, out, p.causal, rope_d); },
                        o.scaling.reps, memory);
     } else if (p.method == "softmax_streaming") {
       const SoftmaxOptions options{.causal = p.causal, .rope = &rope_d};

@@ -15,6 +15,7 @@
 #include <limits>
 #include <linrope/attention.hpp>
 #include <linrope/types.hpp>
+#include <vector>
 
 namespace linrope::testing {
 
@@ -99,23 +100,32 @@ void check_close(const Matrix<T>& got, const MatrixD& want, const Eigen::VectorX
 
 // DenominatorStats against the reference's den_i, each of which the kernel computes to within
 // t_i: the counts are pinned between those of the rows certainly on one side and the rows possibly
-// so, and the minimum to within the largest t_i.
+// so, and the minimum to within the largest t_i. Rows with no admissible key
+// (admissible_keys[i] == 0) have no denominator: they are counted in no_keys only.
 inline void check_denominator_stats(const DenominatorStats& got, const Eigen::VectorXd& den,
-                                    const Eigen::VectorXd& t, double threshold) {
+                                    const Eigen::VectorXd& t,
+                                    const std::vector<Index>& admissible_keys, double threshold) {
   const Index n = den.size();
+  REQUIRE(t.size() == n);
+  REQUIRE(Index(admissible_keys.size()) == n);
   CHECK(got.count == n);
   CHECK(got.threshold == threshold);
-  if (n == 0) return;
-  double slack = 0;
-  Index nonpos_lo = 0, nonpos_hi = 0, below_lo = 0, below_hi = 0;
+  double slack = 0, ref_min = std::numeric_limits<double>::infinity();
+  Index no_keys = 0, nonpos_lo = 0, nonpos_hi = 0, below_lo = 0, below_hi = 0;
   for (Index i = 0; i < n; ++i) {
+    if (admissible_keys[std::size_t(i)] == 0) {
+      ++no_keys;
+      continue;
+    }
     slack = std::max(slack, t(i));
+    ref_min = std::min(ref_min, den(i));
     nonpos_lo += den(i) <= -t(i);
     nonpos_hi += den(i) <= t(i);
     below_lo += std::abs(den(i)) < threshold - t(i);
     below_hi += std::abs(den(i)) < threshold + t(i);
   }
-  const double ref_min = den.minCoeff();
+  CHECK(got.no_keys == no_keys);
+  if (no_keys == n) ref_min = 0;  // no denominator at all: min keeps its default
   INFO("reference min ", ref_min, ", nonpositive in [", nonpos_lo, ", ", nonpos_hi,
        "], below_threshold in [", below_lo, ", ", below_hi, "]");
   CHECK(std::abs(got.min - ref_min) <= slack);

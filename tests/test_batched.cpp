@@ -145,6 +145,7 @@ void check_linear_method(const LinearCase& c, CausalMethod method, Index batch, 
   // Expected statistics: the reference's den over every (b, h) slice's valid rows.
   ref::LinearResult all;
   std::vector<double> den, den_mag;
+  std::vector<Index> admissible;
   double gamma_max = 0;
   for (Index b = 0; b < batch; ++b)
     for (Index h = 0; h < heads; ++h) {
@@ -174,12 +175,13 @@ void check_linear_method(const LinearCase& c, CausalMethod method, Index batch, 
       for (Index i = 0; i < rows; ++i) {
         den.push_back(want.den(i));
         den_mag.push_back(gamma * want.den_magnitude(i));
+        admissible.push_back(want.admissible[std::size_t(i)]);
       }
     }
   // Accumulated statistics: every (b, h) slice's valid rows, each den_i within gamma D_i.
   linrope::testing::check_denominator_stats(
       stats, Eigen::Map<const VectorD>(den.data(), Index(den.size())),
-      Eigen::Map<const VectorD>(den_mag.data(), Index(den_mag.size())), 5.0);
+      Eigen::Map<const VectorD>(den_mag.data(), Index(den_mag.size())), admissible, 5.0);
 }
 
 // Causal cases run both methods (Chunked with chunks of 8, and Scan).

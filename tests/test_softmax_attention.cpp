@@ -335,7 +335,7 @@ TEST_CASE("softmax_attention leaves its inputs alone and is deterministic") {
     // one) gives the same bits.
     MatrixF serial(n, d_v);
     linrope::detail::softmax_head<float>(
-        {q.data(), k.data(), v.data(), serial.data(), n, n, d, d_v}, options, /*parallel=*/false);
+        {q.data(), k.data(), v.data(), serial.data(), n, n, d, d_v}, options, linrope::detail::Threads::Serial);
     CHECK((serial == first));
     // And so does a single-thread run: the blocking depends on n, never on the thread count.
     const ThreadCount one(1);
@@ -358,7 +358,7 @@ TEST_CASE("softmax_attention with sliced keys is bitwise independent of the thre
     MatrixF serial(n, d_v);
     linrope::detail::softmax_head<float>(
         {q.data(), k.data(), v.data(), serial.data(), n, n_k, d, d_v}, options,
-        /*parallel=*/false);
+        linrope::detail::Threads::Serial);
     CHECK((serial == first));
     const ThreadCount one(1);
     const MatrixF one_thread = linrope::softmax_attention(q, k, v, options);

@@ -353,7 +353,7 @@ TEST_CASE("softmax_head: the log-sum-exp it can keep") {
           .causal = c.causal, .q_offset = c.q_offset, .k_offset = c.k_offset};
       linrope::detail::softmax_head<T>(
           {qt.data(), kt.data(), vt.data(), out.data(), c.n, c.n_k, d, d_v, lse.data()}, options,
-          /*parallel=*/true);
+          linrope::detail::Threads::Parallel);
       const double u = std::numeric_limits<T>::epsilon() / 2;
       const double e_s = score_error<T>(q, k, scale, 0);
       for (Index i = 0; i < c.n; ++i) {
@@ -422,7 +422,7 @@ TEST_CASE("softmax_attention_backward leaves its inputs alone and is determinist
     MatrixF dq(n, d), dk(n, d), dv(n, d_v);
     linrope::detail::softmax_head_backward<float>(
         {q.data(), k.data(), v.data(), d_out.data(), dq.data(), dk.data(), dv.data(), n, n, d, d_v},
-        options, /*parallel=*/false);
+        options, linrope::detail::Threads::Serial);
     CHECK((dq == first.dq));
     CHECK((dk == first.dk));
     CHECK((dv == first.dv));

@@ -7,10 +7,34 @@ import math
 import os
 
 
+class MissingColumn(KeyError):
+    """A column the analysis asks for that the CSV does not have: a misspelt name or a CSV from
+    another version of the program. Its message names the column and the file."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+class Row(dict):
+    """One CSV row (column -> text) that knows where it came from, so that an error can say so."""
+
+    def __init__(self, values, path, line):
+        super().__init__(values)
+        self.path, self.line = path, line
+
+    def __missing__(self, column):
+        # A missing column is a bug in the analysis or a foreign CSV, never a missing value:
+        # read as NaN it would flow silently into fits, means and the report's sentences.
+        raise MissingColumn("%s has no column '%s' (its columns: %s)" % (
+            self.path, column, ", ".join(self)))
+
+
 def read_rows(directory, stem):
-    """The rows of <directory>/<stem>.csv as dicts of strings (the CSV is the program's output)."""
-    with open(os.path.join(directory, stem + ".csv"), newline="") as f:
-        return list(csv.DictReader(f))
+    """The rows of <directory>/<stem>.csv as Rows (the CSV is the program's output)."""
+    path = os.path.join(directory, stem + ".csv")
+    with open(path, newline="") as f:
+        # Line 1 is the header; the program writes no line breaks inside cells.
+        return [Row(r, path, i) for i, r in enumerate(csv.DictReader(f), start=2)]
 
 
 def read_json(path):
@@ -19,10 +43,14 @@ def read_json(path):
 
 
 def num(row, key):
+    """The cell as a float ('nan' and 'inf' as the program writes them). A missing column raises
+    MissingColumn, a cell that is not a number ValueError, each naming the column and the file."""
+    text = row[key]
     try:
-        return float(row[key])
-    except (KeyError, ValueError):
-        return float("nan")
+        return float(text)
+    except ValueError:
+        where = "%s line %d" % (row.path, row.line) if isinstance(row, Row) else "the row"
+        raise ValueError("%s: column '%s' is %r, not a number" % (where, key, text)) from None
 
 
 def write_atomic(path, text):

@@ -1,7 +1,11 @@
-"""Unit tests of the analysis (CTest runs them: /usr/bin/python3 -m unittest in this directory).
-The whole path from the program's CSV and JSON to REPORT.md is tested by experiments/tests."""
+"""Unit tests of the analysis (CTest runs them: /usr/bin/python3 -m unittest in this directory),
+from small hand-written CSVs and metadata to REPORT.md. The whole path, from the programs' own
+output to REPORT.md with every section, is test_pipeline.py."""
+import contextlib
+import io
 import math
 import os
+import shutil
 import tempfile
 import unittest
 
@@ -90,29 +94,81 @@ class Formatting(unittest.TestCase):
                          {"a": [1.0, None], "b": None})
 
 
+class ReadingTheCsv(unittest.TestCase):
+    """A column the analysis asks for and the CSV lacks is an error naming both, never a NaN
+    that a fit or a mean would swallow."""
+
+    def setUp(self):
+        self.directory = tempfile.TemporaryDirectory()
+        self.addCleanup(self.directory.cleanup)
+        with open(os.path.join(self.directory.name, "scaling.csv"), "w") as f:
+            f.write("method,n,time_ms\nlinear,256,1.5\nlinear,512,nan\nlinear,1024,abc\n")
+        self.rows = common.read_rows(self.directory.name, "scaling")
+        self.path = os.path.join(self.directory.name, "scaling.csv")
+
+    def test_numbers_and_the_programs_nan(self):
+        self.assertEqual(common.num(self.rows[0], "time_ms"), 1.5)
+        self.assertTrue(math.isnan(common.num(self.rows[1], "time_ms")))
+
+    def test_a_misspelt_column_names_the_column_and_the_file(self):
+        with self.assertRaises(KeyError) as caught:
+            common.num(self.rows[0], "time_msec")
+        self.assertIn("'time_msec'", str(caught.exception))
+        self.assertIn(self.path, str(caught.exception))
+        with self.assertRaises(KeyError):
+            self.rows[0]["mthod"]  # text columns are read as row[...] too
+
+    def test_a_cell_that_is_not_a_number_names_the_column_the_file_and_the_line(self):
+        with self.assertRaises(ValueError) as caught:
+            common.num(self.rows[2], "time_ms")
+        self.assertIn("%s line 4: column 'time_ms' is 'abc'" % self.path, str(caught.exception))
+
+
+ROPE_DECAY_META = {
+    "status": "complete", "experiment": "rope-decay", "git_commit": "0" * 40, "git_dirty": False,
+    "isa": ["avx2"], "date": "2024-05-01T12:00:00Z",
+    "machine": {"cpu": "cpu", "cores": 2, "isa": ["avx512f", "avx2"]}, "openmp": {"threads": 2},
+    "load_average_before": 0.5, "duration_s": 1.0, "points_measured": 15, "points_resumed": 0,
+    "run": {"yarn_original_max_position": 4096},
+    "options": {"mode": "quick", "rope_decay": {"dim": 8, "max_distance": 4}}}
+
+
+def write_rope_decay(results, meta=None, column="decay"):
+    """A small rope_decay.csv (3 curves, distances 0-4) and its metadata under results/."""
+    directory = os.path.join(results, "rope_decay")
+    os.makedirs(directory, exist_ok=True)
+    rows = ["dim,base,scaling,factor,distance,%s,decay_relative" % column]
+    for base, scaling, decay in (
+            (500, "none", [4.5, 3, 2, 1.5, 1]), (10000, "none", [4.5, 4, 3, 2.5, 2]),
+            (10000, "linear", [4.5, 4.4, 4.3, 4.1, 4])):
+        rows += ["8,%d,%s,%s,%d,%s,%s" % (base, scaling, 1 if scaling == "none" else 4, m, v,
+                                          v / 4.5) for m, v in enumerate(decay)]
+    with open(os.path.join(directory, "rope_decay.csv"), "w") as f:
+        f.write("\n".join(rows) + "\n")
+    common.write_json(os.path.join(directory, "rope_decay.json"), meta or ROPE_DECAY_META)
+    return directory
+
+
+def run_report(*argv):
+    """report.main with stderr captured: (status, the stderr lines)."""
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        status = report.main(["report.py", *argv])
+    return status, err.getvalue().splitlines()
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
 class RopeDecaySection(unittest.TestCase):
     """A section written from a small CSV: its numbers are those of the CSV."""
 
     def test_section_quotes_the_csv(self):
-        with tempfile.TemporaryDirectory() as directory:
-            rows = ["dim,base,scaling,factor,distance,decay,decay_relative"]
-            for base, scaling, decay in (
-                    (500, "none", [4.5, 3, 2, 1.5, 1]), (10000, "none", [4.5, 4, 3, 2.5, 2]),
-                    (10000, "linear", [4.5, 4.4, 4.3, 4.1, 4])):
-                rows += ["8,%d,%s,%s,%d,%s,%s" % (base, scaling, 1 if scaling == "none" else 4,
-                                                  m, v, v / 4.5) for m, v in enumerate(decay)]
-            with open(os.path.join(directory, "rope_decay.csv"), "w") as f:
-                f.write("\n".join(rows) + "\n")
-            meta = {"status": "complete", "experiment": "rope-decay", "git_commit": "0" * 40,
-                    "git_dirty": False, "isa": ["avx2"], "date": "2024-05-01T12:00:00Z",
-                    "machine": {"cpu": "cpu", "cores": 2, "isa": ["avx512f", "avx2"]}, "openmp": {"threads": 2},
-                    "load_average_before": 0.5, "duration_s": 1.0, "points_measured": 15,
-                    "points_resumed": 0, "run": {"yarn_original_max_position": 4096},
-                    "options": {"mode": "quick", "rope_decay": {"dim": 8, "max_distance": 4}}}
-            common.write_json(os.path.join(directory, "rope_decay.json"), meta)
-            self.assertEqual(report.main(["report.py", "rope-decay", directory, "--no-plots"]), 0)
-            with open(os.path.join(directory, "report_section.md")) as f:
-                section = f.read()
+        with tempfile.TemporaryDirectory() as results:
+            directory = write_rope_decay(results)
+            self.assertEqual(run_report(results, "--no-plots"), (0, []))
+            section = read(os.path.join(directory, "report_section.md"))
             self.assertIn("## " + rope_decay.TITLE, section)
             self.assertIn("(2 cores, 2 threads, built for avx2 on a CPU with avx512f,", section)
             self.assertIn("base 500: 4.5 -> 1 (22.2%), half reached at distance 2", section)
@@ -123,7 +179,87 @@ class RopeDecaySection(unittest.TestCase):
             self.assertIn("Some plots were not generated: run with --no-plots", section)
             summary = common.read_json(os.path.join(directory, "summary.json"))
             self.assertEqual([c["first_distance_at_half"] for c in summary["curves"]], [2, 4, None])
-            self.assertFalse([name for name in os.listdir(directory) if ".tmp-" in name])
+            self.assertEqual(read(os.path.join(results, "REPORT.md")), report.HEADER + section)
+            for d in (results, directory):
+                self.assertFalse([name for name in os.listdir(d) if ".tmp-" in name])
+
+
+class Report(unittest.TestCase):
+    """REPORT.md: the analysis alone writes it, from the metadata and CSVs it finds."""
+
+    def setUp(self):
+        self.results = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.results)
+
+    def test_sections_in_report_order_whatever_ran_last(self):
+        write_rope_decay(self.results)
+        interrupted = dict(ROPE_DECAY_META, experiment="scaling", status="interrupted",
+                           signal="SIGINT", points_saved=3, points_total=40, points_measured=3)
+        scaling = os.path.join(self.results, "scaling")
+        os.makedirs(scaling)
+        common.write_json(os.path.join(scaling, "scaling.json"), interrupted)
+        self.assertEqual(run_report(self.results, "--no-plots")[0], 0)
+        md = read(os.path.join(self.results, "REPORT.md"))
+        self.assertTrue(md.startswith("# linrope experiments\n"))
+        self.assertLess(md.index("## scaling: interrupted, incomplete"),
+                        md.index("## " + rope_decay.TITLE))
+
+    def test_an_interrupted_sweep_gets_no_findings_and_loses_the_earlier_figures(self):
+        directory = write_rope_decay(self.results)
+        self.assertEqual(run_report(self.results, "--no-plots")[0], 0)  # a complete run first
+        for name in ("rope_decay.png", "rope_decay.svg"):  # the earlier analysis's figures
+            with open(os.path.join(directory, name), "w") as f:
+                f.write("earlier")
+        meta = dict(ROPE_DECAY_META, status="interrupted", signal="SIGTERM", points_saved=4,
+                    points_total=15, points_measured=4)
+        common.write_json(os.path.join(directory, "rope_decay.json"), meta)
+        self.assertEqual(run_report(self.results), (0, []))
+        self.assertEqual(sorted(os.listdir(directory)),
+                         ["report_section.md", "rope_decay.csv", "rope_decay.json"])
+        md = read(os.path.join(self.results, "REPORT.md"))
+        self.assertIn("## rope-decay: interrupted, incomplete", md)
+        self.assertIn("Interrupted by SIGTERM after 4 of 15 points", md)
+        self.assertIn("--resume", md)
+        self.assertNotIn("![", md)
+
+    def test_without_plots_a_figure_older_than_the_run_is_removed_a_newer_one_kept(self):
+        directory = write_rope_decay(self.results)
+        meta = os.path.join(directory, "rope_decay.json")
+        for name, age in (("rope_decay.png", 60), ("rope_decay.svg", -60)):
+            path = os.path.join(directory, name)
+            with open(path, "w") as f:
+                f.write("a figure")
+            written = os.path.getmtime(meta)
+            os.utime(path, (written - age, written - age))
+        self.assertEqual(run_report(self.results, "--no-plots")[0], 0)
+        self.assertFalse(os.path.exists(os.path.join(directory, "rope_decay.png")))
+        self.assertTrue(os.path.exists(os.path.join(directory, "rope_decay.svg")))
+        md = read(os.path.join(self.results, "REPORT.md"))
+        self.assertNotIn("](rope_decay/rope_decay.png)", md)
+        self.assertIn("Some plots were not generated: run with --no-plots", md)
+
+    def test_a_misspelt_column_fails_that_section_in_one_line_and_keeps_the_others(self):
+        write_rope_decay(self.results, column="decya")
+        directory = write_rope_decay(os.path.join(self.results, "elsewhere"))
+        os.rename(directory, os.path.join(self.results, "rope_relative"))  # not analysed: no JSON
+        status, err = run_report(self.results, "--no-plots")
+        self.assertEqual(status, 1)
+        self.assertEqual(len(err), 1)
+        self.assertIn("rope_decay: analysis failed", err[0])
+        self.assertIn("no column 'decay'", err[0])
+        self.assertIn(os.path.join(self.results, "rope_decay", "rope_decay.csv"), err[0])
+        md = read(os.path.join(self.results, "REPORT.md"))
+        self.assertIn("## rope-decay\n\n> The analysis failed: MissingColumn: ", md)
+
+    def test_nothing_to_analyse_and_bad_command_lines(self):
+        self.assertEqual(run_report(self.results)[0], 0)
+        self.assertIn("No experiment output under", read(os.path.join(self.results, "REPORT.md")))
+        status, err = run_report()
+        self.assertEqual((status, len(err)), (2, 1))
+        status, err = run_report(os.path.join(self.results, "missing"))
+        self.assertEqual(status, 2)
+        self.assertEqual(err, ["report.py: %s is not a directory" % os.path.join(
+            self.results, "missing")])
 
 
 if __name__ == "__main__":

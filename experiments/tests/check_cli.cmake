@@ -1,11 +1,13 @@
 # Runs PROGRAM with ARGS ('|'-separated) in a fresh WORK_DIR and checks the outcome EXPECTED:
 #   usage   exit status 2, exactly one line on stderr, naming the program, nothing written
 #   help    exit status 0, usage text on stdout, nothing on stderr
-#   run     exit status 0; REPORT.md, a CSV, a JSON and a PNG under results/; no temporary file left
-#   noplot  exit status 0 with an unusable Python: one stderr line saying the plots were not
-#           generated; CSV, JSON and REPORT.md still written; no PNG, no temporary file
-#   nomatplotlib  the same with a Python that cannot import matplotlib (WORK_DIR/
-#           python-without-site-packages runs /usr/bin/python3 -S); REPORT.md has the findings
+#   measure exit status 0; a CSV and a JSON under results/ and nothing else (no plot, no
+#           summary.json, no REPORT.md: those are the analysis's); no temporary file left
+#   run     then the analysis, /usr/bin/python3 REPORT_PY results: exit status 0; REPORT.md with a
+#           PNG linked; no temporary file left
+#   nomatplotlib  the same analysis with a Python that cannot import matplotlib (WORK_DIR/
+#           python-without-site-packages runs /usr/bin/python3 -S): status 0, one stderr line
+#           naming matplotlib; REPORT.md with the findings and saying the plots were not made
 string(REPLACE "|" ";" args "${ARGS}")
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -15,6 +17,18 @@ if(EXPECTED STREQUAL "nomatplotlib")
 endif()
 execute_process(COMMAND "${PROGRAM}" ${args} WORKING_DIRECTORY "${WORK_DIR}"
                 RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(EXPECTED STREQUAL "run" OR EXPECTED STREQUAL "nomatplotlib")
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "the program failed (status ${status}):\n${err}")
+  endif()
+  set(python /usr/bin/python3)
+  if(EXPECTED STREQUAL "nomatplotlib")
+    set(python "${WORK_DIR}/python-without-site-packages")
+  endif()
+  # From here on status, out and err are the analysis's.
+  execute_process(COMMAND "${python}" -B "${REPORT_PY}" results WORKING_DIRECTORY "${WORK_DIR}"
+                  RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
+endif()
 
 function(fail why)
   message(FATAL_ERROR "${why}\nargs: ${args}\nstatus: ${status}\nstdout:\n${out}\nstderr:\n${err}")
@@ -49,38 +63,42 @@ elseif(EXPECTED STREQUAL "help")
   if(NOT status EQUAL 0 OR NOT out MATCHES "Usage" OR NOT err STREQUAL "")
     fail("expected usage text on stdout, status 0 and an empty stderr")
   endif()
-elseif(EXPECTED STREQUAL "run" OR EXPECTED STREQUAL "noplot" OR EXPECTED STREQUAL "nomatplotlib")
-  if(NOT status EQUAL 0)
-    fail("expected exit status 0")
+elseif(EXPECTED STREQUAL "measure")
+  file(GLOB_RECURSE written RELATIVE "${WORK_DIR}" "${WORK_DIR}/*")
+  list(FILTER written EXCLUDE REGEX "\\.(csv|json)$")
+  if(NOT status EQUAL 0 OR written)
+    fail("expected exit status 0 and nothing but CSV and JSON; also written: ${written}")
   endif()
   file(GLOB_RECURSE csv "${WORK_DIR}/results/*/*.csv")
   file(GLOB_RECURSE json "${WORK_DIR}/results/*/*.json")
+  if(NOT csv OR NOT json)
+    fail("expected a CSV and a JSON under results/")
+  endif()
+elseif(EXPECTED STREQUAL "run" OR EXPECTED STREQUAL "nomatplotlib")
+  if(NOT status EQUAL 0)
+    fail("expected the analysis to exit with status 0")
+  endif()
   file(GLOB_RECURSE png "${WORK_DIR}/results/*/*.png")
-  if(NOT EXISTS "${WORK_DIR}/results/REPORT.md" OR NOT csv OR NOT json)
-    fail("expected results/REPORT.md and a CSV and a JSON under results/")
+  if(NOT EXISTS "${WORK_DIR}/results/REPORT.md")
+    fail("expected results/REPORT.md")
   endif()
   file(READ "${WORK_DIR}/results/REPORT.md" report)
   if(EXPECTED STREQUAL "run")
-    if(NOT png OR NOT report MATCHES "!\\[")
-      fail("expected a PNG linked from REPORT.md")
+    if(NOT png OR NOT report MATCHES "!\\[" OR NOT err STREQUAL "")
+      fail("expected a PNG linked from REPORT.md and nothing on stderr")
     endif()
   else()
     if(png)
-      fail("expected no PNG without a usable Python")
+      fail("expected no PNG without matplotlib")
     endif()
-    if(NOT err_lines EQUAL 1 OR NOT err MATCHES "plots for [a-z-]+ not generated")
-      fail("expected one stderr line saying that the plots were not generated")
+    if(NOT err_lines EQUAL 1 OR NOT err MATCHES "^report.py: plots not made: .*matplotlib")
+      fail("expected one stderr line saying that the plots were not made, naming matplotlib")
     endif()
     if(NOT report MATCHES "plots were not generated")
       fail("expected REPORT.md to say that the plots were not generated")
     endif()
-    if(EXPECTED STREQUAL "nomatplotlib")
-      if(NOT err MATCHES "^linrope-experiments: plots for [a-z-]+ not generated: .*matplotlib")
-        fail("expected the stderr line to name matplotlib")
-      endif()
-      if(NOT report MATCHES "the identity held to" OR NOT EXISTS "${WORK_DIR}/results/rope_relative/summary.json")
-        fail("expected the findings and summary.json without matplotlib")
-      endif()
+    if(NOT report MATCHES "the identity held to" OR NOT EXISTS "${WORK_DIR}/results/rope_relative/summary.json")
+      fail("expected the findings and summary.json without matplotlib")
     endif()
   endif()
 else()

@@ -12,7 +12,6 @@ inline Options small_options(const std::filesystem::path& out) {
   Options o;
   o.out = out;
   o.quiet = true;
-  o.plots = false;
   o.scaling = {.lengths = {16, 32},
                .heads = 2,
                .dim = 8,

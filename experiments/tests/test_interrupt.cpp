@@ -1,9 +1,11 @@
 // Ctrl-C and SIGTERM during a run, through the same run_cli the program uses: the handlers, the
 // CSV left behind (exactly the finished points), the exit status and the one line on stderr, the
-// metadata and report of the stopped experiment, and a --resume that ends with the same points as
-// a run that was never interrupted. Signals are raised with std::raise from the on_measure hook,
-// i.e. while a point is being measured, as a Ctrl-C would arrive; raise() delivers the signal to
-// the calling thread before it returns, so the point at which it lands is deterministic.
+// metadata of the stopped experiment, and a --resume that ends with the same points as a run that
+// was never interrupted. (What the analysis makes of an interrupted run's metadata, a section
+// saying so and no figures, is tested in experiments/analysis/test_analysis.py.) Signals are raised
+// with std::raise from the on_measure hook, i.e. while a point is being measured, as a Ctrl-C would
+// arrive; raise() delivers the signal to the calling thread before it returns, so the point at
+// which it lands is deterministic.
 #include <doctest/doctest.h>
 #include <signal.h>
 
@@ -52,7 +54,7 @@ Result run(const std::vector<std::string>& args, Hook on_measure = {}) {
 // Tiny sizes (those of test_runs.cpp) on the command line, each experiment's own options: every
 // run here takes well under a second, a few under the sanitizers.
 std::vector<std::string> small_args(const std::filesystem::path& out, const std::string& command) {
-  std::vector<std::string> args = {command, "--out", out.string(), "--quiet", "--no-plots"};
+  std::vector<std::string> args = {command, "--out", out.string(), "--quiet"};
   const std::map<std::string, std::string> sizes = {
       {"scaling",
        "--lengths 16,32 --heads 2 --dim 8 --reps 1 --naive-max 32 --softmax-max 32 "
@@ -170,17 +172,15 @@ TEST_CASE("Ctrl-C before the first point finishes leaves an earlier run's files 
   const ScratchDir dir("interrupt-first");
   REQUIRE(run(small_args(dir.path(), "rope-decay")).status == 0);
   const std::filesystem::path exp_dir = dir.path() / "rope_decay";
-  std::ofstream(exp_dir / "rope_decay.png") << "the earlier run's plot";  // (run with --no-plots)
+  std::ofstream(exp_dir / "rope_decay.png") << "the earlier analysis's plot";
   const std::vector<std::filesystem::path> files = {
-      exp_dir / "rope_decay.csv", exp_dir / "rope_decay.json", exp_dir / "report_section.md",
-      dir.path() / "REPORT.md", exp_dir / "rope_decay.png"};
+      exp_dir / "rope_decay.csv", exp_dir / "rope_decay.json", exp_dir / "rope_decay.png"};
   std::vector<std::string> before;
   for (const auto& f : files) before.push_back(read_file(f));
 
   Options options;
   options.out = dir.path();
   options.quiet = true;
-  options.plots = false;
   const Experiment stand_in{"rope-decay", "", &interrupted_before_first_point};
   {
     const InterruptHandlers handlers;
@@ -194,7 +194,7 @@ TEST_CASE("Ctrl-C before the first point finishes leaves an earlier run's files 
 }
 
 TEST_CASE(
-    "Ctrl-C: finished points saved, earlier plots removed, status 130, one line, and --resume "
+    "Ctrl-C: finished points saved, marked interrupted, status 130, one line, and --resume "
     "completes the run") {
   struct Case {
     const char* experiment;
@@ -216,12 +216,6 @@ TEST_CASE(
       REQUIRE(reference.status == 0);
       const auto expected = rows_of(reference_dir.path() / stem / (stem + ".csv"), columns);
       REQUIRE(expected.size() == c.total);
-      // An earlier run's plots, which the interrupted run's CSV no longer matches.
-      const std::vector<std::filesystem::path> earlier_figures = {
-          dir.path() / stem / (stem + "_earlier.png"), dir.path() / stem / (stem + "_earlier.svg")};
-      std::filesystem::create_directories(dir.path() / stem);
-      for (const auto& figure : earlier_figures) std::ofstream(figure) << "earlier run";
-
       // The signal lands while the k-th point is measured: that point finishes and is saved, and
       // no further point starts.
       std::size_t calls = 0;
@@ -243,21 +237,14 @@ TEST_CASE(
       CHECK(std::equal(partial.begin(), partial.end(), expected.begin()));
       const auto partial_full = rows_of(csv);
       CHECK(count_temporaries(dir.path()) == 0);
-      for (const auto& figure : earlier_figures) CHECK_FALSE(std::filesystem::exists(figure));
 
-      // Marked incomplete: metadata, no findings in the report section, REPORT.md says so.
+      // Marked incomplete in the metadata, which the analysis reads.
       const auto meta = metadata(dir.path(), stem);
       CHECK(meta["status"] == "interrupted");
       CHECK(meta["signal"] == "SIGINT");
       CHECK(meta["points_measured"] == k);
       CHECK(meta["points_total"] == c.total);
       CHECK(meta["points_saved"] == k);
-      CHECK_FALSE(std::filesystem::exists(dir.path() / stem / "summary.json"));
-      const std::string report = read_file(dir.path() / "REPORT.md");
-      CHECK(report.find(std::string(c.experiment) + ": interrupted, incomplete") !=
-            std::string::npos);
-      CHECK(report.find("--resume") != std::string::npos);
-      CHECK(report.find("![") == std::string::npos);
 
       // --resume measures only the rest and ends with the points of the uninterrupted run.
       calls = 0;
@@ -278,7 +265,6 @@ TEST_CASE(
       CHECK(meta_after["status"] == "complete");
       CHECK(meta_after["points_resumed"] == k);
       CHECK(meta_after["points_measured"] == c.total - k);
-      CHECK(read_file(dir.path() / "REPORT.md").find("interrupted") == std::string::npos);
       CHECK(count_temporaries(dir.path()) == 0);
     }
   }
@@ -317,9 +303,6 @@ TEST_CASE(
   CHECK(rows_of(dir.path() / "normalization" / "normalization.csv").size() == 3);
   for (const char* later : {"favor_error", "rope_decay", "rope_relative"})
     CHECK_FALSE(std::filesystem::exists(dir.path() / later));
-  const std::string report = read_file(dir.path() / "REPORT.md");
-  CHECK(report.find("normalization: interrupted, incomplete") != std::string::npos);
-  CHECK(report.find("scaling/scaling.csv") != std::string::npos);
 
   const std::size_t scaling_before = scaling_calls;
   scaling_calls = normalization_calls = other_calls = 0;
@@ -336,6 +319,5 @@ TEST_CASE(
     CAPTURE(stem);
     CHECK(metadata(dir.path(), stem)["status"] == "complete");
   }
-  CHECK(read_file(dir.path() / "REPORT.md").find("interrupted") == std::string::npos);
   CHECK(count_temporaries(dir.path()) == 0);
 }

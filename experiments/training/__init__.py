@@ -1,10 +1,11 @@
-"""The training experiment (issue 20): small decoders whose attention is linrope.torch's layer,
-trained on character-level English (Jane Austen) and on multi-query associative recall (MQAR),
-one run per attention variant and seed. Run it as
+"""The training experiment, RoPE numerator-only against full normalisation: small decoders whose
+attention is linrope.torch's layer, trained on character-level English (Jane Austen) and on
+multi-query associative recall (MQAR), one run per attention variant and seed. Run it as
 
     cd experiments && /usr/bin/python3 -m training --quick --out DIR
 
 (see `--help`). Pieces: data.py (text and batches), mqar.py (the recall task), model.py (the
 decoder and the variant table), train.py (one run: optimiser, divergence, statistics, resume),
 sweep.py (every run, in parallel processes, resumable), step_time.py (one layer's training step
-against context length), report.py (CSV, JSON, plots, the REPORT.md section)."""
+against context length), report.py (the analysis of the CSVs: summary, plots, the REPORT.md
+section; experiments/analysis/report.py calls it)."""

@@ -1,7 +1,11 @@
-"""python3 -m training [--quick | --full] --out DIR [options]: the training experiment of
-issue 20 (see __init__.py). Writes DIR/runs.csv, curves.csv, layers.csv, evaluations.csv,
-step_time.csv, training.json, summary.json, the plots and report_section.md; DIR/runs/ keeps each
-finished run and DIR/checkpoints/ the unfinished ones (--resume continues them)."""
+"""python3 -m training [--quick | --full] --out DIR [options]: trains small decoders with each
+attention variant (RoPE numerator-only against full normalisation, the other placements, softmax)
+on character-level English and on associative recall, and writes the measurements to DIR.
+
+DIR/runs.csv, curves.csv, layers.csv, evaluations.csv and step_time.csv hold the measurements and
+training.json their metadata; DIR/runs/ keeps each finished run and DIR/checkpoints/ the
+unfinished ones (--resume continues them). The analysis, experiments/analysis/report.py, writes
+summary.json, the plots and the report section from them. See __init__.py for the pieces."""
 import argparse
 import dataclasses
 import os
@@ -10,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from . import plans, report, step_time, sweep
+from . import plans, step_time, sweep
 from .model import VARIANTS, describe
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,7 +62,6 @@ def parse(argv):
     p.add_argument("--resume", action="store_true",
                    help="keep finished runs and continue unfinished ones from their checkpoints")
     p.add_argument("--no-step-time", action="store_true", help="skip the one-layer step times")
-    p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     p.add_argument("--list-variants", action="store_true")
     args = p.parse_args(argv)
@@ -169,9 +172,10 @@ def main(argv=None):
         sys.stderr.write("training: interrupted; finished runs and checkpoints are kept: run the "
                          "same command with --resume to go on\n")
         return 130
+    # Written last: its presence tells the analysis that the CSVs are those of a finished sweep.
     sweep.write_json(os.path.join(args.out, "training.json"),
                      metadata(args, argv, started, source, corpus_info))
-    return report.write(args.out, plots=not args.no_plots)
+    return 0
 
 
 if __name__ == "__main__":

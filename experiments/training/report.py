@@ -1,19 +1,18 @@
-"""From a training output directory's CSVs and training.json: summary.json (every number the
-report quotes), the plots (PNG) and report_section.md (the REPORT.md section, its sentences
-written from summary.json). write() returns 0, or 3 when the plots could not be made."""
+"""The training experiment's analysis, called by experiments/analysis/report.py (which writes
+REPORT.md): from a training output directory's CSVs and training.json, summary.json (every number
+the report quotes), the plots (PNG) and the REPORT.md section, its sentences written from
+summary.json. The training run itself (python3 -m training) writes only the CSVs and the JSON."""
 import collections
 import json
 import math
 import os
 import statistics
-import sys
 
-from analysis.common import read_rows, write_atomic, write_json  # experiments/analysis
+from analysis.common import read_rows, write_json  # experiments/analysis
 
 from .model import VARIANTS, describe
 from .step_time import VARIANTS_TIMED, crossover
 
-PLOTS_FAILED = 3
 FAMILIES = (("elu+1", "elu"), ("FAVOR+", "favor"), ("1+cos", "cos"))
 
 
@@ -442,7 +441,10 @@ def findings(summary, meta):
     return out
 
 
-def write(out, plots=True):
+def section(out, plot_note=None, link_prefix="training/"):
+    """Writes out/summary.json and, when plot_note is None, the plots; returns the section's
+    markdown, its links prefixed with link_prefix (the directory's path from REPORT.md's).
+    plot_note says why there are no plots (--no-plots, matplotlib missing)."""
     meta_path = os.path.join(out, "training.json")
     meta = {}
     if os.path.exists(meta_path):
@@ -450,39 +452,21 @@ def write(out, plots=True):
             meta = json.load(f)
     summary = summarise(out)
     write_json(os.path.join(out, "summary.json"), summary)
-    figures, failure = [], None
-    if plots:
-        try:
-            figures = plot(out, summary)
-        except ImportError as e:
-            failure = "matplotlib is missing (%s)" % e
-    md = "## Training: numerator-only against full normalisation (issue 20)\n\n"
+    figures = plot(out, summary) if plot_note is None else []
+    md = "## Training: numerator-only against full normalisation\n\n"
     if meta:
         md += ("_Run %s, --%s, commit %s%s, %s (%s cores; %s runs at once, %s thread each), "
                "%.0f min; command: `%s`._ Data: %s; derived numbers: [`summary.json`]"
-               "(training/summary.json).\n\n" % (
+               "(%ssummary.json).\n\n" % (
                    meta["date"], meta["mode"], (meta["git_commit"] or "unknown")[:12],
                    " with local changes" if meta["git_dirty"] else "", meta["machine"]["cpu"],
                    meta["machine"]["cores"], meta["jobs"], meta["threads"],
                    meta["duration_s"] / 60, meta["command"], ", ".join(
-                       "[`{0}`](training/{0})".format(name) for name in (
+                       "[`{0}`]({1}{0})".format(name, link_prefix) for name in (
                            "runs.csv", "curves.csv", "layers.csv", "evaluations.csv",
-                           "step_time.csv", "training.json"))))
+                           "step_time.csv", "training.json")), link_prefix))
     for name, caption in figures:
-        md += "![%s](training/%s)\n\n*%s*\n\n" % (caption, name, caption)
-    md += "".join(p + "\n\n" for p in findings(summary, meta))
-    write_atomic(os.path.join(out, "report_section.md"), md)
-    if failure:
-        sys.stderr.write("training: plots not made: %s\n" % failure)
-        return PLOTS_FAILED
-    return 0
-
-
-if __name__ == "__main__":
-    # python3 -m training.report DIR [--no-plots]: the summary, plots and section again, from
-    # DIR's CSVs and training.json (as the sweep writes them at its end).
-    directories = [a for a in sys.argv[1:] if a != "--no-plots"]
-    if len(directories) != 1:
-        sys.stderr.write("usage: python3 -m training.report DIR [--no-plots]\n")
-        sys.exit(2)
-    sys.exit(write(directories[0], plots="--no-plots" not in sys.argv))
+        md += "![%s](%s%s)\n\n*%s*\n\n" % (caption, link_prefix, name, caption)
+    if plot_note is not None:
+        md += "> The plots were not generated: %s. The CSVs hold every number.\n\n" % plot_note
+    return md + "".join(p + "\n\n" for p in findings(summary, meta))

@@ -67,12 +67,19 @@ struct LinearOptions {
 
 // Statistics of den_i over the query rows, on the unstabilised scale and without eps.
 // `threshold` is an input: below_threshold counts |den_i| < threshold.
+// A row that attends to no key (possible with offsets, or n_k and n of different lengths) has no
+// denominator: its output is zero, and it is counted in count and no_keys only. A row that does
+// attend but whose divisor den_i + eps is exactly 0 or not finite (0 / 0 with eps = 0, a `full`
+// denominator that cancels to 0, an overflow) is also written as a zero row: it is counted in
+// zero_divisor as well as in min, nonpositive and below_threshold as its den_i says.
 struct DenominatorStats {
-  double min = 0;
+  double min = 0;  // smallest den_i over the rows that attend to a key (0 if none does)
   Index nonpositive = 0;
   Index below_threshold = 0;
   double threshold = 1e-3;
-  Index count = 0;  // how many den_i were seen (query rows)
+  Index count = 0;         // how many query rows were seen, no_keys included
+  Index no_keys = 0;       // rows that attend to no key (zero output, no den_i)
+  Index zero_divisor = 0;  // rows written as zeros because den_i + eps was 0 or not finite
 };
 
 // Reproducibility. For a given build, the same inputs and options give the same bits run after

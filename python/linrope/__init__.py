@@ -10,9 +10,14 @@ OMP_NUM_THREADS) by default, whatever ``torch.set_num_threads`` says; ``import t
 OpenMP thread count the two libraries share, which is why the count is linrope's own.
 """
 from linrope._core import (  # noqa: F401
+    DenominatorStats,
     FeatureMap,
+    FeatureMapConfig,
     LinearAttentionStream,
+    LinearOptions,
     Rope,
+    RopeConfig,
+    SoftmaxOptions,
     get_num_threads,
     linear_attention,
     linear_attention_backward,
@@ -25,4 +30,6 @@ from linrope._core import (  # noqa: F401
 __all__ = [
     "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention", "linear_attention_backward",
     "openmp", "set_num_threads", "softmax_attention", "softmax_attention_backward",
+    # The C++ options structs; default-constructed, they hold every function's defaults.
+    "DenominatorStats", "FeatureMapConfig", "LinearOptions", "RopeConfig", "SoftmaxOptions",
 ]

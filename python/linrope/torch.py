@@ -23,6 +23,14 @@ from torch.autograd.function import once_differentiable
 
 from linrope import _core
 
+# The defaults of the options, read from the default-constructed C++ structs so that each lives in
+# the C++ header alone (the NumPy functions take theirs from the same structs).
+_SOFTMAX = _core.SoftmaxOptions()
+_LINEAR = _core.LinearOptions()
+_STATS = _core.DenominatorStats()
+_ROPE = _core.RopeConfig()
+_MAP = _core.FeatureMapConfig()
+
 __all__ = [
     "softmax_attention", "linear_attention", "rope_apply", "feature_map_apply",
     "RotaryEmbedding", "MultiheadAttention",
@@ -146,21 +154,25 @@ class _FeatureMapApply(torch.autograd.Function):
         return torch.from_numpy(dx), None
 
 
-def softmax_attention(q, k, v, causal=False, scale=None, rope=None, q_offset=0, k_offset=0,
-                      q_lengths=None, k_lengths=None):
+def softmax_attention(q, k, v, causal=_SOFTMAX.causal, scale=None, rope=None,
+                      q_offset=_SOFTMAX.q_offset, k_offset=_SOFTMAX.k_offset, q_lengths=None,
+                      k_lengths=None):
     """Exact softmax attention, differentiable in q, k and v; see linrope.softmax_attention."""
     options = dict(causal=causal, scale=scale, rope=rope, q_offset=q_offset, k_offset=k_offset,
                    q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
     return _SoftmaxAttention.apply(q, k, v, options)
 
 
-def linear_attention(q, k, v, feature_map, causal=False, placement="numerator_only", rope=None,
-                     eps=1e-6, q_offset=0, k_offset=0, return_stats=False, stats_threshold=1e-3,
-                     method="scan", chunk_size=64, q_lengths=None, k_lengths=None):
+def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LINEAR.placement,
+                     rope=None, eps=_LINEAR.eps, q_offset=_LINEAR.q_offset,
+                     k_offset=_LINEAR.k_offset, return_stats=False,
+                     stats_threshold=_STATS.threshold, method=_LINEAR.method,
+                     chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None):
     """Linear attention, differentiable in q, k and v (W held fixed); see
     linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
     forward; both give the same gradients. With return_stats=True returns (out, stats), stats a
-    dict of the denominator statistics (min, nonpositive, below_threshold, threshold, count)."""
+    dict of the denominator statistics (min, nonpositive, below_threshold, threshold, count,
+    no_keys, zero_divisor; include/linrope/attention.hpp says what each counts)."""
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
                    k_offset=k_offset, method=method, chunk_size=chunk_size,
                    q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
@@ -185,8 +197,9 @@ class RotaryEmbedding(nn.Module):
     Arguments as linrope.Rope (layout "interleaved" or "half"; scaling "none", "linear", "ntk",
     "yarn")."""
 
-    def __init__(self, dim, rotary_dim=0, base=10000.0, layout="interleaved", scaling="none",
-                 factor=1.0, original_max_position=0):
+    def __init__(self, dim, rotary_dim=_ROPE.rotary_dim, base=_ROPE.base, layout=_ROPE.layout,
+                 scaling=_ROPE.scaling, factor=_ROPE.factor,
+                 original_max_position=_ROPE.original_max_position):
         super().__init__()
         self.rope = _core.Rope(dim, rotary_dim=rotary_dim, base=base, layout=layout,
                                scaling=scaling, factor=factor,
@@ -226,10 +239,11 @@ class MultiheadAttention(nn.Module):
     """
 
     def __init__(self, embed_dim, num_heads, attention="softmax", *, causal=False, rope=True,
-                 rope_base=10000.0, rope_layout="interleaved", feature_map="favor+",
-                 num_features=None, orthogonal=True, placement=None, eps=1e-6, method="scan",
-                 chunk_size=64, redraw_interval=0, seed=0, bias=True, track_stats=False,
-                 stats_threshold=1e-3, device=None, dtype=None):
+                 rope_base=_ROPE.base, rope_layout=_ROPE.layout, feature_map="favor+",
+                 num_features=None, orthogonal=_MAP.orthogonal, placement=None, eps=_LINEAR.eps,
+                 method=_LINEAR.method, chunk_size=_LINEAR.chunk_size, redraw_interval=0,
+                 seed=_MAP.seed, bias=True, track_stats=False, stats_threshold=_STATS.threshold,
+                 device=None, dtype=None):
         super().__init__()
         if attention not in ("softmax", "linear"):
             raise ValueError(f"MultiheadAttention: attention is {attention!r} but expected one of "
@@ -258,7 +272,7 @@ class MultiheadAttention(nn.Module):
                 self.rope = _core.Rope(self.head_dim, base=rope_base, layout=rope_layout)
             return
         self.placement = placement if placement is not None else (
-            "numerator_only" if rope else "none")
+            _LINEAR.placement if rope else "none")
         self._map_args = dict(kind=feature_map, input_dim=self.head_dim,
                               num_features=num_features or 4 * self.head_dim,
                               orthogonal=orthogonal)

@@ -3,6 +3,7 @@ against explicit rotation matrices, feature maps against their formulas, both at
 explicit n x n attention, every placement, causal and not, (n, d) and (B, H, n, d), offsets; every
 backward against torch.autograd on the reference; float32 against float64; zero copies; bad input;
 threads."""
+import contextlib
 import os
 import weakref
 
@@ -116,6 +117,24 @@ def test_feature_maps_match_their_formulas_and_gradients(rng, kind):
     close(fm.apply(x.astype(np.float32)), phi, 1e-5)
 
 
+def test_options_structs():
+    # The C++ options structs, bound: their defaults are the functions' (test_torch checks every
+    # one), enum fields read and write as the functions' names, and a bad name is refused.
+    options = linrope.LinearOptions()
+    options.placement, options.method, options.eps = "full", "chunked", 0.5
+    assert (options.placement, options.method, options.eps) == ("full", "chunked", 0.5)
+    assert linrope.LinearOptions().placement == "numerator_only"  # each instance its own
+    with pytest.raises(ValueError, match="LinearOptions.placement: "):
+        options.placement = "sideways"
+    config = linrope.RopeConfig()
+    config.scaling, config.factor = "yarn", 4.0
+    assert repr(config).startswith("RopeConfig(dim=0, rotary_dim=0, base=10000.0, "
+                                   "layout='interleaved', scaling='yarn', factor=4.0")
+    with pytest.raises(ValueError, match="FeatureMapConfig.kind: "):
+        linrope.FeatureMapConfig().kind = "favor++"
+    assert linrope.SoftmaxOptions().scale == 0 and linrope.DenominatorStats().count == 0
+
+
 def test_feature_map_redraw_and_projection():
     fm = linrope.FeatureMap("favor+", 8, num_features=16, seed=1)
     w1 = fm.projection
@@ -198,6 +217,7 @@ def test_linear_attention_and_backward_match_the_reference(rng, kind, placement,
     assert stats["min"] == pytest.approx(den.min(), rel=1e-9, abs=1e-12)
     assert stats["nonpositive"] == int((den <= 0).sum())
     assert stats["below_threshold"] == int((np.abs(den) < stats["threshold"]).sum())
+    assert stats["no_keys"] == 0 and stats["zero_divisor"] == 0  # every row sees a key here
     g = randn(rng, *expected.shape)
     grads = linrope.linear_attention_backward(q, k, v, g, fm, rope=rope, **options)
     for actual, wanted in zip(grads, torch.autograd.grad(expected, (qt, kt, vt), t(g))):
@@ -206,6 +226,19 @@ def test_linear_attention_and_backward_match_the_reference(rng, kind, placement,
                                      **options)
     assert out32.dtype == np.float32
     close(out32, out, 1e-4 / min(1.0, smallest))
+
+
+def test_stats_count_rows_without_keys_apart(rng):
+    # Causal, keys starting 4 positions after the queries: rows 0..3 attend to no key. They have
+    # no denominator, so they are counted in no_keys and not as non-positive denominators.
+    fm = make_map("elu+1", 4)
+    q, v = randn(rng, 7, 4), randn(rng, 7, 2)
+    out, stats = linrope.linear_attention(q, q, v, fm, causal=True, placement="none",
+                                          k_offset=4, return_stats=True)
+    assert stats["count"] == 7 and stats["no_keys"] == 4
+    assert stats["nonpositive"] == 0 and stats["zero_divisor"] == 0
+    assert stats["min"] > 0
+    assert not out[:4].any()
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 64])
@@ -444,14 +477,42 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
 
 # ---- The GIL -------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def one_thread():
+    """linrope's kernels on one thread inside the block (the longest call for given inputs)."""
+    before = linrope.get_num_threads()
+    linrope.set_num_threads(1)
+    try:
+        yield
+    finally:
+        linrope.set_num_threads(before)
+
+
+def long_call(kernel):
+    """(call, seconds): kernel(copies) makes a call on `copies` times the inputs, scaled until one
+    call takes >= 60 ms here (faster CPUs need larger inputs)."""
+    import math
+    import time
+
+    def timed(f):
+        started = time.perf_counter()
+        f()
+        return time.perf_counter() - started
+
+    run = kernel(1)
+    call_time = timed(run)
+    if call_time < 0.06:
+        run = kernel(math.ceil(0.08 / call_time))
+        call_time = timed(run)
+    return run, call_time
+
+
 @pytest.mark.parametrize("call", ["softmax", "linear", "linear_backward", "rope", "map"])
 def test_kernels_release_the_gil(rng, call):
     # While a kernel runs in another thread, this thread's Python code keeps running: a kernel
     # holding the GIL would stop it for the whole call, leaving a gap between two iterations of
-    # this thread's loop as long as the call. The inputs are scaled until one call, on one thread,
-    # takes >= 60 ms (faster CPUs need larger inputs), over ten times Python's 5 ms switch interval
-    # and a scheduler timeslice; half a call bounds the gap.
-    import math
+    # this thread's loop as long as the call. The call lasts >= 60 ms (long_call), over ten times
+    # Python's 5 ms switch interval and a scheduler timeslice; half a call bounds the gap.
     import threading
     import time
     fm = linrope.FeatureMap("favor+", 64, num_features=256)
@@ -471,19 +532,8 @@ def test_kernels_release_the_gil(rng, call):
             "map": lambda y=np.tile(xs, (7, 1, 1, 1)): fm.apply(y),
         }[call]
 
-    def timed(f):
-        started = time.perf_counter()
-        f()
-        return time.perf_counter() - started
-
-    before = linrope.get_num_threads()
-    linrope.set_num_threads(1)
-    try:
-        run = kernel(1)
-        call_time = timed(run)
-        if call_time < 0.06:
-            run = kernel(math.ceil(0.08 / call_time))
-            call_time = timed(run)
+    with one_thread():
+        run, call_time = long_call(kernel)
         done = threading.Event()
         worker = threading.Thread(target=lambda: (run(), done.set()))
         last = time.perf_counter()
@@ -493,10 +543,62 @@ def test_kernels_release_the_gil(rng, call):
             now = time.perf_counter()
             longest_gap, last = max(longest_gap, now - last), now
         worker.join()
-    finally:
-        linrope.set_num_threads(before)
     assert call_time > 0.02, f"a call of {call_time:.4f} s is too short to tell"
     assert longest_gap < call_time / 2, (longest_gap, call_time)
+
+
+@pytest.mark.parametrize("call", ["linear", "linear_backward", "map", "stream"])
+def test_redraw_while_a_kernel_uses_the_map_is_refused(rng, call):
+    # A kernel reads W with the GIL released, so another thread's redraw could replace W halfway
+    # through the call. redraw raises instead while any call holds the map. It redraws to the
+    # seed the map already has, so the attempts that land before or after the call (allowed) leave
+    # W, and so the result, unchanged: the call must give exactly what it gives alone.
+    import threading
+    import time
+    fm = linrope.FeatureMap("favor+", 64, num_features=256, seed=1)
+    x = randn(rng, 1, 16, 512, 64, dtype=np.float32)
+
+    def kernel(copies):
+        xs = np.tile(x, (copies, 1, 1, 1))
+        rows = np.ascontiguousarray(xs.reshape(-1, 64))
+        return {
+            "linear": lambda: linrope.linear_attention(xs, xs, xs, fm, placement="none",
+                                                       causal=True),
+            "linear_backward": lambda: linrope.linear_attention_backward(xs, xs, xs, xs, fm,
+                                                                         placement="none"),
+            "map": lambda y=np.tile(xs, (7, 1, 1, 1)): fm.apply(y),
+            "stream": lambda: linrope.LinearAttentionStream(fm, 64, placement="none").step(
+                rows, rows, rows),
+        }[call]
+
+    with one_thread():
+        run, _ = long_call(kernel)
+        expected = run()
+        refused = []
+        # Up to three calls, in case a loaded machine never ran this thread during one (>= 60 ms).
+        for _ in range(3):
+            results = []
+            started = threading.Event()
+            worker = threading.Thread(target=lambda: (started.set(), results.append(run())))
+            worker.start()
+            started.wait()
+            while worker.is_alive():
+                try:
+                    fm.redraw(1)
+                except RuntimeError as error:
+                    refused.append(str(error))
+                time.sleep(0.001)
+            worker.join()
+            for got, want in zip(*(r if isinstance(r, tuple) else (r,)
+                                   for r in (results[0], expected))):
+                np.testing.assert_array_equal(got, want)
+            if refused:
+                break
+    assert refused, "no redraw was refused while the kernel ran"
+    assert refused[0].startswith("FeatureMap.redraw: the map is in use by 1 kernel call(s) "
+                                 "running in other threads"), refused[0]
+    fm.redraw(2)  # free again once the call has returned
+    assert fm.seed == 2
 
 
 # ---- Threads -------------------------------------------------------------------------------------

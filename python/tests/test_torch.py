@@ -312,3 +312,70 @@ def test_bad_input():
         lt.MultiheadAttention(16, 2, "performer")
     with pytest.raises(ValueError, match="feature map is .* but expected one of"):
         lt.MultiheadAttention(16, 2, "linear", feature_map="favor")
+
+
+# ---- Defaults: one place, the C++ structs --------------------------------------------------------
+
+def _python_defaults(f):
+    import inspect
+    return {name: p.default for name, p in inspect.signature(f).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _core_defaults(f):
+    """The keyword defaults pybind11 writes into the signature line of f's docstring."""
+    import ast
+    import re
+    signature = f.__doc__.splitlines()[0]
+    return {m.group(1): ast.literal_eval(m.group(2))
+            for m in re.finditer(r"(\w+): [\w.\[\], ]+? = ('[^']*'|[-+\w.]+)", signature)}
+
+
+def test_defaults_are_the_cpp_structs():
+    # Every Python default that mirrors a field of a C++ options struct equals the field of the
+    # default-constructed struct, read through its binding: a literal copied into the binding or
+    # into linrope.torch that drifts from the C++ header fails here.
+    softmax, linear = linrope.SoftmaxOptions(), linrope.LinearOptions()
+    threshold = linrope.DenominatorStats().threshold
+    rope, fmap = linrope.RopeConfig(), linrope.FeatureMapConfig()
+    assert softmax.scale == 0  # the C++ spelling of scale=None (1/sqrt(d))
+    expected_softmax = dict(causal=softmax.causal, scale=None, q_offset=softmax.q_offset,
+                            k_offset=softmax.k_offset)
+    expected_linear = dict(causal=linear.causal, placement=linear.placement, eps=linear.eps,
+                           q_offset=linear.q_offset, k_offset=linear.k_offset,
+                           stats_threshold=threshold, method=linear.method,
+                           chunk_size=linear.chunk_size)
+    expected_rope = dict(rotary_dim=rope.rotary_dim, base=rope.base, layout=rope.layout,
+                         scaling=rope.scaling, factor=rope.factor,
+                         original_max_position=rope.original_max_position)
+    expected_layer = dict(rope_base=rope.base, rope_layout=rope.layout,
+                          orthogonal=fmap.orthogonal, seed=fmap.seed, eps=linear.eps,
+                          method=linear.method, chunk_size=linear.chunk_size,
+                          stats_threshold=threshold)
+    cases = [
+        (_core_defaults(linrope.softmax_attention), expected_softmax),
+        (_core_defaults(linrope.softmax_attention_backward), expected_softmax),
+        (_python_defaults(lt.softmax_attention), expected_softmax),
+        (_core_defaults(linrope.linear_attention), expected_linear),
+        (_core_defaults(linrope.linear_attention_backward),
+         {k: v for k, v in expected_linear.items() if k != "stats_threshold"}),
+        (_python_defaults(lt.linear_attention), expected_linear),
+        (_core_defaults(linrope.LinearAttentionStream.__init__),
+         dict(placement=linear.placement, eps=linear.eps, offset=linear.q_offset)),
+        (_core_defaults(linrope.LinearAttentionStream.step), dict(stats_threshold=threshold)),
+        (_core_defaults(linrope.Rope.__init__),
+         dict(expected_rope, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow)),
+        (_python_defaults(lt.RotaryEmbedding.__init__), expected_rope),
+        (_core_defaults(linrope.FeatureMap.__init__),
+         dict(num_features=fmap.num_features, orthogonal=fmap.orthogonal, seed=fmap.seed,
+              regularized=fmap.regularized)),
+        (_python_defaults(lt.MultiheadAttention.__init__), expected_layer),
+    ]
+    for defaults, expected in cases:
+        for name, value in expected.items():
+            assert name in defaults, (name, defaults)
+            assert defaults[name] == value and type(defaults[name]) is type(value), (
+                name, defaults[name], value)
+    # The layer's placement when rope=True is the C++ default placement.
+    layer = lt.MultiheadAttention(8, 2, "linear", feature_map="elu+1")
+    assert layer.placement == linear.placement

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <limits>
 #include <linrope/batched.hpp>
 #include <sstream>
 #include <string>
@@ -37,11 +40,28 @@ T* slice_out(const Heads<T>& h, Index b, Index head) {
   return h.data + (b * h.heads + head) * h.n * h.d;
 }
 
+// batch * heads * n * d, the elements a view spans (sizes already known non-negative), or throws
+// if their bytes could not be addressed: every offset into the view would overflow.
+template <class T>
+Index checked_size(std::string_view fn, std::string_view name, const Heads<T>& h) {
+  const Index sizes[] = {h.batch, h.heads, h.n, h.d};
+  if (std::find(std::begin(sizes), std::end(sizes), 0) != std::end(sizes)) return 0;
+  const Index limit = std::numeric_limits<Index>::max() / Index(sizeof(T));
+  Index total = 1;
+  for (const Index size : sizes) {
+    if (total > limit / size)
+      throw_invalid(fn, name, " is ", describe(h), " but expected at most ", limit,
+                    " elements in all (batch * heads * n * d overflows)");
+    total *= size;
+  }
+  return total;
+}
+
 template <class T>
 void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
   if (h.batch < 0 || h.heads < 0 || h.n < 0 || h.d < 0)
     throw_invalid(fn, name, " is ", describe(h), " but expected non-negative sizes");
-  if (h.data == nullptr && h.batch * h.heads * h.n * h.d > 0)
+  if (checked_size(fn, name, h) > 0 && h.data == nullptr)
     throw_invalid(fn, name, ".data is null but ", name, " is ", describe(h));
   if (h.lengths)
     for (Index b = 0; b < h.batch; ++b)
@@ -78,12 +98,34 @@ void check_inputs(std::string_view fn, const Heads<const T>& q, const Heads<cons
   if (v.n != k.n) throw_invalid(fn, "v is ", describe(v), " but k has n = ", k.n);
 }
 
-// The forwards' views: the inputs, and out [B,H,n,d_v].
+// True when the elements of two views share memory. Views are dense, so each spans
+// [data, data + batch heads n d).
+template <class A, class B>
+bool overlaps(const Heads<A>& a, const Heads<B>& b) {
+  const auto begin = [](const auto* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  const Index size_a = a.batch * a.heads * a.n * a.d, size_b = b.batch * b.heads * b.n * b.d;
+  if (size_a == 0 || size_b == 0) return false;
+  return begin(a.data) < begin(b.data + size_b) && begin(b.data) < begin(a.data + size_a);
+}
+
+// An output written while the inputs are still being read must not share their memory (an
+// in-place call would read its own results): throws naming the pair. Shapes already checked.
+template <class Out, class In>
+void require_separate(std::string_view fn, std::string_view out_name, const Heads<Out>& out,
+                      std::string_view in_name, const Heads<In>& in) {
+  if (overlaps(out, in))
+    throw_invalid(fn, out_name, " overlaps ", in_name, "; expected separate storage");
+}
+
+// The forwards' views: the inputs, and out [B,H,n,d_v], which overlaps none of them.
 template <class T>
 void check_heads(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
                  const Heads<const T>& v, const Heads<T>& out) {
   check_inputs(fn, q, k, v);
   check_shape(fn, "out", out, q, q.n, v.d);
+  require_separate(fn, "out", out, "q", q);
+  require_separate(fn, "out", out, "k", k);
+  require_separate(fn, "out", out, "v", v);
 }
 
 // The backwards' views: the inputs, d_out [B,H,n,d_v], and dq, dk, dv the shapes of q, k, v.
@@ -96,6 +138,18 @@ void check_backward_heads(std::string_view fn, const Heads<const T>& q, const He
   check_shape(fn, "dq", dq, q, q.n, q.d);
   check_shape(fn, "dk", dk, q, k.n, k.d);
   check_shape(fn, "dv", dv, q, v.n, v.d);
+  const auto separate_from_all = [&](std::string_view name, const Heads<T>& grad) {
+    require_separate(fn, name, grad, "q", q);
+    require_separate(fn, name, grad, "k", k);
+    require_separate(fn, name, grad, "v", v);
+    require_separate(fn, name, grad, "d_out", d_out);
+  };
+  separate_from_all("dq", dq);
+  separate_from_all("dk", dk);
+  separate_from_all("dv", dv);
+  require_separate(fn, "dk", dk, "dq", dq);
+  require_separate(fn, "dv", dv, "dq", dq);
+  require_separate(fn, "dv", dv, "dk", dk);
 }
 
 // The rows of slice s of q, k or v within the lengths (v's are k's).
@@ -159,15 +213,15 @@ void for_each_slice(Index batch, Index heads, Body body) {
                [&](Index s) { body(s / heads, s % heads); });
 }
 
-// Runs run(b, h, parallel) on every slice: with enough slices for every thread, one slice per
-// thread (the kernel serial); otherwise each slice in turn, with all threads.
+// Runs run(b, h, threading) on every slice: with enough slices for every thread, one slice per
+// thread (threading Serial); otherwise each slice in turn, with all threads (Parallel).
 template <class Run>
 void for_each_head(Index batch, Index heads, Run run) {
   if (batch * heads >= max_threads()) {
-    for_each_slice(batch, heads, [&](Index b, Index h) { run(b, h, false); });
+    for_each_slice(batch, heads, [&](Index b, Index h) { run(b, h, Threads::Serial); });
   } else {
     for (Index b = 0; b < batch; ++b)
-      for (Index h = 0; h < heads; ++h) run(b, h, true);
+      for (Index h = 0; h < heads; ++h) run(b, h, Threads::Parallel);
   }
 }
 

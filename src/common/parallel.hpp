@@ -84,11 +84,19 @@ void parallel_for(Index count, int threads, Schedule schedule, Body body) {
 #endif
 }
 
-// body(i) for i in [0, count): on every thread when `parallel` (and not already inside a parallel
-// region), else in this thread. Static shares.
+// Whether a call may spread its work over the OpenMP threads (Parallel) or must stay on the
+// calling thread (Serial: it already runs inside a parallel region, e.g. one head per thread).
+enum class Threads { Serial, Parallel };
+
+// How many threads a call may use: every thread for Parallel outside a parallel region, else one.
+inline int usable_threads(Threads threads) {
+  return threads == Threads::Parallel && !in_parallel() ? max_threads() : 1;
+}
+
+// body(i) for i in [0, count), on usable_threads(threads) threads. Static shares.
 template <class Body>
-void for_each_index(Index count, bool parallel, Body body) {
-  parallel_for(count, parallel && !in_parallel() ? max_threads() : 1, Schedule::Static, body);
+void for_each_index(Index count, Threads threads, Body body) {
+  parallel_for(count, usable_threads(threads), Schedule::Static, body);
 }
 
 }  // namespace linrope::detail

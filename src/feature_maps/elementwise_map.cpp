@@ -101,7 +101,7 @@ class ElementwiseMap final : public FeatureMap {
   void run(const Eigen::Ref<const Matrix<T>>& x, Eigen::Ref<Matrix<T>> out, bool parallel) const {
     const Index n = x.rows();
     const Index blocks = (n + kBlockRows - 1) / kBlockRows;
-    for_each_index(blocks, parallel, [&](Index b) {
+    for_each_index(blocks, parallel ? Threads::Parallel : Threads::Serial, [&](Index b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       const auto xb = x.middleRows(first, rows).array();
       auto ob = out.middleRows(first, rows);

@@ -103,7 +103,7 @@ class FavorMap final : public FeatureMap {
     // |u_l| <= |x'| |w_l| bounds every partial sum of the GEMM too (Cauchy-Schwarz on |x'_j w_lj|).
     const double projection_bound = std::pow(double(d), -0.25) * max_row_norm_;
     const Index blocks = (n + kBlockRows - 1) / kBlockRows;
-    for_each_index(blocks, parallel, [&](Index b) {
+    for_each_index(blocks, parallel ? Threads::Parallel : Threads::Serial, [&](Index b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       gemm(const_view(x.middleRows(first, rows)), wt, view(out.middleRows(first, rows).leftCols(f)),
            false);

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/check.hpp"
+#include "common/nonfinite.hpp"
 #include "common/enum_names.hpp"
 #include "common/parallel.hpp"
 #include "common/scratch.hpp"
@@ -87,8 +88,7 @@ void check_backward(const FeatureMap& map, const Eigen::Ref<const Matrix<T>>& x,
   if (overlaps<T>(x, dx)) detail::throw_invalid(fn, "dx overlaps x; expected separate storage");
   if (overlaps<T>(d_out, dx))
     detail::throw_invalid(fn, "dx overlaps d_out; expected separate storage");
-  detail::require_finite(fn, "x", x);
-  detail::require_finite(fn, "d_out", d_out);
+  detail::require_finite_each(fn, "x", x, "d_out", d_out);  // up front: common/nonfinite.hpp
 }
 
 }  // namespace
@@ -102,7 +102,7 @@ void FeatureMap::backward_checked(const Eigen::Ref<const Matrix<T>>& x,
   check_backward<T>(*this, x, d_out, dx);
   const Index n = x.rows(), m = output_dim();
   const Index blocks = (n + detail::kBlockRows - 1) / detail::kBlockRows;
-  detail::for_each_index(blocks, /*parallel=*/true, [&](Index b) {
+  detail::for_each_index(blocks, detail::Threads::Parallel, [&](Index b) {
     const Index first = b * detail::kBlockRows, rows = std::min(detail::kBlockRows, n - first);
     detail::Scratch<T> features(rows * m), scaled(rows * m);
     detail::Scratch<double> log_scale(rows);

@@ -5,11 +5,11 @@
 
 namespace linrope::detail {
 
-CausalPlan plan_causal(Index n, Index nk, Index q_pos0, Index k_pos0, Index align, int threads) {
+CausalPlan plan_causal(Index n, Index n_k, Index q_offset, Index k_offset, Index align, int threads) {
   CausalPlan plan;
   plan.segments = std::clamp<Index>(n / std::max<Index>(4 * align, 256), 1, std::max(threads, 1));
   const auto first_key = [&](Index query) {
-    return std::clamp(query + q_pos0 - k_pos0, Index(0), nk);
+    return std::clamp(query + q_offset - k_offset, Index(0), n_k);
   };
   plan.query_start.resize(plan.segments + 1);
   plan.key_start.resize(plan.segments + 1);
@@ -22,20 +22,20 @@ CausalPlan plan_causal(Index n, Index nk, Index q_pos0, Index k_pos0, Index alig
 
 template <class T>
 std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearState<T>& state,
-                                          const T* k, const T* v, Index k_pos0,
+                                          const T* k, const T* v, Index k_offset,
                                           const LinearSetup& setup, KeptFeatures<T>* keep) {
-  const Index segments = plan.segments, d = setup.d, dv = setup.dv;
+  const Index segments = plan.segments, d = setup.d, d_v = setup.d_v;
   const std::vector<Index>& key_start = plan.key_start;
   std::vector<LinearState<T>> prefix(segments);
   // prefix[t + 1] takes keys [key_start[t], key_start[t + 1]) for now.
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     const Index begin = key_start[t], end = key_start[t + 1];
     if (t + 1 < segments) {
-      prefix[t + 1].reset(setup.m, dv);
-      absorb_keys(prefix[t + 1], k + begin * d, v + begin * dv, end - begin, k_pos0 + begin, setup,
+      prefix[t + 1].reset(setup.m, d_v);
+      absorb_keys(prefix[t + 1], k + begin * d, v + begin * d_v, end - begin, k_offset + begin, setup,
                   keep, begin);
     } else if (keep) {
-      keep_features(*keep, k, begin, end, k_pos0, setup);
+      keep_features(*keep, k, begin, end, k_offset, setup);
     }
   });
   if (keep) keep->fill(key_start[segments]);

@@ -18,10 +18,10 @@ struct CausalPlan {
   std::vector<Index> query_start, key_start;
 };
 
-// Queries [0, n) at q_pos0, keys [0, nk) at k_pos0 (query i sees key j iff k_pos0 + j <=
-// q_pos0 + i). Segments start at multiples of `align` (the form's block or chunk) and are at least
+// Queries [0, n) at q_offset, keys [0, n_k) at k_offset (query i sees key j iff k_offset + j <=
+// q_offset + i). Segments start at multiples of `align` (the form's block or chunk) and are at least
 // max(4 align, 256) queries long, at most `threads` of them: a short head is one segment.
-CausalPlan plan_causal(Index n, Index nk, Index q_pos0, Index k_pos0, Index align, int threads);
+CausalPlan plan_causal(Index n, Index n_k, Index q_offset, Index k_offset, Index align, int threads);
 
 // The key state at each segment's start: [0] = state, [t] = state and keys [0, key_start[t]). The
 // key ranges are absorbed in parallel, one per thread, then summed in order (m x d_v each). With
@@ -29,7 +29,7 @@ CausalPlan plan_causal(Index n, Index nk, Index q_pos0, Index k_pos0, Index alig
 // them), the last segment's keys included.
 template <class T>
 std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearState<T>& state,
-                                          const T* k, const T* v, Index k_pos0,
+                                          const T* k, const T* v, Index k_offset,
                                           const LinearSetup& setup, KeptFeatures<T>* keep);
 
 }  // namespace linrope::detail

@@ -12,19 +12,23 @@ DenominatorTally::DenominatorTally(double threshold)
       log_threshold_(threshold > 0 ? std::log(threshold)
                                    : -std::numeric_limits<double>::infinity()) {}
 
-void DenominatorTally::add(double den, double log_scale) {
+void DenominatorTally::add(double den, double log_scale, bool zero_divisor) {
   ++count_;
+  if (zero_divisor) ++zero_divisor_;
   min_ = std::min(min_, den == 0 ? 0.0 : den * std::exp(log_scale));
   if (den <= 0) ++nonpositive_;
   if (den == 0 ? threshold_ > 0 : std::log(std::abs(den)) + log_scale < log_threshold_) ++below_;
 }
 
 void DenominatorTally::merge_into(DenominatorStats& stats) const {
-  if (count_ == 0) return;
-  stats.min = stats.count == 0 ? min_ : std::min(stats.min, min_);
+  const Index attended = count_ - no_keys_;
+  if (attended > 0)
+    stats.min = stats.count == stats.no_keys ? min_ : std::min(stats.min, min_);
   stats.nonpositive += nonpositive_;
   stats.below_threshold += below_;
   stats.count += count_;
+  stats.no_keys += no_keys_;
+  stats.zero_divisor += zero_divisor_;
 }
 
 void DenominatorTally::store(DenominatorStats& stats) const {
@@ -37,6 +41,8 @@ void DenominatorTally::merge(const DenominatorTally& other) {
   nonpositive_ += other.nonpositive_;
   below_ += other.below_;
   count_ += other.count_;
+  no_keys_ += other.no_keys_;
+  zero_divisor_ += other.zero_divisor_;
 }
 
 }  // namespace linrope::detail

@@ -38,6 +38,15 @@ void check_linear_setup(std::string_view fn, const FeatureMap& map, const Linear
                   to_string(options.placement), " needs width ", what, " = ", width);
 }
 
+PlacementPlan plan_placement(RopePlacement placement) {
+  PlacementPlan plan;
+  plan.rotate_input = placement == RopePlacement::BeforeMap;
+  plan.rotate_features =
+      placement == RopePlacement::NumeratorOnly || placement == RopePlacement::Full;
+  plan.separate_denominator = placement == RopePlacement::NumeratorOnly;
+  return plan;
+}
+
 }  // namespace detail
 
 namespace {
@@ -54,9 +63,9 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
   detail::check_linear_setup(fn, map, options, q.cols());
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.rows());
-  // Non-finite inputs are found by the kernel as it reads them (see NonFiniteFlag).
+  // Non-finite inputs are found by the kernel as it reads them (common/nonfinite.hpp).
   detail::NonFiniteFlag nonfinite;
-  const detail::LinearSetup setup{&map, options, q.cols(), v.cols(), map.output_dim(), &nonfinite};
+  const detail::LinearSetup setup(map, options, q.cols(), v.cols(), &nonfinite);
   Matrix<T> out(q.rows(), v.cols());
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
   detail::DenominatorTally* tally_ptr = stats ? &tally : nullptr;
@@ -64,16 +73,13 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
                                    q.rows(), k.rows(), options.q_offset, options.k_offset};
   if (options.causal) {
     detail::LinearState<T> state;
-    state.reset(setup.m, setup.dv);
-    detail::linear_causal(head, setup, state, false, tally_ptr, true);
+    state.reset(setup.m, setup.d_v);
+    detail::linear_causal(head, setup, state, detail::FinalState::Discarded, tally_ptr,
+                          detail::Threads::Parallel);
   } else {
-    detail::linear_noncausal(head, setup, tally_ptr, true);
+    detail::linear_noncausal(head, setup, tally_ptr, detail::Threads::Parallel);
   }
-  if (nonfinite.raised()) {
-    detail::require_finite(fn, "q", q);
-    detail::require_finite(fn, "k", k);
-    detail::require_finite(fn, "v", v);
-  }
+  detail::name_nonfinite(nonfinite, fn, "q", q, "k", k, "v", v);
   if (stats) tally.store(*stats);
   return out;
 }

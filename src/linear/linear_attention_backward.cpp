@@ -16,11 +16,11 @@ constexpr std::string_view kFn = "linear_attention_backward";
 
 template <class T>
 void run_head(const detail::LinearGradientHead<T>& head, const detail::LinearSetup& setup,
-              bool parallel) {
+              detail::Threads threading) {
   if (setup.options.causal)
-    detail::linear_causal_backward(head, setup, parallel);
+    detail::linear_causal_backward(head, setup, threading);
   else
-    detail::linear_noncausal_backward(head, setup, parallel);
+    detail::linear_noncausal_backward(head, setup, threading);
 }
 
 template <class T>
@@ -37,21 +37,16 @@ AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, co
   detail::check_linear_setup(kFn, map, options, q.cols());
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.rows());
-  // Non-finite inputs are found by the kernels as they read them (see NonFiniteFlag), as in the
+  // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp), as in the
   // forward; the first offending argument in the order q, k, v, d_out is named.
   detail::NonFiniteFlag nonfinite;
-  const detail::LinearSetup setup{&map, options, q.cols(), v.cols(), map.output_dim(), &nonfinite};
+  const detail::LinearSetup setup(map, options, q.cols(), v.cols(), &nonfinite);
   AttentionGradients<T> grads{Matrix<T>(q.rows(), q.cols()), Matrix<T>(k.rows(), k.cols()),
                               Matrix<T>(v.rows(), v.cols())};
   run_head<T>({q.data(), k.data(), v.data(), d_out.data(), grads.dq.data(), grads.dk.data(),
                grads.dv.data(), q.rows(), k.rows(), options.q_offset, options.k_offset},
-              setup, /*parallel=*/true);
-  if (nonfinite.raised()) {
-    detail::require_finite(kFn, "q", q);
-    detail::require_finite(kFn, "k", k);
-    detail::require_finite(kFn, "v", v);
-    detail::require_finite(kFn, "d_out", d_out);
-  }
+              setup, detail::Threads::Parallel);
+  detail::name_nonfinite(nonfinite, kFn, "q", q, "k", k, "v", v, "d_out", d_out);
   return grads;
 }
 
@@ -66,22 +61,22 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
   detail::check_linear_setup(kFn, map, options, q.d);
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.n);
-  const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
-  // Non-finite inputs are found by the kernels as they read them (see NonFiniteFlag), as in the
+  const detail::LinearSetup setup(map, options, q.d, v.d);
+  // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp), as in the
   // forward; then named as an up-front scan would: q, k, v over the slices in order, then d_out.
   const Index slices = q.batch * q.heads;
   std::vector<detail::NonFiniteFlag> nonfinite(slices);
-  const auto run = [&](Index b, Index h, bool parallel) {
-    const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+  const auto run = [&](Index b, Index h, detail::Threads threading) {
+    const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[b * q.heads + h];
     run_head<T>(
         {slice(q, b, h), slice(k, b, h), slice(v, b, h), slice(d_out, b, h), slice_out(dq, b, h),
-         slice_out(dk, b, h), slice_out(dv, b, h), n, nk, options.q_offset, options.k_offset},
-        setup_of_slice, parallel);
+         slice_out(dk, b, h), slice_out(dv, b, h), n, n_k, options.q_offset, options.k_offset},
+        setup_of_slice, threading);
     detail::zero_rows_past(dq, b, h, n);
-    detail::zero_rows_past(dk, b, h, nk);
-    detail::zero_rows_past(dv, b, h, nk);
+    detail::zero_rows_past(dk, b, h, n_k);
+    detail::zero_rows_past(dv, b, h, n_k);
   };
   detail::for_each_head(q.batch, q.heads, run);
   for (Index s = 0; s < slices; ++s)

@@ -31,7 +31,7 @@
 
 namespace linrope::detail {
 
-// One head's rows and their gradients: q [n x d], k [nk x d], v [nk x dv], d_out [n x dv] ->
+// One head's rows and their gradients: q [n x d], k [n_k x d], v [n_k x d_v], d_out [n x d_v] ->
 // dq, dk, dv of the shapes of q, k, v (every row written), positions as in LinearHead.
 template <class T>
 struct LinearGradientHead {
@@ -42,24 +42,24 @@ struct LinearGradientHead {
   T* dq;
   T* dk;
   T* dv;
-  Index n, nk;
-  Index q_pos0, k_pos0;
+  Index n, n_k;
+  Index q_offset, k_offset;
 };
 
 // The gradients of linear_noncausal and linear_causal (any method: the causal backward has one
-// form, the scan's sweeps). `parallel` as for the forwards. Shapes must already be checked; the
+// form, the scan's sweeps). `threading` as for the forwards. Shapes must already be checked; the
 // kernels check q, k, v and d_out for non-finite values as they read them, as the forwards do
 // (setup.nonfinite). Never throw but std::bad_alloc.
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                               bool parallel);
+                               Threads threading);
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            bool parallel);
+                            Threads threading);
 
 inline constexpr double kNoQueries = std::numeric_limits<double>::infinity();
 
-// What the queries absorbed so far give their keys: U = sum_i exp(K - M_i) a~_i g~_i^T [m x dv]
+// What the queries absorbed so far give their keys: U = sum_i exp(K - M_i) a~_i g~_i^T [m x d_v]
 // and y = sum_i exp(K - M_i) delta_i b~_i [m], at the log scale K, the smallest M_i absorbed
 // (+inf: none), so that every weight is at most 1 and key j reads them times exp(gamma_j - K).
 template <class T>
@@ -67,8 +67,8 @@ struct QueryState {
   Matrix<T> U;
   Vector<T> y;
   double K = kNoQueries;
-  void reset(Index m, Index dv) {
-    U.setZero(m, dv);
+  void reset(Index m, Index d_v) {
+    U.setZero(m, d_v);
     y.setZero(m);
     K = kNoQueries;
   }
@@ -96,7 +96,7 @@ void merge(QueryState<T>& state, const QueryState<T>& other) {
   state.y += factor * other.y;
 }
 
-// One block of queries' terms: g~ [rows x dv], delta and M per row (M = kEmpty for a row whose
+// One block of queries' terms: g~ [rows x d_v], delta and M per row (M = kEmpty for a row whose
 // output is zero: it contributes nothing).
 template <class T>
 struct QueryTerms {
@@ -106,11 +106,11 @@ struct QueryTerms {
 };
 
 // Adds a block of queries (features `queries`, terms `terms`) to the state: U += a~^T diag(w) g~,
-// y += b~^T (w delta) with w_i = exp(K - M_i). weighted: scratch of at least rows x dv.
+// y += b~^T (w delta) with w_i = exp(K - M_i). weighted: scratch of at least rows x d_v.
 template <class T>
 void absorb_queries(QueryState<T>& state, const FeatureRows<T>& queries, const QueryTerms<T>& terms,
                     T* weighted) {
-  const Index rows = queries.rows(), dv = queries.setup().dv;
+  const Index rows = queries.rows(), d_v = queries.setup().d_v;
   double lowest = kNoQueries;
   for (Index r = 0; r < rows; ++r)
     if (terms.scale[r] != kEmpty) lowest = std::min(lowest, terms.scale[r]);
@@ -120,8 +120,8 @@ void absorb_queries(QueryState<T>& state, const FeatureRows<T>& queries, const Q
   Eigen::Map<Vector<T>> w(weights.data(), rows);
   for (Index r = 0; r < rows; ++r)
     w[r] = terms.scale[r] == kEmpty ? T(0) : T(std::exp(state.K - terms.scale[r]));
-  RowMap<T> g(weighted, rows, dv);
-  g = w.asDiagonal() * ConstRowMap<T>(terms.g, rows, dv);
+  RowMap<T> g(weighted, rows, d_v);
+  g = w.asDiagonal() * ConstRowMap<T>(terms.g, rows, d_v);
   gemm(const_view(queries.num()).transposed(), const_view(g), view(state.U), true);
   for (Index r = 0; r < rows; ++r) w[r] *= T(terms.delta[r]);
   state.y.noalias() += queries.den().transpose() * w;
@@ -130,19 +130,19 @@ void absorb_queries(QueryState<T>& state, const FeatureRows<T>& queries, const Q
 // The keys' gradients from the queries in `state` (all of whom see every key of the block):
 //   Gc += f_j U v_j,  dv_j += f_j U^T c~_j,  Ge += f_j y  (into Gc when den and num features are
 // the same rows: every placement but NumeratorOnly),  f_j = exp(gamma_j - K).
-// gc, ge [rows x m], dv [rows x dv] are accumulated into; ge is used for NumeratorOnly only.
+// gc, ge [rows x m], dv [rows x d_v] are accumulated into; ge is used for NumeratorOnly only.
 template <class T>
 void key_terms_from_state(const QueryState<T>& state, const FeatureRows<T>& keys, const T* v, T* gc,
-                          T* ge, T* dv, T* scratch_m, T* scratch_dv) {
+                          T* ge, T* dv, T* scratch_m, T* scratch_d_v) {
   if (state.K == kNoQueries) return;
   const LinearSetup& setup = keys.setup();
-  const Index rows = keys.rows(), m = setup.m, dvw = setup.dv;
-  RowMap<T> from_u(scratch_m, rows, m), from_ut(scratch_dv, rows, dvw);
-  gemm(const_view(ConstRowMap<T>(v, rows, dvw)), const_view(state.U).transposed(), view(from_u),
+  const Index rows = keys.rows(), m = setup.m, d_v = setup.d_v;
+  RowMap<T> from_u(scratch_m, rows, m), from_ut(scratch_d_v, rows, d_v);
+  gemm(const_view(ConstRowMap<T>(v, rows, d_v)), const_view(state.U).transposed(), view(from_u),
        false);
   gemm(const_view(keys.num()), const_view(state.U), view(from_ut), false);
-  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
-  RowMap<T> c(gc, rows, m), e(separate ? ge : gc, rows, m), value(dv, rows, dvw);
+  RowMap<T> c(gc, rows, m), e(setup.plan.separate_denominator ? ge : gc, rows, m),
+      value(dv, rows, d_v);
   for (Index j = 0; j < rows; ++j) {
     const T f = T(std::exp(keys.log_scale(j) - state.K));
     c.row(j) += f * from_u.row(j);
@@ -167,20 +167,16 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index first_positio
   const auto add_den = [&] {
     if (g_den) g += ConstRowMap<T>(g_den, rows, m);
   };
-  switch (setup.options.placement) {
-    case RopePlacement::NumeratorOnly:  // den: the unrotated features
+  const PlacementPlan& plan = setup.plan;
+  if (plan.rotate_features && plan.separate_denominator) {  // den: the unrotated features
+    RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
+    add_den();
+  } else {
+    add_den();
+    if (plan.rotate_features)
       RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
-      add_den();
-      break;
-    case RopePlacement::Full:
-      add_den();
-      RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
-      break;
-    default:
-      add_den();
-      break;
   }
-  if (setup.options.placement == RopePlacement::BeforeMap) {
+  if (plan.rotate_input) {
     FeatureMapAccess::backward<T>(*setup.map, block.rotated_input(), block.plain(), g,
                                   RowMap<T>(dx, rows, d));
     RopeAccess::rotate_rows(*rope, dx, rows, d, first_position, Turn::Transpose);
@@ -199,25 +195,25 @@ struct CausalGradients {
   CausalGradients(const LinearGradientHead<T>& h, const LinearSetup& s)
       : head(h),
         setup(s),
-        shift(h.q_pos0 - h.k_pos0),
-        separate(s.options.placement == RopePlacement::NumeratorOnly),
-        queries(s, h.n, /*keep_plain=*/true),
-        keys(s, h.nk, /*keep_plain=*/true),
-        g_(h.n * s.dv, /*lasting=*/true),
+        shift(h.q_offset - h.k_offset),
+        separate(s.plan.separate_denominator),
+        queries(s, h.n, Plain::Kept),
+        keys(s, h.n_k, Plain::Kept),
+        g_(h.n * s.d_v, /*lasting=*/true),
         delta_(h.n, /*lasting=*/true),
         scale_(h.n, /*lasting=*/true),
         g(g_.data()),
         delta(delta_.data()),
         scale(scale_.data()) {}
 
-  // Query i's own key, the last it sees: i + shift (outside [0, nk): none).
-  Index first_key(Index query) const { return std::clamp(query + shift, Index(0), head.nk); }
-  QueryTerms<T> terms(Index qs) const { return {g + qs * setup.dv, delta + qs, scale + qs}; }
+  // Query i's own key, the last it sees: i + shift (outside [0, n_k): none).
+  Index first_key(Index query) const { return std::clamp(query + shift, Index(0), head.n_k); }
+  QueryTerms<T> terms(Index qs) const { return {g + qs * setup.d_v, delta + qs, scale + qs}; }
 
   const LinearGradientHead<T>& head;
   const LinearSetup& setup;
   const Index shift;
-  const bool separate;  // the denominator-side features are other rows (NumeratorOnly)
+  const bool separate;  // the denominator-side features are other rows (setup.plan)
   KeptFeatures<T> queries, keys;
 
  private:
@@ -234,7 +230,7 @@ struct CausalGradients {
 // key of a segment.
 template <class T>
 void absorb_query_range(QueryState<T>& state, const CausalGradients<T>& c, Index begin, Index end) {
-  Scratch<T> weighted(kScanBlock * c.setup.dv);
+  Scratch<T> weighted(kScanBlock * c.setup.d_v);
   for (Index qs = begin; qs < end; qs += kScanBlock)
     absorb_queries(state, c.queries.range(qs, std::min(kScanBlock, end - qs)), c.terms(qs),
                    weighted.data());
@@ -258,12 +254,12 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
 
 // g~_i = g_i / D~_i for one row (zeros when the output row is zero: divisor 0).
 template <class T>
-void scaled_gradient(const T* g, T* out, Index dv, double divisor) {
+void scaled_gradient(const T* g, T* out, Index d_v, double divisor) {
   if (divisor == 0) {
-    std::fill(out, out + dv, T(0));
+    std::fill(out, out + d_v, T(0));
     return;
   }
-  for (Index c = 0; c < dv; ++c) out[c] = T(double(g[c]) / divisor);
+  for (Index c = 0; c < d_v; ++c) out[c] = T(double(g[c]) / divisor);
 }
 
 }  // namespace linrope::detail

@@ -21,27 +21,28 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
   detail::check_linear_setup(fn, map, options, q.d);
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
-  const detail::LinearSetup setup{&map, options, q.d, v.d, map.output_dim()};
+  const detail::LinearSetup setup(map, options, q.d, v.d);
   const double threshold = stats ? stats->threshold : 0.0;
   const Index slices = q.batch * q.heads;
   std::vector<detail::DenominatorTally> tallies(slices, detail::DenominatorTally(threshold));
-  // Non-finite inputs are found by the kernels as they read them (see NonFiniteFlag).
+  // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp).
   std::vector<detail::NonFiniteFlag> nonfinite(slices);
-  const auto run = [&](Index b, Index h, bool parallel) {
+  const auto run = [&](Index b, Index h, detail::Threads threading) {
     const Index s = b * q.heads + h;
     detail::DenominatorTally* tally = stats ? &tallies[s] : nullptr;
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[s];
-    const Index n = valid_rows(q, b), nk = valid_rows(k, b);
+    const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
     const detail::LinearHead<T> head{
-        slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, nk,
+        slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, n_k,
         options.q_offset, options.k_offset};
     if (options.causal) {
       detail::LinearState<T> state;
-      state.reset(setup.m, setup.dv);
-      detail::linear_causal(head, setup_of_slice, state, false, tally, parallel);
+      state.reset(setup.m, setup.d_v);
+      detail::linear_causal(head, setup_of_slice, state, detail::FinalState::Discarded, tally,
+                            threading);
     } else {
-      detail::linear_noncausal(head, setup_of_slice, tally, parallel);
+      detail::linear_noncausal(head, setup_of_slice, tally, threading);
     }
   };
   detail::for_each_head(q.batch, q.heads, run);

@@ -20,10 +20,10 @@ namespace linrope::detail {
 inline constexpr double kEmpty = -std::numeric_limits<double>::infinity();
 
 // x, a [rows x cols] block of q, k or v: raises setup.nonfinite if it holds a non-finite value
-// (when the caller asked for checks).
+// (when the caller asked for checks; the policy: common/nonfinite.hpp).
 template <class T>
 void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
-  if (setup.nonfinite) setup.nonfinite->check(x, rows, cols);
+  if (setup.nonfinite) setup.nonfinite->check(ConstRowMap<T>(x, rows, cols));
 }
 
 // Some rows of stabilised features (a FeatureBlock's, or a part of them), in the form the
@@ -32,7 +32,7 @@ void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
 //   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
 //   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features;
 // and, for the backward, plain(): the map's own output before any rotation (kept for Full only
-// when asked, keep_plain), rotated_input(): BeforeMap's rotated rows, the map's input there.
+// when asked, Plain::Kept), rotated_input(): BeforeMap's rotated rows, the map's input there.
 template <class T>
 class FeatureRows {
  public:
@@ -74,18 +74,22 @@ class LastingScratch : public Scratch<T> {
   explicit LastingScratch(Index count) : Scratch<T>(count, /*lasting=*/true) {}
 };
 
+// Whether a FeatureBlock keeps the map's own output beside its rotation where the forward would not
+// need it (Full): the backward's map gradient reads it.
+enum class Plain { Dropped, Kept };
+
 // The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
 // per-thread scratch (scratch.hpp: no allocation after a thread's first call), or LastingScratch.
 template <class T, template <class> class Buffer = Scratch>
 class FeatureBlock {
  public:
-  FeatureBlock(const LinearSetup& setup, Index capacity, bool keep_plain = false)
+  FeatureBlock(const LinearSetup& setup, Index capacity, Plain plain = Plain::Dropped)
       : setup_(setup),
         capacity_(capacity),
-        separate_plain_(setup.options.placement == RopePlacement::NumeratorOnly ||
-                        (keep_plain && setup.options.placement == RopePlacement::Full)),
+        separate_plain_(setup.plan.rotate_features &&
+                        (setup.plan.separate_denominator || plain == Plain::Kept)),
         features_(capacity * ((separate_plain_ ? 2 : 1) * setup.m +
-                              (setup.options.placement == RopePlacement::BeforeMap ? setup.d : 0))),
+                              (setup.plan.rotate_input ? setup.d : 0))),
         log_scale_(capacity) {}
 
   // Features of rows x [rows x d] at positions first_position, first_position + 1, ...; they
@@ -107,30 +111,20 @@ class FeatureBlock {
     const auto map_rows = [&](const auto& from, T* to) {
       FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale);
     };
-    switch (setup_.options.placement) {
-      case RopePlacement::None:
-        map_rows(input, num);
-        break;
-      case RopePlacement::BeforeMap: {
-        RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
-        rotated = input;
-        RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
-        map_rows(rotated, num);
-        break;
-      }
-      case RopePlacement::NumeratorOnly:  // den: the features; num: their rotation
-      case RopePlacement::Full:
-        if (separate_plain_) {
-          map_rows(input, plain);
-          RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, first_position, Turn::Apply);
-        } else {
-          map_rows(input, num);
-          RopeAccess::rotate_rows(*rope, num, rows, m, first_position, Turn::Apply);
-        }
-        break;
-      default:  // check_linear_setup rejects any other value before a kernel runs
-        assert(false && "unchecked RopePlacement");
-        break;
+    const PlacementPlan& plan = setup_.plan;
+    if (plan.rotate_input) {
+      RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
+      rotated = input;
+      RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
+      map_rows(rotated, num);
+    } else if (!plan.rotate_features) {
+      map_rows(input, num);
+    } else if (separate_plain_) {  // den (or the backward): the features; num: their rotation
+      map_rows(input, plain);
+      RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, first_position, Turn::Apply);
+    } else {
+      map_rows(input, num);
+      RopeAccess::rotate_rows(*rope, num, rows, m, first_position, Turn::Apply);
     }
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
@@ -160,7 +154,7 @@ class FeatureBlock {
     return separate_plain_ ? features_.data() + capacity_ * setup_.m : features_.data();
   }
   T* den_data() const {
-    return setup_.options.placement == RopePlacement::NumeratorOnly ? plain_data() : num_data();
+    return setup_.plan.separate_denominator ? plain_data() : num_data();
   }
   T* rotated_input_data() const {
     return features_.data() + capacity_ * setup_.m * (separate_plain_ ? 2 : 1);
@@ -224,11 +218,11 @@ Admitted<T> admit_key(Vector<T>& z, double& M, double c, const T* e) {
 template <class T, class Keys>
 void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weighted_v,
             Vector<T>& weights, const Prefetch& next = {}) {
-  const Index rows = keys.rows(), dv = keys.setup().dv;
+  const Index rows = keys.rows(), d_v = keys.setup().d_v;
   if (rows == 0) return;
-  check_input(keys.setup(), v, rows, dv);
+  check_input(keys.setup(), v, rows, d_v);
   raise_scale(state, keys.max_log_scale());
-  const ConstRowMap<T> values(v, rows, dv);
+  const ConstRowMap<T> values(v, rows, d_v);
   bool unit = true;
   for (Index j = 0; j < rows && unit; ++j) unit = keys.log_scale(j) == state.M;
   if (!unit) {
@@ -248,12 +242,12 @@ void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weig
 // the keys that no query reads between (the causal forms' keys before a block of queries).
 template <class T>
 void absorb_through(LinearState<T>& state, FeatureBlock<T>& keys, const T* k, const T* v,
-                    Index k_pos0, Index& next, Index end, Matrix<T>& weighted, Vector<T>& weights) {
-  const Index d = keys.setup().d, dv = keys.setup().dv;
+                    Index k_offset, Index& next, Index end, Matrix<T>& weighted, Vector<T>& weights) {
+  const Index d = keys.setup().d, d_v = keys.setup().d_v;
   while (next < end) {
     const Index rows = std::min(keys.capacity(), end - next);
-    keys.compute(k + next * d, rows, k_pos0 + next);
-    absorb(state, keys, v + next * dv, weighted, weights);
+    keys.compute(k + next * d, rows, k_offset + next);
+    absorb(state, keys, v + next * d_v, weighted, weights);
     next += rows;
   }
 }
@@ -272,20 +266,25 @@ inline double stabilized_divisor(double den, double log_scale, double eps) {
 // numerator: d_v contiguous values. Multiplying by the reciprocal in double (one rounding more
 // than dividing, far below float's) lets the loop vectorise.
 template <class T>
-void write_output(T* out, const T* numerator, Index dv, double den, double log_scale, double eps,
+void write_output(T* out, const T* numerator, Index d_v, double den, double log_scale, double eps,
                   DenominatorTally* tally) {
-  if (tally) tally->add(log_scale == kEmpty ? 0.0 : den, log_scale == kEmpty ? 0.0 : log_scale);
   const double total = stabilized_divisor(den, log_scale, eps);
+  if (tally) {
+    if (log_scale == kEmpty)
+      tally->add_no_keys();
+    else
+      tally->add(den, log_scale, total == 0);
+  }
   if (total == 0) {
-    std::fill(out, out + dv, T(0));
+    std::fill(out, out + d_v, T(0));
     return;
   }
   const double inverse = 1.0 / total;
   if (!std::isfinite(inverse)) {  // a subnormal total (double, eps = 0): 1 / total overflows
-    for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) / total);
+    for (Index c = 0; c < d_v; ++c) out[c] = T(double(numerator[c]) / total);
     return;
   }
-  for (Index c = 0; c < dv; ++c) out[c] = T(double(numerator[c]) * inverse);
+  for (Index c = 0; c < d_v; ++c) out[c] = T(double(numerator[c]) * inverse);
 }
 
 // Rows per feature block of the non-causal form: large enough for efficient GEMMs, small enough for
@@ -295,8 +294,6 @@ void write_output(T* out, const T* numerator, Index dv, double den, double log_s
 // m = 256: 256 KiB, twice that for eq. 19).
 inline Index block_rows(Index m) { return m <= 64 ? 512 : 256; }
 
-inline int usable_threads(bool parallel) { return parallel && !in_parallel() ? max_threads() : 1; }
-
 // Rows [first, first + rows) of a row-major [* x cols] buffer, as a range to prefetch (empty when
 // rows is 0).
 template <class T>
@@ -304,29 +301,29 @@ Prefetch::Range rows_of(const T* x, Index cols, Index first, Index rows) {
   return {x + first * cols, Index(sizeof(T)) * cols * rows};
 }
 
-// Adds keys [0, nk) (positions k_pos0..) to the state, a block at a time: the non-causal form,
+// Adds keys [0, n_k) (positions k_offset..) to the state, a block at a time: the non-causal form,
 // and the first pass of the causal form split across threads. With `keep`, their features are
-// computed into rows [keep_at, keep_at + nk) of it instead of scratch (the backward reuses them).
+// computed into rows [keep_at, keep_at + n_k) of it instead of scratch (the backward reuses them).
 // Each block's state update fetches the next block's keys and values (gemm.hpp's Prefetch): elu+1's
 // rows are cheap enough to map that waiting for them, not the arithmetic, was much of its time.
 // With read_out's fetches, elu+1 non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
 template <class T>
-void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
                  const LinearSetup& setup, KeptFeatures<T>* keep = nullptr, Index keep_at = 0) {
-  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(nk, 1));
+  const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n_k, 1));
   FeatureBlock<T> keys(setup, keep ? 0 : block);
   Matrix<T> weighted;
   Vector<T> weights;
-  for (Index js = 0; js < nk; js += block) {
-    const Index rows = std::min(block, nk - js), next_rows = std::min(block, nk - js - rows);
+  for (Index js = 0; js < n_k; js += block) {
+    const Index rows = std::min(block, n_k - js), next_rows = std::min(block, n_k - js - rows);
     const Prefetch next{
-        {rows_of(k, setup.d, js + rows, next_rows), rows_of(v, setup.dv, js + rows, next_rows)}};
+        {rows_of(k, setup.d, js + rows, next_rows), rows_of(v, setup.d_v, js + rows, next_rows)}};
     if (keep) {
-      keep->compute_at(keep_at + js, k + js * setup.d, rows, k_pos0 + js);
-      absorb(state, keep->range(keep_at + js, rows), v + js * setup.dv, weighted, weights, next);
+      keep->compute_at(keep_at + js, k + js * setup.d, rows, k_offset + js);
+      absorb(state, keep->range(keep_at + js, rows), v + js * setup.d_v, weighted, weights, next);
     } else {
-      keys.compute(k + js * setup.d, rows, k_pos0 + js);
-      absorb(state, keys, v + js * setup.dv, weighted, weights, next);
+      keys.compute(k + js * setup.d, rows, k_offset + js);
+      absorb(state, keys, v + js * setup.d_v, weighted, weights, next);
     }
   }
 }
@@ -352,10 +349,10 @@ inline Index part_count(Index rows, Index unit) {
   return std::clamp<Index>(rows / std::max(unit, kPartRows), 1, kMaxParts);
 }
 
-// state = every key [0, nk) (positions k_pos0..), absorbed in parts (part_count) on `threads`
+// state = every key [0, n_k) (positions k_offset..), absorbed in parts (part_count) on `threads`
 // threads, the parts merged in order (linear_noncausal.cpp).
 template <class T>
-void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index nk, Index k_pos0,
+void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
                       const LinearSetup& setup, int threads, KeptFeatures<T>* keep = nullptr);
 
 // state += other, both brought to the larger of their two scales.

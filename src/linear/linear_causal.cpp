@@ -15,56 +15,59 @@ namespace linrope::detail {
 // form, measured when it was the only one split: ~25% more work for 2x the threads).
 template <class T>
 void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
-                   bool absorb_all, DenominatorTally* tally, bool parallel) {
+                   FinalState final_state, DenominatorTally* tally, Threads threading) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
-  const Index n = head.n, nk = head.nk, q_pos0 = head.q_pos0, k_pos0 = head.k_pos0;
-  if (!absorb_all) {  // keys past the last query's horizon are never read: check them here
-    const Index horizon = n > 0 ? std::clamp(n + q_pos0 - k_pos0, Index(0), nk) : 0;
-    check_input(setup, k + horizon * setup.d, nk - horizon, setup.d);
-    check_input(setup, v + horizon * setup.dv, nk - horizon, setup.dv);
+  const Index n = head.n, n_k = head.n_k, q_offset = head.q_offset, k_offset = head.k_offset;
+  if (final_state == FinalState::Discarded) {  // keys past the last query's horizon are never read: check them here
+    const Index horizon = n > 0 ? std::clamp(n + q_offset - k_offset, Index(0), n_k) : 0;
+    check_input(setup, k + horizon * setup.d, n_k - horizon, setup.d);
+    check_input(setup, v + horizon * setup.d_v, n_k - horizon, setup.d_v);
   }
   // A call of a few tokens (a stream's step) runs as the scan whatever the method: the chunked
   // form's products pack the m x d_v state on every call, which the scan's rank-1 updates do not.
   // One-token steps, eq. 19: elu+1 1.15 -> 0.61 us, FAVOR+ 5.4 -> 3.0 us; at 4 tokens the two tie.
   constexpr Index kScanTokens = 3;
   const bool scan =
-      setup.options.method == CausalMethod::Scan || (n <= kScanTokens && nk <= kScanTokens);
-  const Index d = setup.d, dv = setup.dv;
+      setup.options.method == CausalMethod::Scan || (n <= kScanTokens && n_k <= kScanTokens);
+  const Index d = setup.d, d_v = setup.d_v;
   // Queries [q0, q0 + rows) against the keys from k0 on, from the state `from`.
-  const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, bool absorb_rest,
+  const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, FinalState rest,
                        DenominatorTally* part) {
-    const LinearHead<T> segment{q + q0 * d, k + k0 * d, v + k0 * dv, out + q0 * dv,
-                                rows,       nk - k0,    q_pos0 + q0, k_pos0 + k0};
+    const LinearHead<T> segment{q + q0 * d, k + k0 * d, v + k0 * d_v, out + q0 * d_v,
+                                rows,       n_k - k0,    q_offset + q0, k_offset + k0};
     if (scan)
-      causal_scan(segment, setup, from, absorb_rest, part);
+      causal_scan(segment, setup, from, rest, part);
     else
-      causal_chunked(segment, setup, from, absorb_rest, part);
+      causal_chunked(segment, setup, from, rest, part);
   };
   const Index L =
-      scan ? kScanBlock : std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));
-  const CausalPlan plan = plan_causal(n, nk, q_pos0, k_pos0, L, usable_threads(parallel));
+      scan ? kScanBlock : std::min(setup.options.chunk_size, std::max<Index>({n, n_k, 1}));
+  const CausalPlan plan = plan_causal(n, n_k, q_offset, k_offset, L, usable_threads(threading));
   if (plan.segments < 2) {
-    run(0, 0, n, state, absorb_all, tally);
+    run(0, 0, n, state, final_state, tally);
     return;
   }
   const Index segments = plan.segments;
   std::vector<LinearState<T>> prefix =
-      prefix_states<T>(plan, state, k, v, k_pos0, setup, /*keep=*/nullptr);
+      prefix_states<T>(plan, state, k, v, k_offset, setup, /*keep=*/nullptr);
   std::vector<DenominatorTally> tallies(segments, tally ? tally->empty() : DenominatorTally(0));
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     const Index q0 = plan.query_start[t], k0 = plan.key_start[t];
-    run(q0, k0, plan.query_start[t + 1] - q0, prefix[t], absorb_all && t + 1 == segments,
+    run(q0, k0, plan.query_start[t + 1] - q0, prefix[t],
+        t + 1 == segments ? final_state : FinalState::Discarded,
         tally ? &tallies[t] : nullptr);
   });
-  if (absorb_all) state = std::move(prefix[segments - 1]);
+  if (final_state == FinalState::EveryKey) state = std::move(prefix[segments - 1]);
   if (tally)
     for (const auto& part : tallies) tally->merge(part);
 }
 
 template void linear_causal<float>(const LinearHead<float>&, const LinearSetup&,
-                                   LinearState<float>&, bool, DenominatorTally*, bool);
+                                   LinearState<float>&, FinalState, DenominatorTally*,
+                                   Threads);
 template void linear_causal<double>(const LinearHead<double>&, const LinearSetup&,
-                                    LinearState<double>&, bool, DenominatorTally*, bool);
+                                    LinearState<double>&, FinalState, DenominatorTally*,
+                                    Threads);
 
 }  // namespace linrope::detail

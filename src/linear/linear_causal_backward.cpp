@@ -21,23 +21,23 @@ namespace linrope::detail {
 
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            bool parallel) {
+                            Threads threading) {
   CausalGradients<T> c(head, setup);
-  const Index n = head.n, nk = head.nk, d = setup.d, dv = setup.dv, m = setup.m;
-  const Index horizon = n > 0 ? c.first_key(n) : 0;  // keys [horizon, nk) are seen by no query
-  std::fill(head.dk + horizon * d, head.dk + nk * d, T(0));
-  std::fill(head.dv + horizon * dv, head.dv + nk * dv, T(0));
-  check_input(setup, head.k + horizon * d, nk - horizon, d);  // read by nothing else
-  check_input(setup, head.v + horizon * dv, nk - horizon, dv);
+  const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v, m = setup.m;
+  const Index horizon = n > 0 ? c.first_key(n) : 0;  // keys [horizon, n_k) are seen by no query
+  std::fill(head.dk + horizon * d, head.dk + n_k * d, T(0));
+  std::fill(head.dv + horizon * d_v, head.dv + n_k * d_v, T(0));
+  check_input(setup, head.k + horizon * d, n_k - horizon, d);  // read by nothing else
+  check_input(setup, head.v + horizon * d_v, n_k - horizon, d_v);
   if (n == 0) return;
   const CausalPlan plan =
-      plan_causal(n, nk, head.q_pos0, head.k_pos0, kScanBlock, usable_threads(parallel));
+      plan_causal(n, n_k, head.q_offset, head.k_offset, kScanBlock, usable_threads(threading));
   const Index segments = plan.segments;
   const std::vector<Index>&query_start = plan.query_start, &key_start = plan.key_start;
   LinearState<T> empty;
-  empty.reset(m, dv);
+  empty.reset(m, d_v);
   std::vector<LinearState<T>> start =
-      prefix_states<T>(plan, empty, head.k, head.v, head.k_pos0, setup, &c.keys);
+      prefix_states<T>(plan, empty, head.k, head.v, head.k_offset, setup, &c.keys);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     scan_queries_backward(c, query_start[t], query_start[t + 1], start[t]);
   });
@@ -45,11 +45,11 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   // The queries' state at each segment's end: the later segments' queries, summed from the back.
   std::vector<QueryState<T>> end(segments);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
-    end[t].reset(m, dv);
+    end[t].reset(m, d_v);
     if (t > 0) absorb_query_range(end[t], c, query_start[t], query_start[t + 1]);  // for end[t - 1]
   });
   for (Index t = 0; t + 1 < segments; ++t) end[t] = std::move(end[t + 1]);
-  end[segments - 1].reset(m, dv);
+  end[segments - 1].reset(m, d_v);
   for (Index t = segments - 3; t >= 0; --t) merge(end[t], end[t + 1]);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     scan_keys_backward(c, key_start[t], key_start[t + 1], query_start[t + 1], end[t]);
@@ -57,8 +57,8 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
 }
 
 template void linear_causal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
-                                            bool);
+                                            Threads);
 template void linear_causal_backward<double>(const LinearGradientHead<double>&, const LinearSetup&,
-                                             bool);
+                                             Threads);
 
 }  // namespace linrope::detail

@@ -17,14 +17,14 @@ constexpr Index kKeyBlock = 32;
 // time, weighted with exp(c_j - M_i) computed once per run of queries sharing the same M_i.
 template <class T>
 void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
-                    bool absorb_all, DenominatorTally* tally) {
+                    FinalState final_state, DenominatorTally* tally) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
-  const Index n = head.n, nk = head.nk, q_pos0 = head.q_pos0, k_pos0 = head.k_pos0;
+  const Index n = head.n, n_k = head.n_k, q_offset = head.q_offset, k_offset = head.k_offset;
   // A chunk longer than the sequence is the whole sequence (and must not allocate chunk_size rows).
-  const Index L = std::min(setup.options.chunk_size, std::max<Index>({n, nk, 1}));
-  const Index d = setup.d, dv = setup.dv;
-  const Index shift = q_pos0 - k_pos0;  // query i sees key j iff j <= i + shift
+  const Index L = std::min(setup.options.chunk_size, std::max<Index>({n, n_k, 1}));
+  const Index d = setup.d, d_v = setup.d_v;
+  const Index shift = q_offset - k_offset;  // query i sees key j iff j <= i + shift
   FeatureBlock<T> queries(setup, L), keys(setup, L);
   Matrix<T> weighted, numerator, scores;
   Vector<T> weights, z_running;
@@ -32,21 +32,21 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
   std::vector<T> key_weight(L);
   Index absorbed = 0;  // keys [0, absorbed) are in the state
   const auto absorb_until = [&](Index end) {
-    absorb_through(state, keys, k, v, k_pos0, absorbed, end, weighted, weights);
+    absorb_through(state, keys, k, v, k_offset, absorbed, end, weighted, weights);
   };
   for (Index qs = 0; qs < n; qs += L) {
     const Index rows = std::min(L, n - qs);
-    const Index js = std::clamp(qs + shift, Index(0), nk);
-    const Index je = std::clamp(qs + rows + shift, Index(0), nk);
+    const Index js = std::clamp(qs + shift, Index(0), n_k);
+    const Index je = std::clamp(qs + rows + shift, Index(0), n_k);
     absorb_until(js);
-    queries.compute(q + qs * d, rows, q_pos0 + qs);
+    queries.compute(q + qs * d, rows, q_offset + qs);
     const Index kb = je - js;
-    if (kb > 0) keys.compute(k + js * d, kb, k_pos0 + js);
+    if (kb > 0) keys.compute(k + js * d, kb, k_offset + js);
     // The next chunk's rows, which this chunk's products fetch (gemm.hpp's Prefetch): its
     // queries and keys [je, next_je) during the read-out, its values and output rows during the
     // state update (elu+1 at n = 16384, 8 heads, 2 threads: 0.89x the time).
     const Index next_rows = std::min(L, n - qs - rows);
-    const Index next_je = std::clamp(qs + rows + next_rows + shift, je, nk);
+    const Index next_je = std::clamp(qs + rows + next_rows + shift, je, n_k);
 
     // Denominators and per-query maxima M_i, admitting the chunk's keys as they become visible.
     z_running = state.z;
@@ -60,7 +60,7 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
     }
 
     // Numerators: the state's part, then the chunk's own keys.
-    numerator.resize(rows, dv);
+    numerator.resize(rows, d_v);
     if (state.M != kEmpty) {
       gemm(const_view(queries.num()), const_view(state.S), view(numerator), false,
            Prefetch{{rows_of(q, d, qs + rows, next_rows), rows_of(k, d, je, next_je - je)}});
@@ -103,29 +103,29 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
       }
       for_each_key_block([&](Index c0, Index r0, Index width) {
         gemm(ConstView<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb, 1},
-             const_view(ConstRowMap<T>(v + (js + c0) * dv, width, dv)),
+             const_view(ConstRowMap<T>(v + (js + c0) * d_v, width, d_v)),
              view(numerator.bottomRows(rows - r0)), true);
       });
     }
     for (Index r = 0; r < rows; ++r)
-      write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, den[r],
+      write_output(out + (qs + r) * d_v, numerator.data() + r * d_v, d_v, den[r],
                    queries.log_scale(r) + query_max[r], setup.options.eps, tally);
-    if (kb > 0 && (absorb_all || next_rows > 0)) {
-      absorb(state, keys, v + js * dv, weighted, weights,
-             Prefetch{{rows_of(v, dv, je, next_je - je), rows_of(out, dv, qs + rows, next_rows)}});
+    if (kb > 0 && (final_state == FinalState::EveryKey || next_rows > 0)) {
+      absorb(state, keys, v + js * d_v, weighted, weights,
+             Prefetch{{rows_of(v, d_v, je, next_je - je), rows_of(out, d_v, qs + rows, next_rows)}});
       absorbed = je;
     } else if (kb > 0) {
       // The last chunk's keys would only serve a later call, which has none: leave them out of
       // the state (1/16 of the state updates at n = 1024), but check their values, as absorb does.
-      check_input(setup, v + js * dv, kb, dv);
+      check_input(setup, v + js * d_v, kb, d_v);
     }
   }
-  if (absorb_all) absorb_until(nk);
+  if (final_state == FinalState::EveryKey) absorb_until(n_k);
 }
 
 template void causal_chunked<float>(const LinearHead<float>&, const LinearSetup&,
-                                    LinearState<float>&, bool, DenominatorTally*);
+                                    LinearState<float>&, FinalState, DenominatorTally*);
 template void causal_chunked<double>(const LinearHead<double>&, const LinearSetup&,
-                                     LinearState<double>&, bool, DenominatorTally*);
+                                     LinearState<double>&, FinalState, DenominatorTally*);
 
 }  // namespace linrope::detail

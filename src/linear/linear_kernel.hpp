@@ -14,12 +14,13 @@
 // a larger one arrives, as the online softmax does with its running maximum.
 #pragma once
 
-#include <atomic>
 #include <limits>
 #include <linrope/attention.hpp>
 #include <vector>
 
 #include "common/check.hpp"
+#include "common/nonfinite.hpp"
+#include "common/parallel.hpp"
 
 namespace linrope::detail {
 
@@ -34,8 +35,8 @@ struct LinearState {
   Matrix<T> S;  // [m x d_v]: sum_j exp(c_j - M) (R_j psi~_j) v_j^T (numerator features)
   Vector<T> z;  // [m]:       sum_j exp(c_j - M) psi~_j             (denominator features)
   double M = -std::numeric_limits<double>::infinity();  // log scale of S and z; -inf: empty
-  void reset(Index m, Index dv) {
-    S.setZero(m, dv);
+  void reset(Index m, Index d_v) {
+    S.setZero(m, d_v);
     z.setZero(m);
     M = -std::numeric_limits<double>::infinity();
   }
@@ -45,7 +46,10 @@ struct LinearState {
 class DenominatorTally {
  public:
   explicit DenominatorTally(double threshold);
-  void add(double den_stabilized, double log_scale);
+  // A row that attends to keys; zero_divisor: its output was written as zeros (den~ + eps was 0
+  // or not finite).
+  void add(double den_stabilized, double log_scale, bool zero_divisor);
+  void add_no_keys() { ++count_, ++no_keys_; }  // a row that attends to no key
   DenominatorTally empty() const { return DenominatorTally(threshold_); }
   void merge(const DenominatorTally& other);
   void merge_into(DenominatorStats& stats) const;  // accumulate (min, counts)
@@ -54,67 +58,77 @@ class DenominatorTally {
  private:
   double threshold_, log_threshold_;
   double min_ = std::numeric_limits<double>::infinity();
-  Index nonpositive_ = 0, below_ = 0, count_ = 0;
+  Index nonpositive_ = 0, below_ = 0, count_ = 0, no_keys_ = 0, zero_divisor_ = 0;
 };
 
-// Raised by a kernel that read a non-finite value. The kernels check each block of q, k and v (and
-// a backward's d_out) as they read it, while it is in cache: scanning the inputs first would be one
-// more pass over memory (14% of elu+1's time at n = 16384, where the kernel is memory-bound; 8% of
-// its causal backward's). The caller then finds the
-// value with require_finite and throws. Atomic: the threads of one head may raise it together.
-class NonFiniteFlag {
- public:
-  template <class T>
-  void check(const T* x, Index rows, Index cols) {
-    if (!all_finite(ConstRowMap<T>(x, rows, cols))) raised_.store(true, std::memory_order_relaxed);
-  }
-  bool raised() const { return raised_.load(std::memory_order_relaxed); }
-
- private:
-  std::atomic<bool> raised_{false};
+// What a RopePlacement asks of the kernels, decided once when the setup is made: the kernels read
+// these fields, never the enum.
+//   None:          num = den = phi(x)
+//   BeforeMap:     num = den = phi(R_p x)                 (rotate_input)
+//   NumeratorOnly: num = R_p phi(x), den = phi(x)         (rotate_features, separate_denominator)
+//   Full:          num = den = R_p phi(x)                 (rotate_features)
+struct PlacementPlan {
+  bool rotate_input = false;          // the map reads R_p x (BeforeMap)
+  bool rotate_features = false;       // the numerator side is R_p phi(x)
+  bool separate_denominator = false;  // the denominator side is other rows: the unrotated phi(x)
 };
+PlacementPlan plan_placement(RopePlacement placement);
 
-// Everything a head needs besides its buffers.
+// Everything a head needs besides its buffers. Options must already be checked
+// (check_linear_setup).
 struct LinearSetup {
+  LinearSetup(const FeatureMap& feature_map, const LinearOptions& linear_options, Index d_in,
+              Index d_v, NonFiniteFlag* flag = nullptr)
+      : map(&feature_map),
+        options(linear_options),
+        plan(plan_placement(linear_options.placement)),
+        d(d_in),
+        d_v(d_v),
+        m(feature_map.output_dim()),
+        nonfinite(flag) {}
+
   const FeatureMap* map;
   LinearOptions options;
-  Index d, dv, m;
+  PlacementPlan plan;
+  Index d, d_v, m;
   // If set, the kernels check every row of q, k and v (and a backward's d_out) that is within the
   // lengths n and n_k (whether or not it is attended to) and raise the flag on a non-finite value;
   // they still finish (with unspecified outputs). If null, the inputs must already be known to be
-  // finite.
+  // finite. The policy: common/nonfinite.hpp.
   NonFiniteFlag* nonfinite = nullptr;
 };
 
-// One head's rows: q [n x d], k [nk x d], v [nk x dv] -> out [n x dv], row-major and contiguous;
-// row i of q at position q_pos0 + i, row j of k and v at k_pos0 + j.
+// One head's rows: q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v], row-major and contiguous;
+// row i of q at position q_offset + i, row j of k and v at k_offset + j.
 template <class T>
 struct LinearHead {
   const T* q;
   const T* k;
   const T* v;
   T* out;
-  Index n, nk;
-  Index q_pos0, k_pos0;
+  Index n, n_k;
+  Index q_offset, k_offset;
 };
 
 // Non-causal: every query sees every key.
-// `parallel`: spread the work over the OpenMP threads (pass false when already inside a parallel
-// region, e.g. one head per thread); the result is the same bits either way. Never throws but
-// std::bad_alloc.
+// `threads`: Threads::Parallel spreads the work over the OpenMP threads (Serial when already inside
+// a parallel region, e.g. one head per thread); the result is the same bits either way. Never
+// throws but std::bad_alloc.
 template <class T>
 void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, DenominatorTally* tally,
-                      bool parallel);
+                      Threads threads);
+
+// What a causal call leaves in its `state`: every key (the stream, which goes on from it), or only
+// some of them, for the caller to discard.
+enum class FinalState { Discarded, EveryKey };
 
 // Causal, chunked or scan by setup.options.method: query i sees key j iff
-// k_pos0 + j <= q_pos0 + i, plus everything already in `state`. If absorb_all, every key ends up in
-// `state` (the stream); otherwise `state` ends up holding only some of the keys, and is for the
-// caller to discard.
-// `parallel`: a long call is split into one segment of queries per thread, for either method (its
-// last bits then depend on the thread count; see attention.hpp, "Reproducibility").
+// k_offset + j <= q_offset + i, plus everything already in `state`.
+// Threads::Parallel: a long call is split into one segment of queries per thread, for either
+// method (its last bits then depend on the thread count; see attention.hpp, "Reproducibility").
 template <class T>
 void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
-                   bool absorb_all, DenominatorTally* tally, bool parallel);
+                   FinalState final_state, DenominatorTally* tally, Threads threads);
 
 // Argument checks shared by every linear entry point (throws std::invalid_argument).
 void check_linear_setup(std::string_view fn, const FeatureMap& map, const LinearOptions& options,

@@ -14,19 +14,19 @@ namespace {
 // Queries [0, n) against the complete key state: dq, and their query state.
 template <class T>
 void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T* dq, Index n,
-                Index q_pos0, const LinearSetup& setup, QueryState<T>& queries_state) {
-  const Index m = setup.m, d = setup.d, dv = setup.dv;
+                Index q_offset, const LinearSetup& setup, QueryState<T>& queries_state) {
+  const Index m = setup.m, d = setup.d, d_v = setup.d_v;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(n, 1));
-  FeatureBlock<T> queries(setup, block, /*keep_plain=*/true);
-  Scratch<T> g_scratch(block * dv), ga_scratch(block * m), gb_scratch(block * m),
-      weighted(block * dv);
+  FeatureBlock<T> queries(setup, block, Plain::Kept);
+  Scratch<T> g_scratch(block * d_v), ga_scratch(block * m), gb_scratch(block * m),
+      weighted(block * d_v);
   std::vector<double> delta(block), scale(block);
-  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
+  const bool separate = setup.plan.separate_denominator;
   for (Index qs = 0; qs < n; qs += block) {
     const Index rows = std::min(block, n - qs);
-    queries.compute(q + qs * d, rows, q_pos0 + qs);
-    check_input(setup, d_out + qs * dv, rows, dv);
-    RowMap<T> g(g_scratch.data(), rows, dv), ga(ga_scratch.data(), rows, m),
+    queries.compute(q + qs * d, rows, q_offset + qs);
+    check_input(setup, d_out + qs * d_v, rows, d_v);
+    RowMap<T> g(g_scratch.data(), rows, d_v), ga(ga_scratch.data(), rows, m),
         gb(gb_scratch.data(), rows, m);
     const Vector<T> den = queries.den() * keys_state.z;
     std::vector<double> divisor(rows);
@@ -34,7 +34,7 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
       const double log_scale = queries.log_scale(r) + keys_state.M;
       divisor[r] = stabilized_divisor(double(den[r]), log_scale, setup.options.eps);
       scale[r] = divisor[r] == 0 ? kEmpty : keys_state.M;
-      scaled_gradient(d_out + (qs + r) * dv, g.data() + r * dv, dv, divisor[r]);
+      scaled_gradient(d_out + (qs + r) * d_v, g.data() + r * d_v, d_v, divisor[r]);
     }
     gemm(const_view(g), const_view(keys_state.S).transposed(), view(ga), false);
     RowMap<T>& den_side = separate ? gb : ga;
@@ -45,7 +45,7 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
     }
     absorb_queries(queries_state, queries.all(),
                    QueryTerms<T>{g.data(), delta.data(), scale.data()}, weighted.data());
-    input_gradient(queries.all(), q + qs * d, q_pos0 + qs, ga.data(),
+    input_gradient(queries.all(), q + qs * d, q_offset + qs, ga.data(),
                    separate ? gb.data() : nullptr, dq + qs * d);
   }
 }
@@ -56,20 +56,20 @@ template <class T>
 void key_pass(const QueryState<T>& queries_state, const KeptFeatures<T>& features,
               const LinearGradientHead<T>& head, Index first, Index count,
               const LinearSetup& setup) {
-  const Index m = setup.m, d = setup.d, dvw = setup.dv;
+  const Index m = setup.m, d = setup.d, d_v = setup.d_v;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(count, 1));
-  Scratch<T> gc(block * m), ge(block * m), scratch_m(block * m), scratch_dv(block * dvw);
-  const bool separate = setup.options.placement == RopePlacement::NumeratorOnly;
+  Scratch<T> gc(block * m), ge(block * m), scratch_m(block * m), scratch_d_v(block * d_v);
+  const bool separate = setup.plan.separate_denominator;
   for (Index js = first; js < first + count; js += block) {
     const Index rows = std::min(block, first + count - js);
     const FeatureRows<T> keys = features.range(js, rows);
-    T* dv = head.dv + js * dvw;
+    T* dv = head.dv + js * d_v;
     RowMap<T>(gc.data(), rows, m).setZero();
     if (separate) RowMap<T>(ge.data(), rows, m).setZero();
-    RowMap<T>(dv, rows, dvw).setZero();
-    key_terms_from_state(queries_state, keys, head.v + js * dvw, gc.data(), ge.data(), dv,
-                         scratch_m.data(), scratch_dv.data());
-    input_gradient(keys, head.k + js * d, head.k_pos0 + js, gc.data(),
+    RowMap<T>(dv, rows, d_v).setZero();
+    key_terms_from_state(queries_state, keys, head.v + js * d_v, gc.data(), ge.data(), dv,
+                         scratch_m.data(), scratch_d_v.data());
+    input_gradient(keys, head.k + js * d, head.k_offset + js, gc.data(),
                    separate ? ge.data() : nullptr, head.dk + js * d);
   }
 }
@@ -78,13 +78,13 @@ void key_pass(const QueryState<T>& queries_state, const KeptFeatures<T>& feature
 
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                               bool parallel) {
-  const Index n = head.n, nk = head.nk, d = setup.d, dv = setup.dv;
-  const int threads = usable_threads(parallel);
+                               Threads threading) {
+  const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v;
+  const int threads = usable_threads(threading);
   LinearState<T> keys_state;
-  KeptFeatures<T> key_features(setup, nk, /*keep_plain=*/true);
-  absorb_key_parts(keys_state, head.k, head.v, nk, head.k_pos0, setup, threads, &key_features);
-  key_features.fill(nk);
+  KeptFeatures<T> key_features(setup, n_k, Plain::Kept);
+  absorb_key_parts(keys_state, head.k, head.v, n_k, head.k_offset, setup, threads, &key_features);
+  key_features.fill(n_k);
 
   const Index block = block_rows(setup.m);
   const Index query_parts = part_count(n, block);
@@ -92,25 +92,25 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
   parallel_for(query_parts, threads, Schedule::Static, [&](Index t) {
     const Index begin = split_point(n, query_parts, t, block);
     const Index end = split_point(n, query_parts, t + 1, block);
-    parts[t].reset(setup.m, dv);
-    query_pass(keys_state, head.q + begin * d, head.d_out + begin * dv, head.dq + begin * d,
-               end - begin, head.q_pos0 + begin, setup, parts[t]);
+    parts[t].reset(setup.m, d_v);
+    query_pass(keys_state, head.q + begin * d, head.d_out + begin * d_v, head.dq + begin * d,
+               end - begin, head.q_offset + begin, setup, parts[t]);
   });
   QueryState<T> queries_state;
-  queries_state.reset(setup.m, dv);
+  queries_state.reset(setup.m, d_v);
   for (const auto& part : parts) merge(queries_state, part);
 
-  const Index key_parts = part_count(nk, kPartRows);
+  const Index key_parts = part_count(n_k, kPartRows);
   parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
-    const Index begin = split_point(nk, key_parts, t, kPartRows);
-    const Index end = split_point(nk, key_parts, t + 1, kPartRows);
+    const Index begin = split_point(n_k, key_parts, t, kPartRows);
+    const Index end = split_point(n_k, key_parts, t + 1, kPartRows);
     key_pass(queries_state, key_features, head, begin, end - begin, setup);
   });
 }
 
 template void linear_noncausal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
-                                               bool);
+                                               Threads);
 template void linear_noncausal_backward<double>(const LinearGradientHead<double>&,
-                                                const LinearSetup&, bool);
+                                                const LinearSetup&, Threads);
 
 }  // namespace linrope::detail

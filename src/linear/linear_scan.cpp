@@ -13,66 +13,66 @@ namespace linrope::detail {
 // works out each query's scale and denominator (scalars and the m-vector z), then scan_steps runs
 // the block's rank-one updates and read-outs through strips of S. Keys that no query reads between
 // enter a block at a time, as in the chunked form (absorb): those before a block's first query
-// (n_k ahead of n), and those after the last query when absorb_all (which no caller has yet: the
+// (n_k ahead of n), and those after the last query for FinalState::EveryKey (which no caller has yet: the
 // stream's queries and keys are the same tokens).
 template <class T>
 void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
-                 bool absorb_all, DenominatorTally* tally) {
+                 FinalState final_state, DenominatorTally* tally) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
-  const Index n = head.n, nk = head.nk, q_pos0 = head.q_pos0, k_pos0 = head.k_pos0;
-  const Index d = setup.d, dv = setup.dv, m = setup.m;
-  const Index shift = q_pos0 - k_pos0;  // query i sees key j iff j <= i + shift
+  const Index n = head.n, n_k = head.n_k, q_offset = head.q_offset, k_offset = head.k_offset;
+  const Index d = setup.d, d_v = setup.d_v, m = setup.m;
+  const Index shift = q_offset - k_offset;  // query i sees key j iff j <= i + shift
   FeatureBlock<T> queries(setup, kScanBlock), keys(setup, kScanBlock);
   ScanSteps<T> steps;
   double scale[kScanBlock], den[kScanBlock];  // the state's log scale M and den~ at each read
-  Scratch<T> numerator(kScanBlock * dv);      // the block's numerators, row-major
+  Scratch<T> numerator(kScanBlock * d_v);      // the block's numerators, row-major
   Matrix<T> weighted;
   Vector<T> weights;
   Index next = 0;  // keys [0, next) are in the state
   const auto absorb_until = [&](Index end) {
-    absorb_through(state, keys, k, v, k_pos0, next, end, weighted, weights);
+    absorb_through(state, keys, k, v, k_offset, next, end, weighted, weights);
   };
   for (Index qs = 0; qs < n; qs += kScanBlock) {
     const Index rows = std::min(kScanBlock, n - qs);
-    absorb_until(std::clamp(qs + shift, next, nk));
+    absorb_until(std::clamp(qs + shift, next, n_k));
     // Query r's own key qs + r + shift, when it exists: keys [first, last).
-    const Index first = next, last = std::clamp(qs + rows + shift, next, nk);
+    const Index first = next, last = std::clamp(qs + rows + shift, next, n_k);
     if (last > first) {
-      keys.compute(k + first * d, last - first, k_pos0 + first);
-      check_input(setup, v + first * dv, last - first, dv);
+      keys.compute(k + first * d, last - first, k_offset + first);
+      check_input(setup, v + first * d_v, last - first, d_v);
     }
-    queries.compute(q + qs * d, rows, q_pos0 + qs);
+    queries.compute(q + qs * d, rows, q_offset + qs);
     steps.count = rows;
     for (Index r = 0; r < rows; ++r) {
       const Index j = qs + r + shift - first;  // relative to first
       steps.read[r] = queries.num().data() + r * m;
-      steps.out[r] = numerator.data() + r * dv;
+      steps.out[r] = numerator.data() + r * d_v;
       steps.key[r] = nullptr;
       steps.factor[r] = T(1);
       if (j >= 0 && j < last - first) {
         const Admitted<T> a =
             admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
         steps.key[r] = keys.num().data() + j * m;
-        steps.value[r] = v + (first + j) * dv;
+        steps.value[r] = v + (first + j) * d_v;
         steps.factor[r] = a.factor;
         steps.weight[r] = a.weight;
       }
       scale[r] = state.M;
       den[r] = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
     }
-    scan_steps(state.S.data(), m, dv, steps);
+    scan_steps(state.S.data(), m, d_v, steps);
     for (Index r = 0; r < rows; ++r)
-      write_output(out + (qs + r) * dv, numerator.data() + r * dv, dv, den[r],
+      write_output(out + (qs + r) * d_v, numerator.data() + r * d_v, d_v, den[r],
                    queries.log_scale(r) + scale[r], setup.options.eps, tally);
     next = last;
   }
-  if (absorb_all) absorb_until(nk);
+  if (final_state == FinalState::EveryKey) absorb_until(n_k);
 }
 
 template void causal_scan<float>(const LinearHead<float>&, const LinearSetup&, LinearState<float>&,
-                                 bool, DenominatorTally*);
+                                 FinalState, DenominatorTally*);
 template void causal_scan<double>(const LinearHead<double>&, const LinearSetup&,
-                                  LinearState<double>&, bool, DenominatorTally*);
+                                  LinearState<double>&, FinalState, DenominatorTally*);
 
 }  // namespace linrope::detail

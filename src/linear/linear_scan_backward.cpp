@@ -7,7 +7,7 @@
 //                             (read c~_j, absorb a~_i with value g~_i)
 //                             Gc_j = sum_{i >= j} w_ij <g~_i, v_j> a~_i      state U^T [d_v x m]
 //                             (read v_j, absorb g~_i with value a~_i)
-// (indices shifted by q_pos0 - k_pos0 when queries and keys start at different positions). So
+// (indices shifted by q_offset - k_offset when queries and keys start at different positions). So
 // the backward streams its states from L1 as the forward does, and has no masked products:
 // 6 state-sized products per token against the forward's 2, plus the maps' backward.
 // The stabiliser: the queries' sweep keeps the forward's running maximum M (admit_key, as the
@@ -26,26 +26,26 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
                            LinearState<T>& state) {
   const LinearGradientHead<T>& h = c.head;
   const LinearSetup& s = c.setup;
-  const Index m = s.m, d = s.d, dv = s.dv;
+  const Index m = s.m, d = s.d, d_v = s.d_v;
   Matrix<T> weighted;
   Vector<T> weights;
   if (q_begin == 0) {  // the keys every query sees
     const Index prefix = c.first_key(0);
     if (prefix > 0) absorb(state, c.keys.range(0, prefix), h.v, weighted, weights);
   }
-  Scratch<T> transposed(dv * m), ga_rows(kScanBlock * m), gb_rows(kScanBlock * m),
+  Scratch<T> transposed(d_v * m), ga_rows(kScanBlock * m), gb_rows(kScanBlock * m),
       z_rows(kScanBlock * m);
-  RowMap<T> st(transposed.data(), dv, m);  // S^T, at the scale state.M
+  RowMap<T> st(transposed.data(), d_v, m);  // S^T, at the scale state.M
   st = state.S.transpose();
   ScanSteps<T> steps;
   double divisor[kScanBlock];  // D~ of the block's rows (0: a zero output)
   for (Index qs = q_begin; qs < q_end; qs += kScanBlock) {
     const Index rows = std::min(kScanBlock, q_end - qs);
-    c.queries.compute_at(qs, h.q + qs * d, rows, h.q_pos0 + qs);
-    check_input(s, h.d_out + qs * dv, rows, dv);
+    c.queries.compute_at(qs, h.q + qs * d, rows, h.q_offset + qs);
+    check_input(s, h.d_out + qs * d_v, rows, d_v);
     {  // the values of the block's own keys (the others' are checked where they are absorbed)
       const Index first = c.first_key(qs), last = c.first_key(qs + rows);
-      check_input(s, h.v + first * dv, last - first, dv);
+      check_input(s, h.v + first * d_v, last - first, d_v);
     }
     const FeatureRows<T> queries = c.queries.range(qs, rows), keys = c.keys.all();
     RowMap<T> ga(ga_rows.data(), rows, m), gb(gb_rows.data(), rows, m), z(z_rows.data(), rows, m);
@@ -54,10 +54,10 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       const Index i = qs + r, j = i + c.shift;  // the query and its own key
       steps.key[r] = nullptr;
       steps.factor[r] = T(1);
-      if (j >= 0 && j < h.nk) {
+      if (j >= 0 && j < h.n_k) {
         const Admitted<T> a =
             admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
-        steps.key[r] = h.v + j * dv;
+        steps.key[r] = h.v + j * d_v;
         steps.value[r] = keys.num().data() + j * m;
         steps.factor[r] = a.factor;
         steps.weight[r] = a.weight;
@@ -67,11 +67,11 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       divisor[r] = stabilized_divisor(
           den, state.M == kEmpty ? kEmpty : queries.log_scale(r) + state.M, s.options.eps);
       c.scale[i] = divisor[r] == 0 ? kEmpty : state.M;
-      scaled_gradient(h.d_out + i * dv, c.g + i * dv, dv, divisor[r]);
-      steps.read[r] = c.g + i * dv;
+      scaled_gradient(h.d_out + i * d_v, c.g + i * d_v, d_v, divisor[r]);
+      steps.read[r] = c.g + i * d_v;
       steps.out[r] = ga_rows.data() + r * m;
     }
-    scan_steps(st.data(), dv, m, steps);  // Ga = S~_i g~_i, at each row's own scale M_i
+    scan_steps(st.data(), d_v, m, steps);  // Ga = S~_i g~_i, at each row's own scale M_i
     // delta and Gb = delta z~, then dq.
     RowMap<T>& den_side = c.separate ? gb : ga;
     if (c.separate) gb.setZero();
@@ -81,7 +81,7 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       c.delta[qs + r] = delta;
       den_side.row(r) += T(delta) * z.row(r);
     }
-    input_gradient(queries, h.q + qs * d, h.q_pos0 + qs, ga.data(),
+    input_gradient(queries, h.q + qs * d, h.q_offset + qs, ga.data(),
                    c.separate ? gb.data() : nullptr, h.dq + qs * d);
   }
 }
@@ -91,12 +91,12 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
                         QueryState<T>& state) {
   const LinearGradientHead<T>& h = c.head;
   const LinearSetup& s = c.setup;
-  const Index m = s.m, d = s.d, dv = s.dv;
+  const Index m = s.m, d = s.d, d_v = s.d_v;
   if (k_begin == k_end) return;  // a segment past the horizon, or whose queries see no key
   // The segment's queries whose own key lies at or past k_end see every key of it: in first.
   absorb_query_range(state, c, std::clamp(k_end - c.shift, Index(0), q_end), q_end);
-  Scratch<T> transposed(dv * m), gc_rows(kScanBlock * m), ge_rows(kScanBlock * m);
-  RowMap<T> ut(transposed.data(), dv, m);  // U^T, at the scale state.K
+  Scratch<T> transposed(d_v * m), gc_rows(kScanBlock * m), ge_rows(kScanBlock * m);
+  RowMap<T> ut(transposed.data(), d_v, m);  // U^T, at the scale state.K
   ut = state.U.transpose();
   ScanSteps<T> values, features;  // the dv sweep over U, the Gc sweep over U^T
   double read_scale[kScanBlock];  // K when key r reads the states
@@ -122,32 +122,32 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
         const T weight = T(std::exp(state.K - M));
         state.y += (weight * T(c.delta[i])) * queries.den().row(i).transpose();
         values.key[r] = queries.num().data() + i * m;
-        values.value[r] = c.g + i * dv;
-        features.key[r] = c.g + i * dv;
+        values.value[r] = c.g + i * d_v;
+        features.key[r] = c.g + i * d_v;
         features.value[r] = queries.num().data() + i * m;
         values.weight[r] = features.weight[r] = weight;
       }
       read_scale[r] = state.K;
       values.read[r] = keys.num().data() + j * m;
-      values.out[r] = h.dv + j * dv;
-      features.read[r] = h.v + j * dv;
+      values.out[r] = h.dv + j * d_v;
+      features.read[r] = h.v + j * d_v;
       features.out[r] = gc_rows.data() + (j - js) * m;
       ge.row(j - js) = state.y.transpose();
     }
-    scan_steps(state.U.data(), m, dv, values);
-    scan_steps(ut.data(), dv, m, features);
+    scan_steps(state.U.data(), m, d_v, values);
+    scan_steps(ut.data(), d_v, m, features);
     // Every read times exp(gamma_j - K); Ge = that times y, into Gc where the two sides are the
     // same rows.
     for (Index r = 0; r < rows; ++r) {
       const Index j = je - 1 - r;
       const T f =
           read_scale[r] == kNoQueries ? T(0) : T(std::exp(keys.log_scale(j) - read_scale[r]));
-      RowMap<T>(h.dv + j * dv, 1, dv) *= f;
+      RowMap<T>(h.dv + j * d_v, 1, d_v) *= f;
       gc.row(j - js) *= f;
       ge.row(j - js) *= f;
       if (!c.separate) gc.row(j - js) += ge.row(j - js);
     }
-    input_gradient(c.keys.range(js, rows), h.k + js * d, h.k_pos0 + js, gc.data(),
+    input_gradient(c.keys.range(js, rows), h.k + js * d, h.k_offset + js, gc.data(),
                    c.separate ? ge.data() : nullptr, h.dk + js * d);
   }
 }

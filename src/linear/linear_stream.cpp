@@ -2,6 +2,7 @@
 #include <linrope/attention.hpp>
 
 #include "common/check.hpp"
+#include "common/nonfinite.hpp"
 #include "linear/linear_kernel.hpp"
 
 namespace linrope {
@@ -23,9 +24,9 @@ LinearAttentionStream<T>::LinearAttentionStream(const FeatureMap& map, Index val
     detail::throw_invalid(fn, "options.q_offset is ", options.q_offset, " but options.k_offset is ",
                           options.k_offset, "; a stream needs them equal");
   detail::check_linear_setup(fn, map, options, map.input_dim());
-  state_ = std::make_unique<State>();
-  state_->setup = {&map, options, map.input_dim(), value_dim, map.output_dim()};
-  state_->setup.options.causal = true;
+  LinearOptions causal = options;
+  causal.causal = true;
+  state_ = std::make_unique<State>(State{{map, causal, map.input_dim(), value_dim}, {}, 0});
   reset();
 }
 
@@ -37,14 +38,29 @@ template <class T>
 LinearAttentionStream<T>& LinearAttentionStream<T>::operator=(LinearAttentionStream&&) noexcept =
     default;
 
+namespace {
+
+// A moved-from stream has no state: each member refuses it with a clear error rather than
+// dereferencing null.
+template <class State>
+void require_state(const std::unique_ptr<State>& state, std::string_view fn) {
+  if (!state)
+    detail::throw_invalid(fn, "this stream was moved from and has no state; assign a "
+                              "LinearAttentionStream to it before using it again");
+}
+
+}  // namespace
+
 template <class T>
 void LinearAttentionStream<T>::reset() {
-  state_->running.reset(state_->setup.m, state_->setup.dv);
+  require_state(state_, "LinearAttentionStream::reset");
+  state_->running.reset(state_->setup.m, state_->setup.d_v);
   state_->position = state_->setup.options.q_offset;
 }
 
 template <class T>
 Index LinearAttentionStream<T>::position() const {
+  require_state(state_, "LinearAttentionStream::position");
   return state_->position;
 }
 
@@ -52,24 +68,25 @@ template <class T>
 Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                                          DenominatorStats* stats) {
   constexpr std::string_view fn = "LinearAttentionStream::step";
+  require_state(state_, fn);
   const detail::LinearSetup& setup = state_->setup;
   if (q.cols() != setup.d)
     detail::throw_invalid(fn, "q is ", detail::shape_of(q), " but the map has input_dim ", setup.d);
   if (k.rows() != q.rows() || k.cols() != setup.d)
     detail::throw_invalid(fn, "k is ", detail::shape_of(k), " but expected [", q.rows(), " x ",
                           setup.d, "]");
-  if (v.rows() != q.rows() || v.cols() != setup.dv)
+  if (v.rows() != q.rows() || v.cols() != setup.d_v)
     detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but expected [", q.rows(), " x ",
-                          setup.dv, "]");
+                          setup.d_v, "]");
   detail::require_positions(fn, "position()", state_->position, q.rows());
-  detail::require_finite(fn, "q", q);
-  detail::require_finite(fn, "k", k);
-  detail::require_finite(fn, "v", v);
-  Matrix<T> out(q.rows(), setup.dv);
+  // Up front, not lazily (common/nonfinite.hpp): a bad token must not reach the state.
+  detail::require_finite_each(fn, "q", q, "k", k, "v", v);
+  Matrix<T> out(q.rows(), setup.d_v);
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
   const detail::LinearHead<T> head{q.data(), k.data(), v.data(),         out.data(),
                                    q.rows(), k.rows(), state_->position, state_->position};
-  detail::linear_causal(head, setup, state_->running, true, stats ? &tally : nullptr, true);
+  detail::linear_causal(head, setup, state_->running, detail::FinalState::EveryKey,
+                        stats ? &tally : nullptr, detail::Threads::Parallel);
   state_->position += q.rows();
   if (stats) tally.store(*stats);
   return out;

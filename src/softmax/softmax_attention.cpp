@@ -4,6 +4,7 @@
 #include <linrope/attention.hpp>
 
 #include "common/check.hpp"
+#include "common/nonfinite.hpp"
 #include "softmax/softmax_backward.hpp"
 #include "softmax/softmax_kernel.hpp"
 
@@ -42,9 +43,7 @@ void check_inputs(std::string_view fn, const Matrix<T>& q, const Matrix<T>& k, c
   detail::check_softmax_options(fn, d, options);
   detail::require_positions(fn, "options.q_offset", options.q_offset, n);
   detail::require_positions(fn, "options.k_offset", options.k_offset, n_k);
-  detail::require_finite(fn, "q", q);
-  detail::require_finite(fn, "k", k);
-  detail::require_finite(fn, "v", v);
+  detail::require_finite_each(fn, "q", q, "k", k, "v", v);  // up front: common/nonfinite.hpp
 }
 
 template <class T>
@@ -54,7 +53,7 @@ Matrix<T> softmax_attention_impl(const Matrix<T>& q, const Matrix<T>& k, const M
   const Index n = q.rows(), d = q.cols(), n_k = k.rows(), d_v = v.cols();
   Matrix<T> out(n, d_v);
   detail::softmax_head<T>({q.data(), k.data(), v.data(), out.data(), n, n_k, d, d_v}, options,
-                          /*parallel=*/true);
+                          detail::Threads::Parallel);
   return out;
 }
 
@@ -72,7 +71,7 @@ AttentionGradients<T> softmax_attention_backward_impl(const Matrix<T>& q, const 
   AttentionGradients<T> g{Matrix<T>(n, d), Matrix<T>(n_k, d), Matrix<T>(n_k, d_v)};
   detail::softmax_head_backward<T>({q.data(), k.data(), v.data(), d_out.data(), g.dq.data(),
                                     g.dk.data(), g.dv.data(), n, n_k, d, d_v},
-                                   options, /*parallel=*/true);
+                                   options, detail::Threads::Parallel);
   return g;
 }
 

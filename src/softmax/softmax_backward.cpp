@@ -201,7 +201,7 @@ std::vector<Part<T>> cut_parts(const Operands<T>& a, const SoftmaxOptions& optio
 
 template <class T>
 void softmax_head_backward(const SoftmaxBackwardHead<T>& head, const SoftmaxOptions& options,
-                           bool parallel) {
+                           Threads threading) {
   const Index n = head.n, n_k = head.n_k, d = head.d, d_v = head.d_v;
   // No output (no query, no key, or no value width): L = 0 whatever the inputs.
   if (n == 0 || n_k == 0 || d_v == 0) {
@@ -236,7 +236,7 @@ void softmax_head_backward(const SoftmaxBackwardHead<T>& head, const SoftmaxOpti
     parts[p].dk = part_storage.get() + Index(p) * part_size;
     parts[p].dv = parts[p].dk + n_k * d;
   }
-  const int threads = pass_threads(n, n_k, d + d_v, parallel);
+  const int threads = pass_threads(n, n_k, d + d_v, threading);
   const Index key_blocks = (n_k + a.bk - 1) / a.bk;
   std::vector<Workspace<T>> workspaces;
   for (int t = 0; t < threads; ++t) workspaces.emplace_back(a.bq, n_k, key_blocks, d);
@@ -268,9 +268,9 @@ void softmax_head_backward(const SoftmaxBackwardHead<T>& head, const SoftmaxOpti
 }
 
 template void softmax_head_backward<float>(const SoftmaxBackwardHead<float>&, const SoftmaxOptions&,
-                                           bool);
+                                           Threads);
 template void softmax_head_backward<double>(const SoftmaxBackwardHead<double>&,
-                                            const SoftmaxOptions&, bool);
+                                            const SoftmaxOptions&, Threads);
 
 }  // namespace detail
 }  // namespace linrope

@@ -5,6 +5,8 @@
 
 #include <linrope/attention.hpp>
 
+#include "common/parallel.hpp"
+
 namespace linrope::detail {
 
 // The gradient of L = sum(d_out .* out) for the forward of softmax_kernel.hpp,
@@ -27,7 +29,7 @@ namespace linrope::detail {
 // at most 8 parts, plus O(block n_k) per thread for the strip; never n x n. A query with no
 // admissible key (zero output) gets a zero dq row and contributes nothing. Arguments must already
 // be validated (as for softmax_head, and d_out finite); only std::bad_alloc can be thrown.
-// `parallel` as for softmax_head: the result is bitwise the same whatever the flag and the thread
+// `threading` as for softmax_head: the result is bitwise the same whatever it and the thread
 // count.
 template <class T>
 struct SoftmaxBackwardHead {
@@ -42,11 +44,11 @@ struct SoftmaxBackwardHead {
 };
 template <class T>
 void softmax_head_backward(const SoftmaxBackwardHead<T>& head, const SoftmaxOptions& options,
-                           bool parallel);
+                           Threads threading);
 
 extern template void softmax_head_backward<float>(const SoftmaxBackwardHead<float>&,
-                                                  const SoftmaxOptions&, bool);
+                                                  const SoftmaxOptions&, Threads);
 extern template void softmax_head_backward<double>(const SoftmaxBackwardHead<double>&,
-                                                   const SoftmaxOptions&, bool);
+                                                   const SoftmaxOptions&, Threads);
 
 }  // namespace linrope::detail

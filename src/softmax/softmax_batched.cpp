@@ -33,7 +33,7 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
   constexpr std::string_view fn = "softmax_attention";
   check_heads(fn, q, k, v, out);
   check_inputs(fn, q, k, v, options);
-  const auto run = [&](Index b, Index h, bool parallel) {
+  const auto run = [&](Index b, Index h, detail::Threads threading) {
     const detail::SoftmaxHead<T> head{slice(q, b, h),
                                       slice(k, b, h),
                                       slice(v, b, h),
@@ -42,7 +42,7 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
                                       valid_rows(k, b),
                                       q.d,
                                       v.d};
-    detail::softmax_head(head, options, parallel);
+    detail::softmax_head(head, options, threading);
   };
   for_each_head(q.batch, q.heads, run);
 }
@@ -57,7 +57,7 @@ void softmax_batched_backward(Heads<const T> q, Heads<const T> k, Heads<const T>
   detail::check_backward_heads(fn, q, k, v, d_out, dq, dk, dv);
   check_inputs(fn, q, k, v, options);
   detail::require_finite_view(fn, "d_out", d_out, q);
-  const auto run = [&](Index b, Index h, bool parallel) {
+  const auto run = [&](Index b, Index h, detail::Threads threading) {
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
     const detail::SoftmaxBackwardHead<T> head{slice(q, b, h),
                                               slice(k, b, h),
@@ -70,7 +70,7 @@ void softmax_batched_backward(Heads<const T> q, Heads<const T> k, Heads<const T>
                                               n_k,
                                               q.d,
                                               v.d};
-    detail::softmax_head_backward(head, options, parallel);
+    detail::softmax_head_backward(head, options, threading);
     detail::zero_rows_past(dq, b, h, n);
     detail::zero_rows_past(dk, b, h, n_k);
     detail::zero_rows_past(dv, b, h, n_k);

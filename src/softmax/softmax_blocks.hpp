@@ -101,10 +101,10 @@ AlignedArray<T> aligned_array(Index count) {
 
 // Threads for one pass over a head: problems under 1e5 multiply-adds (n n_k width) run in the
 // calling thread, where waking a team would cost more than it saves; so does everything when
-// `parallel` is false (the caller is inside a parallel region already).
-inline int pass_threads(Index n, Index n_k, Index width, bool parallel) {
+// `threading` is Serial (the caller is inside a parallel region already).
+inline int pass_threads(Index n, Index n_k, Index width, Threads threading) {
   const bool tiny = double(n) * double(n_k) * double(width) < 1e5;
-  return parallel && !tiny ? max_threads() : 1;
+  return tiny ? 1 : usable_threads(threading);
 }
 
 // run(t, workspace) for every task t in [0, tasks), dynamically scheduled on workspaces.size()

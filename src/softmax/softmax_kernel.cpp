@@ -172,7 +172,7 @@ Index key_splits(Index query_blocks, Index key_blocks, Index bk) {
 }  // namespace
 
 template <class T>
-void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, bool parallel) {
+void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, Threads threading) {
   const T *q = head.q, *k = head.k, *v = head.v;
   T* out = head.out;
   T* lse = head.lse;
@@ -201,7 +201,7 @@ void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, boo
     k = k_rotated.data();
   }
 
-  const int threads = pass_threads(n, n_k, d + d_v, parallel);
+  const int threads = pass_threads(n, n_k, d + d_v, threading);
   std::vector<Workspace<T>> workspaces;
   workspaces.reserve(threads);
   for (int t = 0; t < threads; ++t) workspaces.emplace_back(g.bq, g.bk, d, d_v);
@@ -246,8 +246,8 @@ void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, boo
   run_tasks(tasks, workspaces, run);
 }
 
-template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, bool);
-template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&, bool);
+template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, Threads);
+template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&, Threads);
 
 }  // namespace detail
 }  // namespace linrope

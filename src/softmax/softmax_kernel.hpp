@@ -6,6 +6,8 @@
 #include <linrope/attention.hpp>
 #include <string_view>
 
+#include "common/parallel.hpp"
+
 namespace linrope::detail {
 
 // Checks the options that do not depend on the data: a rope of width d, a finite scale >= 0 and
@@ -28,10 +30,10 @@ double softmax_scale(Index d, const SoftmaxOptions& options);
 // Keys stream in blocks of options.block_size (0 chooses) with an online softmax (running max,
 // running sum, rescaled accumulator); each block is two GEMMs, Q_b K_b^T and P V_b. Memory
 // O((n + n_k) d): a rotated copy of k when there is a rope, plus per-thread blocks; never n x n.
-// `parallel`: open an OpenMP region over blocks of queries (and over slices of keys when there are
-// fewer than 8 blocks of queries, e.g. decoding against a long cache). Pass false when calling from
-// inside a parallel region, e.g. one head per thread. The blocking depends
-// on n, n_k and options only, so the result is bitwise the same whatever the flag and thread count.
+// Threads::Parallel: open an OpenMP region over blocks of queries (and over slices of keys when
+// there are fewer than 8 blocks of queries, e.g. decoding against a long cache); Serial when
+// calling from inside a parallel region, e.g. one head per thread. The blocking depends on n, n_k
+// and options only, so the result is bitwise the same whatever `threading` and the thread count.
 template <class T>
 struct SoftmaxHead {
   const T* q;  // [n x d]
@@ -45,9 +47,9 @@ struct SoftmaxHead {
   T* lse = nullptr;
 };
 template <class T>
-void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, bool parallel);
+void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, Threads threading);
 
-extern template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, bool);
-extern template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&, bool);
+extern template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, Threads);
+extern template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&, Threads);
 
 }  // namespace linrope::detail

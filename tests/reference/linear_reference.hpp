@@ -36,6 +36,7 @@
 
 #include "feature_map_reference.hpp"
 #include "rope_reference.hpp"
+#include "softmax_reference.hpp"
 
 namespace linrope::reference {
 
@@ -75,8 +76,7 @@ inline std::vector<std::pair<Index, Index>> rotary_pairs(const RopeSpec& spec) {
   const Index half = spec.rotary_dim / 2;
   std::vector<std::pair<Index, Index>> pairs;
   for (Index i = 0; i < half; ++i)
-    pairs.emplace_back(spec.layout == RopeLayout::Interleaved ? std::pair{2 * i, 2 * i + 1}
-                                                              : std::pair{i, i + half});
+    pairs.push_back(pair_of(spec.layout, spec.rotary_dim, i));
   return pairs;
 }
 
@@ -88,18 +88,14 @@ inline double frequency(const RopeSpec& spec, Index i) {
 
 // R(p) [dim x dim], acting on column vectors: pair (a, b) -> g (a cos - b sin, a sin + b cos) with
 // angle p * theta_i and g = spec.magnitude (1 but for YaRN); identity on the pass-through dims.
+// Written out by rope_reference.hpp's fill_rotation.
 inline MatrixD rotation_matrix(const RopeSpec& spec, Index position) {
-  MatrixD r = MatrixD::Identity(spec.dim, spec.dim);
-  const auto pairs = rotary_pairs(spec);
-  for (Index i = 0; i < Index(pairs.size()); ++i) {
-    const auto [a, b] = pairs[std::size_t(i)];
-    const double angle = double(position) * frequency(spec, i);
-    const double c = spec.magnitude * std::cos(angle), s = spec.magnitude * std::sin(angle);
-    r(a, a) = c;
-    r(a, b) = -s;
-    r(b, a) = s;
-    r(b, b) = c;
-  }
+  const Index half = Index(rotary_pairs(spec).size());  // also checks rotary_dim
+  std::vector<double> theta(std::size_t(half), 0.0);
+  for (Index i = 0; i < half; ++i) theta[std::size_t(i)] = frequency(spec, i);
+  MatrixD r(spec.dim, spec.dim);
+  fill_rotation(spec.dim, spec.rotary_dim, spec.layout, theta, spec.magnitude,
+                (long double)position, r.data());
   return r;
 }
 
@@ -297,16 +293,11 @@ inline Stats denominator_stats(const VectorD& den, double threshold) {
 }
 
 // Exact softmax attention, o_i = sum_j softmax_j(scale <q_i, k_j>) v_j, explicitly and without
-// RoPE: only what the FAVOR+ estimator is checked against.
+// RoPE: only what the FAVOR+ estimator is checked against (softmax_reference.hpp's textbook form).
 inline MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                                  double scale) {
-  MatrixD logits = scale * (q * k.transpose());
-  MatrixD out(q.rows(), v.cols());
-  for (Index i = 0; i < q.rows(); ++i) {
-    const double top = logits.row(i).maxCoeff();
-    const VectorD w = (logits.row(i).array() - top).exp().matrix().transpose();
-    out.row(i) = (w.transpose() * v) / w.sum();
-  }
+  MatrixD scores, out(q.rows(), v.cols());
+  textbook_softmax_attention<double>(q, k, v, scale, false, 0, 0, scores, out);
   return out;
 }
 

@@ -64,32 +64,42 @@ inline double magnitude(const RopeConfig& c) {
   return double(0.1L * std::log((long double)c.scaling.factor) + 1.0L);
 }
 
-// The two dimensions of rotary pair i.
+// The two dimensions of rotary pair i of a rotary width r: (2i, 2i + 1) interleaved, (i, i + r/2)
+// half.
+inline std::pair<Index, Index> pair_of(RopeLayout layout, Index r, Index i) {
+  return layout == RopeLayout::Interleaved ? std::pair{2 * i, 2 * i + 1} : std::pair{i, i + r / 2};
+}
 inline std::pair<Index, Index> pair_of(const RopeConfig& c, Index i) {
-  const Index r = rotary_width(c);
-  return c.layout == RopeLayout::Interleaved ? std::pair{2 * i, 2 * i + 1}
-                                             : std::pair{i, i + r / 2};
+  return pair_of(c.layout, rotary_width(c), i);
 }
 
-// Writes the explicit (dim x dim) matrix R(p) for the frequencies theta, row-major, into R;
-// inverse = true gives R(p)^-1 = R(-p) / magnitude on the rotated block (built as a matrix of its
-// own, not by inverting R numerically). Plain loops, so that the sanitizer build stays quick.
-inline void fill_rotation_matrix(const RopeConfig& c, const std::vector<double>& theta,
-                                 long double position, bool inverse, double* R) {
-  const long double g = inverse ? 1.0L / magnitude(c) : magnitude(c);
-  const long double p = inverse ? -position : position;
-  const Index d = c.dim;
+// Writes the explicit (dim x dim) matrix g R(p) into R, row-major: pair i of the rotary width r
+// (layout as pair_of) turned by the angle p theta_i (in long double) and scaled by g, identity on
+// the pass-through dims. The one place the reference writes a rotation matrix out: for a
+// RopeConfig (below), and for linear_reference.hpp's RopeSpec and softmax_reference.hpp's
+// PlainRope. Plain loops, so that the sanitizer build stays quick.
+inline void fill_rotation(Index d, Index r, RopeLayout layout, const std::vector<double>& theta,
+                          long double g, long double p, double* R) {
   std::fill(R, R + d * d, 0.0);
   for (Index a = 0; a < d; ++a) R[a * d + a] = 1.0;
   for (Index i = 0; i < Index(theta.size()); ++i) {
     const long double angle = p * (long double)theta[i];
     const double cs = double(g * std::cos(angle)), sn = double(g * std::sin(angle));
-    const auto [a, b] = pair_of(c, i);
+    const auto [a, b] = pair_of(layout, r, i);
     R[a * d + a] = cs;
     R[a * d + b] = -sn;
     R[b * d + a] = sn;
     R[b * d + b] = cs;
   }
+}
+
+// R(p) of the configuration for the frequencies theta, into R; inverse = true gives
+// R(p)^-1 = R(-p) / magnitude on the rotated block (built as a matrix of its own, not by
+// inverting R numerically).
+inline void fill_rotation_matrix(const RopeConfig& c, const std::vector<double>& theta,
+                                 long double position, bool inverse, double* R) {
+  const long double g = inverse ? 1.0L / magnitude(c) : magnitude(c);
+  fill_rotation(c.dim, rotary_width(c), c.layout, theta, g, inverse ? -position : position, R);
 }
 
 inline MatrixD rotation_matrix(const RopeConfig& c, long double position, bool inverse = false) {

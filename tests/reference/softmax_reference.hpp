@@ -1,13 +1,23 @@
-// Naive reference for exact softmax attention, in double precision: explicit d x d rotation
-// matrices and an explicit n x n_k score matrix. Deliberately shares no code with src/ (it does not
-// call linrope::Rope): the fast kernel is proven against this.
+// Naive reference for exact softmax attention: explicit d x d rotation matrices and an explicit
+// n x n_k score matrix. Deliberately shares no code with src/ (it does not call linrope::Rope):
+// the fast kernel is proven against this.
+//
+// The attention itself (textbook_softmax_attention) is written once, for any scalar type: in
+// double, after the explicit rotations, it is the tests' oracle (softmax_attention below); in
+// float it is the O(n^2)-memory baseline that bench_softmax and the scaling experiment time
+// beside the streaming kernel.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
-#include <linrope/rope.hpp>  // RopeLayout only (an enum, no code)
+#include <linrope/rope.hpp>  // RopeLayout and RopeConfig only (no code)
 #include <linrope/types.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "rope_reference.hpp"
 
 namespace linrope::reference {
 
@@ -21,22 +31,61 @@ struct PlainRope {
 
 // The d x d rotation matrix R_p of the plain rope at position p: block-diagonal up to a
 // permutation, a 2 x 2 rotation by p * theta_i on pair i ((2i, 2i+1) interleaved, (i, i + r/2)
-// half), identity on the pass-through dims. Rows are rotated as x -> R_p x.
+// half), identity on the pass-through dims. Rows are rotated as x -> R_p x. Built by
+// rope_reference.hpp, the one place the reference writes a rotation matrix from a configuration.
 inline MatrixD plain_rope_matrix(const PlainRope& rope, Index position) {
-  const Index d = rope.dim;
-  const Index r = rope.rotary_dim == 0 ? d : rope.rotary_dim;
-  MatrixD rot = MatrixD::Identity(d, d);
-  for (Index i = 0; i < r / 2; ++i) {
-    const double theta = std::pow(rope.base, -2.0 * double(i) / double(r));
-    const double angle = double(position) * theta;
-    const Index a = rope.layout == RopeLayout::Interleaved ? 2 * i : i;
-    const Index b = rope.layout == RopeLayout::Interleaved ? 2 * i + 1 : i + r / 2;
-    rot(a, a) = std::cos(angle);
-    rot(a, b) = -std::sin(angle);
-    rot(b, a) = std::sin(angle);
-    rot(b, b) = std::cos(angle);
+  return rotation_matrix(
+      RopeConfig{.dim = rope.dim, .rotary_dim = rope.rotary_dim, .base = rope.base,
+                 .layout = rope.layout},
+      (long double)position);
+}
+
+// Softmax attention the textbook way, on rows already rotated (or not rotated at all):
+//   S = q k^T [n x n_k], materialised. Row i keeps its admissible keys, a prefix of length
+//   a_i = n_k (not causal) or clamp(q_offset + i - k_offset + 1, 0, n_k) (causal: p_j <= p_i);
+//   o_i = sum_{j < a_i} softmax_j(scale S_ij) v_j, exponentiated after subtracting the row's
+//   largest scaled score (so that large scores do not overflow); a row with no admissible key
+//   is zero.
+//   q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v]; scores: scratch, resized to n x n_k
+//   (the caller keeps it, so that a loop over heads allocates it once: 4 n n_k bytes in float).
+// Eigen's products and array expressions; no linrope code. (The products were plain loops in the
+// oracle before it served as the timed baseline too; Eigen's GEMM is what linear_reference.hpp
+// already used, and test_gemm proves the kernels' own product against matmul_reference.hpp's
+// triple loop.)
+template <class T>
+void textbook_softmax_attention(const Eigen::Ref<const Matrix<T>>& q,
+                                const Eigen::Ref<const Matrix<T>>& k,
+                                const Eigen::Ref<const Matrix<T>>& v, double scale, bool causal,
+                                Index q_offset, Index k_offset, Matrix<T>& scores,
+                                Eigen::Ref<Matrix<T>> out) {
+  const Index n = q.rows(), n_k = k.rows();
+  const T s = T(scale);
+  scores.resize(n, n_k);
+  // Inside a parallel region Eigen keeps this product on the calling thread.
+  scores.noalias() = q * k.transpose();
+#ifdef _OPENMP
+  // Rows in parallel for the large single calls that bench_softmax times (n n_k >= 2^18), never
+  // inside a parallel region (the scaling experiment's loop over heads: a nested team per head
+  // waited on descheduled threads, 20-50x slower than one thread at n = 512 on a loaded machine)
+  // nor for small problems, where a team's fork and join costs more than the rows (the
+  // finite-difference tests call this thousands of times at n n_k < 10^4: 16x slower with 2
+  // threads than with 1, measured at load 10 on 2 cores).
+  const bool rows_in_parallel = !omp_in_parallel() && n * n_k >= (Index(1) << 18);
+#pragma omp parallel for schedule(static) if (rows_in_parallel)
+#endif
+  for (Index i = 0; i < n; ++i) {
+    auto row = scores.row(i);
+    const Index admissible =
+        causal ? std::clamp<Index>(q_offset + i - k_offset + 1, 0, n_k) : n_k;
+    row.tail(n_k - admissible).setZero();
+    if (admissible == 0) continue;
+    auto head = row.head(admissible);
+    // The largest of s S_ij: s max_j S_ij, or s min_j S_ij for a negative scale.
+    const T top = s >= 0 ? head.maxCoeff() : head.minCoeff();
+    head = ((head.array() - top) * s).exp();
+    head /= head.sum();
   }
-  return rot;
+  out.noalias() = scores * v;
 }
 
 struct SoftmaxReferenceOptions {
@@ -48,12 +97,12 @@ struct SoftmaxReferenceOptions {
 
 // o_i = sum_j softmax_j(scale * <R_{p_i} q_i, R_{p_j} k_j>) v_j over the admissible j (all, or
 // p_j <= p_i when causal), p_i = q_offset + i, p_j = k_offset + j; a row with no admissible key is
-// zero. The full n x n_k score matrix is built, then each row is exponentiated after subtracting
-// its maximum (so that large scores do not overflow).
+// zero. The rows are rotated by explicit matrices, then the full n x n_k score matrix is built
+// (textbook_softmax_attention, in double).
 //   q [n x d], k [n_k x d], v [n_k x d_v] -> [n x d_v]
 inline MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                                  const SoftmaxReferenceOptions& options = {}) {
-  const Index n = q.rows(), n_k = k.rows(), d = q.cols(), d_v = v.cols();
+  const Index n = q.rows(), n_k = k.rows(), d = q.cols();
   MatrixD qr = q, kr = k;
   if (options.rope != nullptr) {
     for (Index i = 0; i < n; ++i)
@@ -65,41 +114,9 @@ inline MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const Matri
   }
   const double scale =
       options.scale != 0 ? options.scale : (d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0);
-  const double minus_inf = -std::numeric_limits<double>::infinity();
-
-  // Plain loops over the row-major storage (Eigen's checked operator() would make the n = 1000
-  // cases take seconds in a sanitizer build).
-  MatrixD scores(n, n_k);
-  for (Index i = 0; i < n; ++i) {
-    const double* qi = qr.data() + i * d;
-    double* si = scores.data() + i * n_k;
-    for (Index j = 0; j < n_k; ++j) {
-      const bool admissible = !options.causal || options.k_offset + j <= options.q_offset + i;
-      const double* kj = kr.data() + j * d;
-      double dot = 0;
-      for (Index c = 0; c < d; ++c) dot += qi[c] * kj[c];
-      si[j] = admissible ? scale * dot : minus_inf;
-    }
-  }
-
-  MatrixD out = MatrixD::Zero(n, d_v);
-  for (Index i = 0; i < n; ++i) {
-    double* si = scores.data() + i * n_k;
-    double* oi = out.data() + i * d_v;
-    double row_max = minus_inf;
-    for (Index j = 0; j < n_k; ++j) row_max = std::max(row_max, si[j]);
-    if (row_max == minus_inf) continue;  // no admissible key
-    double total = 0;
-    for (Index j = 0; j < n_k; ++j) {
-      si[j] = si[j] == minus_inf ? 0.0 : std::exp(si[j] - row_max);
-      total += si[j];
-    }
-    for (Index j = 0; j < n_k; ++j) {
-      const double w = si[j] / total;
-      const double* vj = v.data() + j * d_v;
-      for (Index c = 0; c < d_v; ++c) oi[c] += w * vj[c];
-    }
-  }
+  MatrixD scores, out(n, v.cols());
+  textbook_softmax_attention<double>(qr, kr, v, scale, options.causal, options.q_offset,
+                                     options.k_offset, scores, out);
   return out;
 }
 

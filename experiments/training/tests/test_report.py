@@ -81,8 +81,8 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
         date="2026-11-26 08:00 UTC", mode="full", git_commit="0123456789abcdef", git_dirty=False,
         machine=dict(cpu="test CPU", cores=2), jobs=2, threads=1, duration_s=600.0,
         command="python3 -m training --full", corpus=dict(name="a test text"))))
-    assert report.write(str(out)) == 0
-    md = (out / "report_section.md").read_text()
+    md = report.section(str(out))
+    assert md.startswith("## Training: numerator-only against full normalisation\n")
     assert "commit 0123456789ab" in md and "10 min" in md
     assert "| softmax, RoPE | 2.100 (2.000-2.200, 2 seeds) |" in md
     assert "FAVOR+: full diverged in 1 of 2 seeds (at step 5)" in md
@@ -95,3 +95,10 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
         assert "training/" + name in md
     assert not math.isnan(json.loads((out / "summary.json").read_text())["step_time"]
                           ["crossover"]["elu-numerator_only"])
+
+
+def test_section_without_plots_says_why_and_links_from_its_own_directory(out):
+    md = report.section(str(out), plot_note="run with --no-plots", link_prefix="")
+    assert "> The plots were not generated: run with --no-plots." in md
+    assert "![" not in md and "training/" not in md
+    assert not [p for p in out.iterdir() if p.suffix == ".png"]

@@ -10,18 +10,15 @@ import importlib
 import json
 import math
 import os
-import sys
 import types
 
 import pytest
 
-import training
 from training import mqar, plans, sweep
 from training.data import load_corpus
 from training.model import VARIANTS, describe
 from training.train import Run
 
-TRAINING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Stop(Exception):
@@ -324,20 +321,9 @@ def test_plan_overrides():
 # ---- the command line -----------------------------------------------------------------------
 
 @pytest.fixture
-def cli(monkeypatch):
-    """training.__main__. It imports report.py (another engineer's); while that file does not
-    exist a stub stands in for it, so that parse() and the early exits can still be tested."""
-    if not os.path.exists(os.path.join(TRAINING_DIR, "report.py")):
-        stub = types.ModuleType("training.report")
-        stub.write = lambda out, plots=True: pytest.fail("the stub report.write was called")
-        monkeypatch.setitem(sys.modules, "training.report", stub)
-        monkeypatch.setattr(training, "report", stub, raising=False)
-        sys.modules.pop("training.__main__", None)
-        module = importlib.import_module("training.__main__")
-        yield module
-        sys.modules.pop("training.__main__", None)  # it holds the stub: do not keep it
-        return
-    yield importlib.import_module("training.__main__")
+def cli():
+    """training.__main__, the command line."""
+    return importlib.import_module("training.__main__")
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -392,27 +378,27 @@ def test_missing_text_file_exits_1_naming_it(cli, capsys, tmp_path):
     assert missing in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(TRAINING_DIR, "report.py")),
-                    reason="training/report.py (written by another engineer) is not there yet")
 def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
     """python3 -m training --text FILE --tasks char_lm --variants softmax-rope --steps 4
-    --no-step-time --no-plots --jobs 1: exit status 0, the run saved and complete, the tables,
-    training.json describing the corpus, and report.py's summary.json and report_section.md.
-    Then the same command with --resume runs nothing again (the run's file is untouched)."""
+    --no-step-time --jobs 1: exit status 0, the run saved and complete, the tables and
+    training.json describing the corpus, and nothing derived from them (the analysis,
+    experiments/analysis/report.py, writes that). Then the same command with --resume runs
+    nothing again (the run's file is untouched)."""
     text = tmp_path / "words.txt"
     text.write_text(word_text(words=3000), encoding="utf-8")  # validation >= 4 x 128 + 1
     out = tmp_path / "out"
     argv = ["--text", str(text), "--tasks", "char_lm", "--variants", "softmax-rope",
-            "--steps", "4", "--no-step-time", "--no-plots", "--jobs", "1", "--quiet",
+            "--steps", "4", "--no-step-time", "--jobs", "1", "--quiet",
             "--out", str(out)]
     assert cli.main(argv) == 0
     run_file = out / "runs" / "char_lm-softmax-rope-s0.json"
     result = json.loads(run_file.read_text())
     assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 4
-    for name in ("runs.csv", "curves.csv", "layers.csv", "evaluations.csv", "training.json",
-                 "summary.json", "report_section.md"):
+    for name in ("runs.csv", "curves.csv", "layers.csv", "evaluations.csv", "training.json"):
         assert (out / name).exists(), name
-    assert not (out / "step_time.csv").exists()
+    for name in ("step_time.csv", "summary.json", "report_section.md"):
+        assert not (out / name).exists(), name
+    assert not [name for name in os.listdir(out) if name.endswith(".png")]
     _, runs = read_csv(str(out / "runs.csv"))
     assert len(runs) == 1
     meta = json.loads((out / "training.json").read_text())

@@ -1,0 +1,130 @@
+// Array marshalling for linrope._core: NumPy arrays <-> the C++ API's views (Heads, row matrices),
+// with the dtype, rank and shape checks that turn bad input into a ValueError naming the argument.
+// Arrays are float32 or float64; a C-contiguous, aligned array is viewed in place, any other is
+// copied once.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>  // every unit alike: std::optional, std::vector arguments
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <linrope/linrope.hpp>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace linrope::python {
+
+namespace py = pybind11;
+
+// std::invalid_argument (ValueError in Python) "function: parts...".
+template <class... Parts>
+[[noreturn]] void fail(std::string_view function, const Parts&... parts) {
+  std::ostringstream message;
+  message << function << ": ";
+  (message << ... << parts);
+  throw std::invalid_argument(message.str());
+}
+
+template <class T>
+using CArray = py::array_t<T, py::array::c_style>;
+
+enum class DType { Float32, Float64 };
+
+DType dtype_of(std::string_view function, const char* name, const py::array& a);
+
+// The dtype shared by all `arrays` (named by `names`), or a ValueError naming the odd one.
+template <std::size_t N>
+DType common_dtype(std::string_view function, const std::array<const char*, N>& names,
+                   const std::array<const py::array*, N>& arrays) {
+  const DType first = dtype_of(function, names[0], *arrays[0]);
+  for (std::size_t i = 1; i < N; ++i)
+    if (dtype_of(function, names[i], *arrays[i]) != first)
+      fail(function, names[i], " has dtype ", std::string(py::str(arrays[i]->dtype())), " but ",
+           names[0], " has dtype ", std::string(py::str(arrays[0]->dtype())));
+  return first;
+}
+
+// A C-contiguous view of `a` (dtype already checked): the same buffer when `a` is C-contiguous
+// and aligned, else a C-contiguous, aligned copy. (NumPy can view a buffer at any byte offset;
+// the kernels read whole floats, which C++ requires aligned.)
+template <class T>
+CArray<T> contiguous(const py::array& a) {
+  CArray<T> c = CArray<T>::ensure(a);
+  if (c.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_) return c;
+  return CArray<T>::ensure(c.attr("copy")());
+}
+
+// "(2, 3, 5)": a's shape as NumPy prints it.
+std::string shape_text(const py::array& a);
+
+// a is (n, d) or (B, H, n, d).
+void require_rank(std::string_view function, const char* name, const py::array& a);
+
+// a is [..., d] of any rank >= 1: the feature maps act row-wise.
+void require_rows(std::string_view function, const char* name, const py::array& a);
+
+template <class T>
+Heads<T> heads_of(T* data, const py::array& a) {
+  if (a.ndim() == 2) return {data, 1, 1, Index(a.shape(0)), Index(a.shape(1))};
+  return {data, Index(a.shape(0)), Index(a.shape(1)), Index(a.shape(2)), Index(a.shape(3))};
+}
+
+template <class T>
+Heads<const T> input_heads(const CArray<T>& a) {
+  return heads_of<const T>(a.data(), a);
+}
+
+template <class T>
+Heads<T> output_heads(CArray<T>& a) {
+  return heads_of<T>(a.mutable_data(), a);
+}
+
+// A new array of `like`'s shape with its last dimension replaced by `last`.
+template <class T>
+CArray<T> new_array(const py::array& like, py::ssize_t last) {
+  std::vector<py::ssize_t> shape(like.shape(), like.shape() + like.ndim());
+  shape.back() = last;
+  return CArray<T>(shape);
+}
+
+// The same, zero-filled: the attention calls leave rows past the lengths unwritten.
+template <class T>
+CArray<T> zero_array(const py::array& like, py::ssize_t last) {
+  CArray<T> a = new_array<T>(like, last);
+  std::fill_n(a.mutable_data(), a.size(), T(0));
+  return a;
+}
+
+// Padding: lengths[b] for every batch entry b of `a`, or none. The C++ call reads a raw pointer,
+// so the count is checked here; the values (in [0, n]) are checked by the C++ call.
+using Lengths = std::optional<std::vector<Index>>;
+
+void check_lengths(std::string_view function, const char* name, const Lengths& lengths,
+                   const py::array& a, const char* of);
+
+template <class H>
+H with_lengths(H heads, const Lengths& lengths) {
+  heads.lengths = lengths ? lengths->data() : nullptr;
+  return heads;
+}
+
+// x [..., d] as the matrix [rows x d] of all its rows, and its mutable counterpart.
+template <class T>
+Eigen::Map<const Matrix<T>> rows_of(const CArray<T>& x) {
+  const Index d = x.ndim() == 0 ? 0 : Index(x.shape(x.ndim() - 1));
+  return {x.data(), d == 0 ? 0 : Index(x.size()) / d, d};
+}
+template <class T>
+Eigen::Map<Matrix<T>> rows_of(CArray<T>& x) {
+  const Index d = x.ndim() == 0 ? 0 : Index(x.shape(x.ndim() - 1));
+  return {x.mutable_data(), d == 0 ? 0 : Index(x.size()) / d, d};
+}
+
+}  // namespace linrope::python
