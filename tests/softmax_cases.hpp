@@ -2,12 +2,16 @@
 // the ropes they sweep, each paired with its independent reference twin.
 #pragma once
 
+#include <doctest/doctest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linrope/attention.hpp>
 #include <linrope/rope.hpp>
 #include <memory>
+#include <string>
 
 #include "reference/random.hpp"
 #include "reference/softmax_reference.hpp"
@@ -63,5 +67,59 @@ struct Ropes {
   std::unique_ptr<Rope> rope;
   reference::PlainRope plain;
 };
+
+// A case of the position sweeps (decoding against a cache, cross attention, offsets) that the
+// forward and the backward tests run: n queries from q_offset, n_k keys from k_offset.
+struct PositionCase {
+  Index n, n_k, q_offset, k_offset;
+  bool causal;
+};
+
+// The reference's options and the kernel's for a case, with the rope of `ropes`.
+inline reference::SoftmaxReferenceOptions reference_options(const PositionCase& c,
+                                                            const Ropes& ropes) {
+  return {.causal = c.causal,
+          .rope = ropes.reference(),
+          .q_offset = c.q_offset,
+          .k_offset = c.k_offset};
+}
+inline SoftmaxOptions kernel_options(const PositionCase& c, const Ropes& ropes, Index block_size) {
+  return {.causal = c.causal,
+          .rope = ropes.fast(),
+          .q_offset = c.q_offset,
+          .k_offset = c.k_offset,
+          .block_size = block_size};
+}
+
+// The large-norm cases of the forward and the backward tests: n rows of d = 16 (q and k of row
+// norm ~100 and ~1000, seeds 31 and 32; v [n x d_v], seed 33), the half-width rope, causal or not,
+// blocks of 0 (the default) and 7. fn(q, k, v, ropes, options) for each, with the case CAPTUREd.
+inline constexpr Index kLargeNormD = 16;
+template <class Fn>
+void for_each_large_norm_case(Index n, Index d_v, Fn&& fn) {
+  const Index d = kLargeNormD;
+  for (const double norm : {100.0, 1000.0}) {
+    const double sigma = norm / std::sqrt(double(d));
+    const MatrixD q = input(n, d, 31, sigma), k = input(n, d, 32, sigma), v = input(n, d_v, 33);
+    const Ropes ropes(kRopeCases[1], d);
+    for (const bool causal : {false, true})
+      for (const Index block_size : {0, 7}) {
+        CAPTURE(norm);
+        CAPTURE(causal);
+        CAPTURE(block_size);
+        const SoftmaxOptions options{
+            .causal = causal, .rope = ropes.fast(), .block_size = block_size};
+        fn(q, k, v, ropes, options);
+      }
+  }
+}
+
+// One line naming a case, its rope and its block size, to CAPTURE.
+inline std::string describe(const PositionCase& c, const RopeCase& rope, Index block_size) {
+  return "n " + std::to_string(c.n) + ", n_k " + std::to_string(c.n_k) + ", q_offset " +
+         std::to_string(c.q_offset) + ", k_offset " + std::to_string(c.k_offset) +
+         (c.causal ? ", causal" : ", not causal") + ", rope " + rope.name + ", block_size " +
+         std::to_string(block_size);
+}
 
 }  // namespace linrope::testing

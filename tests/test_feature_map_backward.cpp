@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "map_cases.hpp"
 #include "reference/feature_map_reference.hpp"
 #include "reference/finite_difference.hpp"
 #include "reference/random.hpp"
@@ -42,29 +43,19 @@ namespace {
 
 using namespace linrope;
 namespace ref = linrope::reference;
+using linrope::testing::favor_features;
 using linrope::testing::gaussian;
-
-constexpr FeatureMapKind kAllKinds[] = {
-    FeatureMapKind::EluPlusOne, FeatureMapKind::Relu,          FeatureMapKind::FavorPositive,
-    FeatureMapKind::FavorTrig,  FeatureMapKind::OnePlusCosine, FeatureMapKind::FavorHyperbolic};
-
-bool is_favor(FeatureMapKind kind) {
-  return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
-         kind == FeatureMapKind::FavorHyperbolic;
-}
+using linrope::testing::is_favor;
+using linrope::testing::kMaps;
+using linrope::testing::make_map;
 
 template <class T>
 constexpr double kUnit = std::numeric_limits<T>::epsilon() / 2;
 
+// The maps here: seed 11, and f random features for the FAVOR+ maps only.
 std::unique_ptr<FeatureMap> make(FeatureMapKind kind, Index d, Index f = 0, bool orthogonal = true,
                                  std::uint64_t seed = 11) {
-  FeatureMapConfig c;
-  c.kind = kind;
-  c.input_dim = d;
-  c.num_features = is_favor(kind) ? f : 0;
-  c.orthogonal = orthogonal;
-  c.seed = seed;
-  return make_feature_map(c);
+  return make_map(kind, d, favor_features(kind, f), seed, orthogonal);
 }
 
 // phi by the reference formulas, with W = the map's projection (data, not code).
@@ -247,7 +238,7 @@ TEST_CASE_TEMPLATE("FeatureMap::backward matches finite differences: every map, 
                    float, double) {
   // d = 1, 2, 5 (odd), 8; f = d + 3 (the last orthogonal block cut; odd m for favor+ at even d)
   // and, at d = 8, f = 3 < d; orthogonal and iid W.
-  for (const FeatureMapKind kind : kAllKinds)
+  for (const FeatureMapKind kind : kMaps)
     for (const Index d : {1, 2, 5, 8})
       for (const Index f : {d + 3, Index(3)})
         for (const bool orthogonal : {true, false}) {
@@ -282,7 +273,7 @@ TEST_CASE("W is held fixed: after a redraw the gradient follows the new projecti
 TEST_CASE("float backward agrees with double backward on the same rounded inputs") {
   // Each is within gamma_T G of the exact gradient (header comment), so they differ by at most
   // (gamma_float + gamma_double) G; n = 65 and d = 16 with f = 40 go past any vector width.
-  for (const FeatureMapKind kind : kAllKinds) {
+  for (const FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
     const Index n = 65, d = 16;
@@ -390,7 +381,7 @@ TEST_CASE("large-norm float inputs give finite gradients that match the referenc
   // range, f features flushed to 0 or subnormal, each contributing up to FLT_MIN |d_out| (|w| +
   // |x'|) d^(-1/4) (x 4).
   const Index d = 16, f = 40, n = 6;
-  for (const FeatureMapKind kind : kAllKinds)
+  for (const FeatureMapKind kind : kMaps)
     for (const double norm : {20.0, 50.0, 100.0}) {
       if (kind == FeatureMapKind::FavorTrig && norm > 20) continue;
       const std::string name = to_string(kind);
@@ -442,7 +433,7 @@ TEST_CASE("many rows over threads: blocks of rows, same bits for 1 and 2 threads
   // n = 700 is past any row block the public calls cut for a parallel region; every row against
   // the finite differences, and the thread count must not change a bit (the maps' cut of the
   // work depends on the shapes only: attention.hpp, "Reproducibility").
-  for (const FeatureMapKind kind : kAllKinds) {
+  for (const FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
     const auto map = make(kind, 8, 13);
@@ -463,7 +454,7 @@ TEST_CASE("many rows over threads: blocks of rows, same bits for 1 and 2 threads
 }
 
 TEST_CASE("strided views: blocks of larger matrices are read and written within their bounds") {
-  for (const FeatureMapKind kind : kAllKinds) {
+  for (const FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
     const Index n = 9, d = 5;
@@ -485,7 +476,7 @@ TEST_CASE("strided views: blocks of larger matrices are read and written within 
 
 TEST_CASE("FeatureMap::backward rejects bad input, naming the argument") {
   using doctest::Contains;
-  for (const FeatureMapKind kind : kAllKinds) {
+  for (const FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
     const auto map = make(kind, 4, 6);

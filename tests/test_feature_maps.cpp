@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "map_cases.hpp"
 #include "reference/feature_map_reference.hpp"
 #include "reference/random.hpp"
 
@@ -18,30 +19,12 @@ namespace {
 
 using namespace linrope;
 using linrope::testing::gaussian;
+using linrope::testing::is_favor;
+using linrope::testing::kFavorMaps;
+using linrope::testing::kMaps;
+using linrope::testing::make_map;
 
-constexpr FeatureMapKind kFavorKinds[] = {FeatureMapKind::FavorPositive, FeatureMapKind::FavorTrig,
-                                          FeatureMapKind::FavorHyperbolic};
-constexpr FeatureMapKind kAllKinds[] = {
-    FeatureMapKind::EluPlusOne, FeatureMapKind::Relu,          FeatureMapKind::FavorPositive,
-    FeatureMapKind::FavorTrig,  FeatureMapKind::OnePlusCosine, FeatureMapKind::FavorHyperbolic};
 constexpr Index kOddDims[] = {1, 3, 7, 16, 33};
-
-bool is_favor(FeatureMapKind kind) {
-  return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
-         kind == FeatureMapKind::FavorHyperbolic;
-}
-
-std::unique_ptr<FeatureMap> make(FeatureMapKind kind, Index d, Index f = 0, std::uint64_t seed = 7,
-                                 bool orthogonal = true, bool regularized = false) {
-  FeatureMapConfig c;
-  c.kind = kind;
-  c.input_dim = d;
-  c.num_features = f;
-  c.orthogonal = orthogonal;
-  c.seed = seed;
-  c.regularized = regularized;
-  return make_feature_map(c);
-}
 
 template <class T>
 Matrix<T> features(const FeatureMap& map, const Matrix<T>& x) {
@@ -183,34 +166,34 @@ TEST_CASE("feature map names round-trip and unknown names list the valid ones") 
 }
 
 TEST_CASE("make_feature_map rejects bad configurations") {
-  for (FeatureMapKind kind : kAllKinds) {
+  for (FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
-    CHECK_THROWS_WITH_AS(make(kind, 0, 8),
+    CHECK_THROWS_WITH_AS(make_map(kind, 0, 8),
                          doctest::Contains("make_feature_map: input_dim is 0 but expected "
                                            "input_dim >= 1"),
                          std::invalid_argument);
-    CHECK_THROWS_WITH_AS(make(kind, -3, 8), doctest::Contains("input_dim is -3"),
+    CHECK_THROWS_WITH_AS(make_map(kind, -3, 8), doctest::Contains("input_dim is -3"),
                          std::invalid_argument);
     if (is_favor(kind)) {
-      CHECK_THROWS_WITH_AS(make(kind, 4, 0),
+      CHECK_THROWS_WITH_AS(make_map(kind, 4, 0),
                            doctest::Contains("num_features is 0 but expected num_features >= 1"),
                            std::invalid_argument);
-      CHECK_THROWS_WITH_AS(make(kind, 4, -2), doctest::Contains("num_features is -2"),
+      CHECK_THROWS_WITH_AS(make_map(kind, 4, -2), doctest::Contains("num_features is -2"),
                            std::invalid_argument);
     } else {
-      CHECK(make(kind, 4, 0)->output_dim() >= 4);  // num_features is ignored
+      CHECK(make_map(kind, 4, 0)->output_dim() >= 4);  // num_features is ignored
     }
   }
-  CHECK_THROWS_WITH_AS(make(static_cast<FeatureMapKind>(9), 4, 4), doctest::Contains("kind is 9"),
-                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(make_map(static_cast<FeatureMapKind>(9), 4, 4),
+                       doctest::Contains("kind is 9"), std::invalid_argument);
 }
 
 TEST_CASE("apply and apply_stabilized reject bad arguments and name them") {
-  for (FeatureMapKind kind : kAllKinds) {
+  for (FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
-    const auto map = make(kind, 4, 6);
+    const auto map = make_map(kind, 4, 6);
     const Index m = map->output_dim();
     MatrixF wide = MatrixF::Ones(3, 5), out(3, m);
     CHECK_THROWS_WITH_AS(map->apply(wide, out),
@@ -243,10 +226,10 @@ TEST_CASE("apply and apply_stabilized reject bad arguments and name them") {
 }
 
 TEST_CASE("zero rows are accepted and write nothing") {
-  for (FeatureMapKind kind : kAllKinds) {
+  for (FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
-    const auto map = make(kind, 5, 3);
+    const auto map = make_map(kind, 5, 3);
     const MatrixF x(0, 5);
     MatrixF out(0, map->output_dim());
     std::vector<double> none;
@@ -262,15 +245,15 @@ TEST_CASE("out may not overlap x except for elu+1 and relu in place") {
     const std::string name = to_string(kind);
     CAPTURE(name);
     MatrixD x = before.leftCols(4);
-    const auto map = make(kind, 4);
+    const auto map = make_map(kind, 4);
     const MatrixD expected = features<double>(*map, x);
     map->apply(x, x);  // in place
     CHECK(x == expected);
   }
-  const auto favor = make(FeatureMapKind::FavorPositive, 4, 6);
+  const auto favor = make_map(FeatureMapKind::FavorPositive, 4, 6);
   CHECK_THROWS_WITH_AS(favor->apply(buffer.leftCols(4), buffer.rightCols(6)),
                        doctest::Contains("out overlaps x"), std::invalid_argument);
-  const auto relu = make(FeatureMapKind::Relu, 4);
+  const auto relu = make_map(FeatureMapKind::Relu, 4);
   CHECK_THROWS_WITH_AS(relu->apply(buffer.leftCols(4), buffer.middleCols(1, 4)),
                        doctest::Contains("out overlaps x"), std::invalid_argument);
   CHECK(buffer == before);  // a rejected call writes nothing
@@ -289,7 +272,7 @@ TEST_CASE("output_dim and nonnegative and projection per kind") {
         Expect{FeatureMapKind::FavorTrig, 2 * f, false},
         Expect{FeatureMapKind::OnePlusCosine, d + 1, true},
         Expect{FeatureMapKind::FavorHyperbolic, 2 * f, true}}) {
-    const auto map = make(e.kind, d, f);
+    const auto map = make_map(e.kind, d, f);
     const std::string name = to_string(e.kind);
     CAPTURE(name);
     CHECK(map->kind() == e.kind);
@@ -328,14 +311,14 @@ TEST_CASE("elu+1 and relu and 1+cos match the element-wise references") {
       const MatrixF xf = x.cast<float>();
       const MatrixD xf_exact = xf.cast<double>();
 
-      const auto relu = make(FeatureMapKind::Relu, d);
+      const auto relu = make_map(FeatureMapKind::Relu, d);
       CHECK(features<double>(*relu, x) == reference::relu(x));  // max is exact
       CHECK(features<float>(*relu, xf).cast<double>() == reference::relu(xf_exact));
 
       // elu+1: x + 1 (one rounding) or exp(x) (vectorised exp: a few ulp of a value < 1) against
       // expm1(x) + 1 in double, whose last rounding is of a sum of magnitude ~1: so
       // 4 eps max(|expected|, 1) covers both.
-      const auto elu = make(FeatureMapKind::EluPlusOne, d);
+      const auto elu = make_map(FeatureMapKind::EluPlusOne, d);
       const MatrixD elu_ref = reference::elu_plus_one(x);
       const MatrixD elu_ref_f = reference::elu_plus_one(xf_exact);
       const MatrixD elu_d = features<double>(*elu, x);
@@ -347,7 +330,7 @@ TEST_CASE("elu+1 and relu and 1+cos match the element-wise references") {
 
       // 1+cos: entries are <= 1 in magnitude; double: a d-term sum of squares, sqrt, one division,
       // one product: (d + 4) eps absolute; float: computed in double and rounded once: 2 eps_f.
-      const auto cosine = make(FeatureMapKind::OnePlusCosine, d);
+      const auto cosine = make_map(FeatureMapKind::OnePlusCosine, d);
       const MatrixD cos_ref = reference::one_plus_cosine(x);
       const MatrixD cos_ref_f = reference::one_plus_cosine(xf_exact);
       CHECK((features<double>(*cosine, x) - cos_ref).cwiseAbs().maxCoeff() <=
@@ -375,7 +358,7 @@ TEST_CASE("float elu+1 is exp(x) to within a few ulp down to the subnormals") {
   MatrixF padded = MatrixF::Zero(n, d + 3);
   auto x = padded.leftCols(d);
   for (Index i = 0; i < count; ++i) x(i / d, i % d) = float(-110 + double(i) * step);
-  const auto elu = make(FeatureMapKind::EluPlusOne, d);
+  const auto elu = make_map(FeatureMapKind::EluPlusOne, d);
   MatrixF y(n, d);
   elu->apply(x, y);
   double worst = 0;  // in u_f of exp(x), for x <= 0 above the subnormals
@@ -393,7 +376,7 @@ TEST_CASE("float elu+1 is exp(x) to within a few ulp down to the subnormals") {
 TEST_CASE("1+cos gives phi(q).phi(k) = 1 + cos(q k) and handles x = 0 and extreme magnitudes") {
   for (Index d : kOddDims) {
     CAPTURE(d);
-    const auto map = make(FeatureMapKind::OnePlusCosine, d);
+    const auto map = make_map(FeatureMapKind::OnePlusCosine, d);
     const MatrixD q = gaussian(9, d, 21), k = gaussian(9, d, 22, 3.0);
     const MatrixD pq = features<double>(*map, q), pk = features<double>(*map, k);
     double worst = 0;
@@ -454,13 +437,13 @@ TEST_CASE("projection() iid is the documented stream bit for bit and orthogonal 
       CAPTURE(d);
       CAPTURE(f);
       const std::uint64_t seed = std::uint64_t(1000 * d + f);
-      const auto iid = make(FeatureMapKind::FavorPositive, d, f, seed, false);
+      const auto iid = make_map(FeatureMapKind::FavorPositive, d, f, seed, false);
       CHECK(iid->projection() == reference::projection(d, f, false, false, seed));
       // Householder and Gram-Schmidt agree to ~cond(G) d eps; a Gaussian 33 x 33 block has
       // condition number ~100, so 1e-10 relative to the row norms (~sqrt(d)) is a wide margin.
       for (bool regularized : {false, true}) {
         CAPTURE(regularized);
-        const auto orth = make(FeatureMapKind::FavorTrig, d, f, seed, true, regularized);
+        const auto orth = make_map(FeatureMapKind::FavorTrig, d, f, seed, true, regularized);
         const MatrixD expected = reference::projection(d, f, true, regularized, seed);
         CHECK((orth->projection() - expected).cwiseAbs().maxCoeff() <= 1e-10 * std::sqrt(d));
       }
@@ -474,7 +457,7 @@ TEST_CASE("orthogonal blocks have diagonal W_b W_b^T and regularized rows have n
       CAPTURE(f);
       for (bool regularized : {false, true}) {
         CAPTURE(regularized);
-        const auto map = make(FeatureMapKind::FavorPositive, d, f, 99, true, regularized);
+        const auto map = make_map(FeatureMapKind::FavorPositive, d, f, 99, true, regularized);
         const MatrixD& w = map->projection();
         double worst = 0;
         for (Index first = 0; first < f; first += d) {
@@ -497,14 +480,14 @@ TEST_CASE("orthogonal blocks have diagonal W_b W_b^T and regularized rows have n
 }
 
 TEST_CASE("determinism - same seed bit-identical and other seeds differ and redraw replaces W") {
-  for (FeatureMapKind kind : kFavorKinds)
+  for (FeatureMapKind kind : kFavorMaps)
     for (bool orthogonal : {false, true}) {
       const std::string name = to_string(kind);
       CAPTURE(name);
       CAPTURE(orthogonal);
-      const auto a = make(kind, 16, 40, 1234, orthogonal);
-      const auto b = make(kind, 16, 40, 1234, orthogonal);
-      const auto c = make(kind, 16, 40, 1235, orthogonal);
+      const auto a = make_map(kind, 16, 40, 1234, orthogonal);
+      const auto b = make_map(kind, 16, 40, 1234, orthogonal);
+      const auto c = make_map(kind, 16, 40, 1235, orthogonal);
       CHECK(a->projection() == b->projection());
       CHECK((a->projection() - c->projection()).cwiseAbs().minCoeff() > 0);  // every entry moves
       const MatrixF x = gaussian(7, 16, 5).cast<float>();
@@ -519,7 +502,7 @@ TEST_CASE("determinism - same seed bit-identical and other seeds differ and redr
       CHECK(a->projection() == original);
       CHECK(features<float>(*a, x) == features<float>(*b, x));
     }
-  const auto relu = make(FeatureMapKind::Relu, 5);
+  const auto relu = make_map(FeatureMapKind::Relu, 5);
   relu->redraw(77);
   CHECK(relu->config().seed == 77);
   CHECK(relu->projection().size() == 0);
@@ -532,7 +515,7 @@ TEST_CASE("orthogonal blocks are Haar: diagonal signs are balanced over seeds") 
   const Index d = 3, f = 6, seeds = 400;
   std::vector<double> sign_sum(std::size_t(f), 0.0);
   for (Index s = 0; s < seeds; ++s) {
-    const auto map = make(FeatureMapKind::FavorPositive, d, f, std::uint64_t(5000 + s));
+    const auto map = make_map(FeatureMapKind::FavorPositive, d, f, std::uint64_t(5000 + s));
     const MatrixD& w = map->projection();
     for (Index r = 0; r < f; ++r) sign_sum[std::size_t(r)] += w(r, r % d) > 0 ? 1.0 : -1.0;
   }
@@ -546,7 +529,7 @@ TEST_CASE("orthogonal blocks are Haar: diagonal signs are balanced over seeds") 
 // ---- Favor maps against the formula -------------------------------------------------------------
 
 TEST_CASE("Favor maps match the formula evaluated from projection() in float and double") {
-  for (FeatureMapKind kind : kFavorKinds)
+  for (FeatureMapKind kind : kFavorMaps)
     for (Index d : kOddDims)
       for (Index f : {Index(1), Index(7), Index(40)})
         for (bool orthogonal : {false, true}) {
@@ -555,7 +538,7 @@ TEST_CASE("Favor maps match the formula evaluated from projection() in float and
           CAPTURE(d);
           CAPTURE(f);
           CAPTURE(orthogonal);
-          const auto map = make(kind, d, f, std::uint64_t(d * 100 + f), orthogonal);
+          const auto map = make_map(kind, d, f, std::uint64_t(d * 100 + f), orthogonal);
           const MatrixD x = favor_inputs(d == 16 ? 131 : 9, d, std::uint64_t(d + f));
           check_favor_against_reference<double>(*map, x);
           check_favor_against_reference<float>(*map, x);
@@ -563,11 +546,11 @@ TEST_CASE("Favor maps match the formula evaluated from projection() in float and
 }
 
 TEST_CASE("non-contiguous x and out (blocks of larger matrices) over several row blocks") {
-  for (FeatureMapKind kind : kAllKinds) {
+  for (FeatureMapKind kind : kMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
     const Index n = 300, d = 12, f = 20;  // 300 rows: three row blocks, the last one partial
-    const auto map = make(kind, d, f);
+    const auto map = make_map(kind, d, f);
     const Index m = map->output_dim();
     const MatrixF big_x = gaussian(n + 2, d + 5, 8).cast<float>();
     const MatrixF x = big_x.block(1, 2, n, d);
@@ -592,12 +575,12 @@ TEST_CASE("non-contiguous x and out (blocks of larger matrices) over several row
 // ---- Stabilisation ------------------------------------------------------------------------------
 
 TEST_CASE("apply_stabilized == apply * exp(-log_scale) and log_scale = 0 for non-exp maps") {
-  for (FeatureMapKind kind : kAllKinds)
+  for (FeatureMapKind kind : kMaps)
     for (Index d : {Index(3), Index(16), Index(64)}) {
       const std::string name = to_string(kind);
       CAPTURE(name);
       CAPTURE(d);
-      const auto map = make(kind, d, 40);
+      const auto map = make_map(kind, d, 40);
       const MatrixD xd = favor_inputs(20, d, std::uint64_t(d));
       const MatrixF x = xd.cast<float>();
       MatrixF stabilised(20, map->output_dim());
@@ -634,7 +617,7 @@ TEST_CASE("apply_stabilized == apply * exp(-log_scale) and log_scale = 0 for non
 //   favor+ and favor-hyp: log(out_l) + log_scale = +-u_l - h - ln(f)/2 (ln(2f)/2 for hyp);
 //   favor-trig: out = [sin u, cos u] and log_scale = h - ln(f)/2.
 TEST_CASE("apply_stabilized is finite and accurate for float rows of norm 20 50 100") {
-  for (FeatureMapKind kind : kFavorKinds)
+  for (FeatureMapKind kind : kFavorMaps)
     for (Index d : {Index(16), Index(64)})
       for (double norm : {20.0, 50.0, 100.0}) {
         const std::string name = to_string(kind);
@@ -642,7 +625,7 @@ TEST_CASE("apply_stabilized is finite and accurate for float rows of norm 20 50 
         CAPTURE(d);
         CAPTURE(norm);
         const Index f = 40;
-        const auto map = make(kind, d, f, 3);
+        const auto map = make_map(kind, d, f, 3);
         MatrixD xd = gaussian(6, d, std::uint64_t(norm) + std::uint64_t(d));
         for (Index i = 0; i < 6; ++i) xd.row(i) *= norm / xd.row(i).norm();
         const MatrixF x = xd.cast<float>();
@@ -686,11 +669,11 @@ TEST_CASE("apply_stabilized is finite and accurate for float rows of norm 20 50 
 // float result equals the double map's result on the same values, rounded to float. Then double
 // rows of norm 1e50, 1e100, 1e150.
 TEST_CASE("apply_stabilized: finite for float inputs near FLT_MAX and double inputs to 1e150") {
-  for (FeatureMapKind kind : kFavorKinds) {
+  for (FeatureMapKind kind : kFavorMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
     const Index d = 8, f = 12;
-    const auto map = make(kind, d, f, 4);
+    const auto map = make_map(kind, d, f, 4);
     MatrixD xd = gaussian(4, d, 31);
     xd.row(0) *= 1e37 / xd.row(0).norm();
     xd.row(1) *= 3e38 / xd.row(1).cwiseAbs().maxCoeff();
@@ -733,35 +716,51 @@ struct Sample {
   double mean = 0, standard_error = 0;
 };
 
+// Mean and standard error of the values add()ed, one per draw of W.
+class Draws {
+ public:
+  void add(double value) {
+    sum_ += value;
+    sum_sq_ += value * value;
+    ++count_;
+  }
+  Sample sample() const {
+    const double n = double(count_);
+    Sample out;
+    out.mean = sum_ / n;
+    const double variance = (sum_sq_ - n * out.mean * out.mean) / (n - 1);
+    out.standard_error = std::sqrt(variance / n);
+    return out;
+  }
+
+ private:
+  double sum_ = 0, sum_sq_ = 0;
+  Index count_ = 0;
+};
+
 // phi(x).phi(y) over `seeds` independent draws of W, in double.
 Sample kernel_estimates(FeatureMapKind kind, bool orthogonal, const MatrixD& x, const MatrixD& y,
                         Index f, Index seeds, std::uint64_t first_seed) {
-  const auto map = make(kind, x.cols(), f, first_seed, orthogonal);
+  const auto map = make_map(kind, x.cols(), f, first_seed, orthogonal);
   MatrixD xy(2, x.cols()), phi(2, map->output_dim());
   xy << x, y;
-  double sum = 0, sum_sq = 0;
+  Draws draws;
   for (Index s = 0; s < seeds; ++s) {
     map->redraw(first_seed + std::uint64_t(s));
     map->apply(xy, phi);
-    const double estimate = phi.row(0).dot(phi.row(1));
-    sum += estimate;
-    sum_sq += estimate * estimate;
+    draws.add(phi.row(0).dot(phi.row(1)));
   }
-  Sample out;
-  out.mean = sum / double(seeds);
-  const double variance = (sum_sq - double(seeds) * out.mean * out.mean) / double(seeds - 1);
-  out.standard_error = std::sqrt(variance / double(seeds));
-  return out;
+  return draws.sample();
 }
 
 // Per draw of W, the squared error of phi(x_p).phi(y_p) against exp(<x_p, y_p>/sqrt d), averaged
 // over the pairs p (rows of x and y); then mean and standard error of that over the draws.
 Sample kernel_squared_errors(FeatureMapKind kind, bool orthogonal, const MatrixD& x,
                              const MatrixD& y, Index f, Index seeds, std::uint64_t first_seed) {
-  const auto map = make(kind, x.cols(), f, first_seed, orthogonal);
+  const auto map = make_map(kind, x.cols(), f, first_seed, orthogonal);
   const Index pairs = x.rows();
   MatrixD px(pairs, map->output_dim()), py(pairs, map->output_dim());
-  double sum = 0, sum_sq = 0;
+  Draws draws;
   for (Index s = 0; s < seeds; ++s) {
     map->redraw(first_seed + std::uint64_t(s));
     map->apply(x, px);
@@ -771,14 +770,9 @@ Sample kernel_squared_errors(FeatureMapKind kind, bool orthogonal, const MatrixD
       const double e = px.row(p).dot(py.row(p)) - reference::softmax_kernel(x, p, y, p);
       error += e * e / double(pairs);
     }
-    sum += error;
-    sum_sq += error * error;
+    draws.add(error);
   }
-  Sample out;
-  out.mean = sum / double(seeds);
-  const double variance = (sum_sq - double(seeds) * out.mean * out.mean) / double(seeds - 1);
-  out.standard_error = std::sqrt(variance / double(seeds));
-  return out;
+  return draws.sample();
 }
 
 TEST_CASE("Favor maps are unbiased - mean of phi(x).phi(y) over seeds is exp(<x y>/sqrt d)") {
@@ -787,7 +781,7 @@ TEST_CASE("Favor maps are unbiased - mean of phi(x).phi(y) over seeds is exp(<x 
   x *= 1.5 / x.norm();
   y *= 1.2 / y.norm();
   const double exact = reference::softmax_kernel(x, 0, y, 0);
-  for (FeatureMapKind kind : kFavorKinds)
+  for (FeatureMapKind kind : kFavorMaps)
     for (bool orthogonal : {false, true}) {
       const std::string name = to_string(kind);
       CAPTURE(name);
@@ -819,7 +813,7 @@ TEST_CASE("orthogonal features give a lower kernel MSE than iid at the same m") 
     x.row(p) /= x.row(p).norm();
     y.row(p) /= y.row(p).norm();
   }
-  for (FeatureMapKind kind : kFavorKinds) {
+  for (FeatureMapKind kind : kFavorMaps) {
     const std::string name = to_string(kind);
     CAPTURE(name);
     // favor+ gains least: 1500 draws; trig and hyp gain so much that 300 draws suffice.

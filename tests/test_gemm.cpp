@@ -6,13 +6,16 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "common/gemm.hpp"
 #include "reference/matmul_reference.hpp"
 #include "reference/random.hpp"
+#include "threads.hpp"
 
 namespace {
 
@@ -266,6 +269,133 @@ TEST_CASE("gemm with B packed once (PackedRight) gives bitwise what gemm on B gi
         check_packed_right<double>(c.m, c.n, c.k, b_columns, accumulate, seed);
         seed += 3;
       }
+}
+
+// The Eigen path's determinism. gemm's double products, and its float products on machines
+// without AVX-512, call Eigen::internal::generic_product_impl<..., GemmProduct>::scaleAndAddTo
+// (src/common/gemm.cpp, gemm_eigen): Eigen's blocked GEMM, or its GEMV for one row or column, at
+// every size. Eigen's public `c.noalias() += a * b` instead takes its coefficient-based product
+// when rows + cols + depth < 20, which sums the elements before the output's first aligned
+// address in another order than the rest: the same product written at another address rounds
+// differently. Every determinism guarantee of the kernels (test_determinism.cpp) rests on this
+// internal, undocumented entry point. An Eigen upgrade that renames it breaks the build; one that
+// routes some sizes elsewhere, or lets the product split itself across threads, fails this test.
+// What is guaranteed is reproducibility, not one summation order (Eigen's blocking, and with it
+// the order, follows the machine's cache sizes): the same inputs give the same bits wherever the
+// operands sit, whatever the thread count, from whichever thread, however often. On this build
+// float runs the AVX-512 micro-kernel where the machine has it; the same guarantee is checked.
+
+// A [rows x cols] block at `offset` elements past a 64-byte boundary, with a padded row stride
+// (cols + 3) and the padding set to a sentinel.
+template <class T>
+struct Placed {
+  std::vector<T> storage;
+  T* data;
+  Index rows, cols, stride;
+  Placed(const Matrix<T>& value, Index offset)
+      : storage(std::size_t(value.rows() * (value.cols() + 3) + offset) + 64 / sizeof(T), T(-7)),
+        rows(value.rows()),
+        cols(value.cols()),
+        stride(value.cols() + 3) {
+    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+    const std::uintptr_t aligned = (address + 63) / 64 * 64;
+    data = storage.data() + (aligned - address) / sizeof(T) + std::size_t(offset);
+    for (Index i = 0; i < rows; ++i)
+      for (Index j = 0; j < cols; ++j) data[i * stride + j] = value(i, j);
+  }
+  Matrix<T> value() const {
+    Matrix<T> out(rows, cols);
+    for (Index i = 0; i < rows; ++i)
+      for (Index j = 0; j < cols; ++j) out(i, j) = data[i * stride + j];
+    return out;
+  }
+};
+
+// gemm with A, B (each row-major, or column-major stored as its transpose) and C all placed at
+// `offset` elements past a 64-byte boundary; returns C.
+template <class T>
+Matrix<T> placed_product(const Matrix<T>& a, const Matrix<T>& b, const Matrix<T>& c0,
+                         bool a_columns, bool b_columns, bool accumulate, Index offset) {
+  const Placed<T> pa(a_columns ? Matrix<T>(a.transpose()) : a, offset);
+  const Placed<T> pb(b_columns ? Matrix<T>(b.transpose()) : b, offset);
+  Placed<T> pc(c0, offset);
+  ConstView<T> av{pa.data, pa.rows, pa.cols, pa.stride, 1};
+  ConstView<T> bv{pb.data, pb.rows, pb.cols, pb.stride, 1};
+  if (a_columns) av = av.transposed();
+  if (b_columns) bv = bv.transposed();
+  linrope::detail::gemm(av, bv, View<T>{pc.data, pc.rows, pc.cols, pc.stride}, accumulate);
+  return pc.value();
+}
+
+// Bytes, not values: +0 and -0 differ.
+template <class T>
+bool same_bits(const Matrix<T>& x, const Matrix<T>& y) {
+  return x.rows() == y.rows() && x.cols() == y.cols() &&
+         std::memcmp(x.data(), y.data(), sizeof(T) * std::size_t(x.size())) == 0;
+}
+
+template <class T>
+void check_eigen_path_determinism() {
+  struct Case {
+    Index m, n, k;
+  };
+  // Small products where rows + cols + depth < 20 (the coefficient-based product's range), one
+  // row or column (GEMV), a dot product, and products across Eigen's register and cache blocks.
+  const Case cases[] = {{2, 3, 4}, {3, 5, 7},  {4, 4, 4},     {1, 6, 5},     {6, 1, 5},
+                        {1, 1, 9}, {7, 9, 33}, {65, 67, 300}, {100, 45, 257}};
+  // Every element offset within 64 bytes: all alignments of A, B and C.
+  const Index offsets = Index(64 / sizeof(T));
+  std::uint64_t seed = 4000;
+  for (const Case c : cases)
+    for (int order = 0; order < 4; ++order)
+      for (const bool accumulate : {false, true}) {
+        const bool a_columns = order & 1, b_columns = order & 2;
+        CAPTURE(c.m);
+        CAPTURE(c.n);
+        CAPTURE(c.k);
+        CAPTURE(a_columns);
+        CAPTURE(b_columns);
+        CAPTURE(accumulate);
+        const Matrix<T> a = linrope::testing::gaussian(c.m, c.k, seed).template cast<T>();
+        const Matrix<T> b = linrope::testing::gaussian(c.k, c.n, seed + 1).template cast<T>();
+        const Matrix<T> c0 = linrope::testing::gaussian(c.m, c.n, seed + 2).template cast<T>();
+        seed += 3;
+        const auto at = [&](Index offset) {
+          return placed_product(a, b, c0, a_columns, b_columns, accumulate, offset);
+        };
+        const Matrix<T> first = [&] {
+          const linrope::testing::ThreadCount one(1);
+          return at(0);
+        }();
+        // Every alignment, and the first one again (repeated calls).
+        for (Index offset = 0; offset <= offsets; ++offset) {
+          CAPTURE(offset);
+          CHECK(same_bits(at(offset % offsets), first));
+        }
+        // OpenMP thread counts 2 to 4 (gemm is single-threaded: Eigen is built with
+        // EIGEN_DONT_PARALLELIZE, whose removal would let it split the product by the count).
+        for (const int threads : {2, 3, 4}) {
+          CAPTURE(threads);
+          const linrope::testing::ThreadCount count(threads);
+          CHECK(same_bits(at(1), first));
+        }
+        // Called from two threads at once, each at its own alignment (and its own per-thread
+        // packing buffers on the AVX-512 float path).
+        Matrix<T> from_thread[2];
+        std::thread t0([&] { from_thread[0] = at(2); });
+        std::thread t1([&] { from_thread[1] = at(3); });
+        t0.join();
+        t1.join();
+        CHECK(same_bits(from_thread[0], first));
+        CHECK(same_bits(from_thread[1], first));
+      }
+}
+
+TEST_CASE(
+    "gemm's Eigen path (Eigen::internal::generic_product_impl, GemmProduct): same bits at every "
+    "alignment, thread count and call") {
+  check_eigen_path_determinism<double>();
+  check_eigen_path_determinism<float>();
 }
 
 }  // namespace

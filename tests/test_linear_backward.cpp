@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "linear_cases.hpp"
+#include "map_cases.hpp"
 #include "reference/finite_difference.hpp"
 #include "reference/linear_reference.hpp"
 #include "reference/random.hpp"
@@ -67,19 +68,18 @@ namespace {
 
 using namespace linrope;
 namespace ref = linrope::reference;
+using linrope::testing::favor_features;
 using linrope::testing::gaussian;
 using linrope::testing::kMaps;
 using linrope::testing::kPlacements;
 using linrope::testing::kSplitThreads;
+using linrope::testing::make_map;
+using linrope::testing::placement_rope;
+using linrope::testing::reference_spec;
 using linrope::testing::ThreadCount;
 using ref::VectorD;
 
 constexpr double kUnitDouble = std::numeric_limits<double>::epsilon() / 2;
-
-bool is_favor(FeatureMapKind kind) {
-  return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
-         kind == FeatureMapKind::FavorHyperbolic;
-}
 
 // A causal method and chunk size. Non-causal calls run once (the method is ignored).
 struct Method {
@@ -114,20 +114,10 @@ struct Problem {
 // all see the same numbers).
 struct Setup {
   explicit Setup(const Problem& problem) : p(problem) {
-    FeatureMapConfig config;
-    config.kind = p.kind;
-    config.input_dim = p.d;
-    config.num_features = is_favor(p.kind) ? (p.features > 0 ? p.features : p.d + 2) : 0;
-    config.seed = 7;
-    map = make_feature_map(config);
+    map = make_map(p.kind, p.d, favor_features(p.kind, p.features > 0 ? p.features : p.d + 2), 7);
     m = map->output_dim();
     if (p.placement != RopePlacement::None) {
-      const Index width = p.placement == RopePlacement::BeforeMap ? p.d : m;
-      Index r = width - width % 2;
-      if (p.partial && r > 2) r -= 2;
-      RopeConfig rc;
-      rc.dim = width;
-      rc.rotary_dim = r;
+      RopeConfig rc = placement_rope(p.placement, p.d, m, p.partial);
       rc.layout = p.layout;
       if (p.yarn)
         rc.scaling = {.kind = RopeScalingKind::Yarn, .factor = 8, .original_max_position = 256};
@@ -150,18 +140,8 @@ struct Setup {
 
   static MatrixD as_float(const MatrixD& x) { return x.cast<float>().cast<double>(); }
 
-  ref::LinearSpec reference_spec() const {
-    ref::LinearSpec s;
-    s.causal = p.causal;
-    s.placement = p.placement;
-    s.rope = spec;
-    s.eps = p.eps;
-    s.q_offset = p.q_offset;
-    s.k_offset = p.k_offset;
-    return s;
-  }
   ref::LinearResult reference(const MatrixD& qq, const MatrixD& kk, const MatrixD& vv) const {
-    return ref::linear_attention(qq, kk, vv, phi, reference_spec());
+    return ref::linear_attention(qq, kk, vv, phi, reference_spec(options, spec));
   }
   ref::LinearResult reference() const { return reference(q, k, v); }
   double loss(const MatrixD& qq, const MatrixD& kk, const MatrixD& vv) const {

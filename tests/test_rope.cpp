@@ -137,6 +137,46 @@ const std::vector<RopeScaling> kScalings = {
      .beta_slow = 2},
 };
 
+// One case of a sweep: the rope (dim, rotary width, layout, scaling; the base at its default), and
+// the rows and the first position of its input where the sweep sets them (-1 and 0 otherwise).
+struct RopeCase {
+  RopeConfig config;
+  Index rows = -1, first = 0;
+};
+
+// What a test sweeps. An empty list is not swept: no scaling, or the RopeCase defaults.
+struct RopeSweep {
+  std::vector<RopeScaling> scalings = {};
+  std::vector<RopeLayout> layouts = kLayouts;
+  std::vector<Width> widths = {};
+  std::vector<Index> rows = {}, firsts = {};
+};
+
+// Calls fn(const RopeCase&) for every scaling x layout x width x row count x first position, in
+// that order (the tests that draw a seed per case depend on it), with the case CAPTUREd.
+template <class Fn>
+void for_each_rope_case(const RopeSweep& sweep, Fn&& fn) {
+  const auto or_default = [](const auto& list, auto value) {
+    return list.empty() ? std::vector<decltype(value)>{value} : list;
+  };
+  for (const RopeScaling& s : or_default(sweep.scalings, RopeScaling{}))
+    for (const RopeLayout layout : sweep.layouts)
+      for (const Width& w : sweep.widths)
+        for (const Index rows : or_default(sweep.rows, Index(-1)))
+          for (const Index first : or_default(sweep.firsts, Index(0))) {
+            std::string where = "scaling " + scaling_name(s) + ", " + layout_name(layout) +
+                                ", dim " + std::to_string(w.dim) + ", rotary " +
+                                std::to_string(w.rotary);
+            if (!sweep.rows.empty()) where += ", rows " + std::to_string(rows);
+            if (!sweep.firsts.empty()) where += ", first " + std::to_string(first);
+            CAPTURE(where);
+            fn(RopeCase{
+                .config = {.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s},
+                .rows = rows,
+                .first = first});
+          }
+}
+
 }  // namespace
 
 TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices: widths x rows x offsets", T,
@@ -149,56 +189,38 @@ TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices: widths x row
   // level for both block sizes.
   const std::vector<Index> offsets = {0, 62, -66, 250, 4094, (1 << 20) - 2};
   std::uint64_t seed = 1;
-  for (RopeLayout layout : kLayouts)
-    for (Width w : kWidths)
-      for (Index rows : kRows)
-        for (Index first : offsets) {
-          // The last three offsets only on widths <= 10 and up to 7 rows: the boundaries are the
-          // same for every width, and the reference costs dim^2 per row.
-          if (first > 100 && (w.dim > 10 || rows > 7)) continue;
-          CAPTURE(layout_name(layout));
-          CAPTURE(w.dim);
-          CAPTURE(w.rotary);
-          CAPTURE(rows);
-          CAPTURE(first);
-          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout};
-          check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
-                                    reference::consecutive(rows, first), false, false);
-        }
+  for_each_rope_case({.widths = kWidths, .rows = kRows, .firsts = offsets}, [&](const RopeCase& e) {
+    // The last three offsets only on widths <= 10 and up to 7 rows: the boundaries are the same
+    // for every width, and the reference costs dim^2 per row.
+    if (e.first > 100 && (e.config.dim > 10 || e.rows > 7)) return;
+    check_against_matrices<T>(e.config, input<T>(e.rows, e.config.dim, ++seed),
+                              reference::consecutive(e.rows, e.first), false, false);
+  });
 }
 
 TEST_CASE_TEMPLATE("Rope::apply matches explicit rotation matrices for every scaling", T, float,
                    double) {
   const std::vector<Width> widths = {{8, 8}, {10, 6}, {66, 64}, {128, 128}, {131, 128}};
   std::uint64_t seed = 100;
-  for (const RopeScaling& s : kScalings)
-    for (RopeLayout layout : kLayouts)
-      for (Width w : widths)
-        for (Index rows : {7, 65})
-          for (Index first : {Index(-66), Index(4090)}) {
-            CAPTURE(scaling_name(s));
-            CAPTURE(layout_name(layout));
-            CAPTURE(w.dim);
-            CAPTURE(w.rotary);
-            CAPTURE(rows);
-            CAPTURE(first);
-            const RopeConfig c{
-                .dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
-            // The frequencies and magnitude themselves: pow versus exp/log in long double differ
-            // by a few ulps (4 u_d relative, 4x margin -> 16 u_d).
-            const Rope rope(c);
-            const std::vector<double> got = rope.frequencies(), want = reference::frequencies(c);
-            REQUIRE(got.size() == want.size());
-            for (std::size_t i = 0; i < got.size(); ++i) {
-              CAPTURE(i);
-              CHECK(std::abs(got[i] - want[i]) <= 16 * kUd * want[i]);
-            }
-            CHECK(std::abs(rope.magnitude() - reference::magnitude(c)) <= 4 * kUd);
-            check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
-                                      reference::consecutive(rows, first), false, false);
-            check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
-                                      reference::consecutive(rows, first), false, true);
-          }
+  const RopeSweep sweep{
+      .scalings = kScalings, .widths = widths, .rows = {7, 65}, .firsts = {-66, 4090}};
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    const RopeConfig& c = e.config;
+    // The frequencies and magnitude themselves: pow versus exp/log in long double differ by a few
+    // ulps (4 u_d relative, 4x margin -> 16 u_d).
+    const Rope rope(c);
+    const std::vector<double> got = rope.frequencies(), want = reference::frequencies(c);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::abs(got[i] - want[i]) <= 16 * kUd * want[i]);
+    }
+    CHECK(std::abs(rope.magnitude() - reference::magnitude(c)) <= 4 * kUd);
+    check_against_matrices<T>(c, input<T>(e.rows, c.dim, ++seed),
+                              reference::consecutive(e.rows, e.first), false, false);
+    check_against_matrices<T>(c, input<T>(e.rows, c.dim, ++seed),
+                              reference::consecutive(e.rows, e.first), false, true);
+  });
 }
 
 TEST_CASE_TEMPLATE("explicit position lists match explicit rotation matrices", T, float, double) {
@@ -210,54 +232,46 @@ TEST_CASE_TEMPLATE("explicit position lists match explicit rotation matrices", T
   while (positions.size() < 129) positions.push_back(Index(std::floor((g.uniform() - 0.5) * 2e5)));
   const Index rows = Index(positions.size());
   std::uint64_t seed = 200;
-  for (const RopeScaling& s : kScalings)
-    for (RopeLayout layout : kLayouts)
-      for (Width w : std::vector<Width>{{10, 10}, {66, 64}, {129, 128}}) {
-        CAPTURE(scaling_name(s));
-        CAPTURE(layout_name(layout));
-        CAPTURE(w.dim);
-        CAPTURE(w.rotary);
-        const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
-        check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed), positions, true, false);
-        check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed), positions, true, true);
-      }
+  const RopeSweep sweep{.scalings = kScalings, .widths = {{10, 10}, {66, 64}, {129, 128}}};
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    const RopeConfig& c = e.config;
+    check_against_matrices<T>(c, input<T>(rows, c.dim, ++seed), positions, true, false);
+    check_against_matrices<T>(c, input<T>(rows, c.dim, ++seed), positions, true, true);
+  });
 }
 
 TEST_CASE_TEMPLATE("position-list apply equals per-row offset apply", T, float, double) {
   const std::vector<Index> positions = {5, -1, -64, 63, 64, 12345678, -7, 0, 100, 99, 1 << 20};
   const Index rows = Index(positions.size());
-  for (const RopeScaling& s : kScalings)
-    for (RopeLayout layout : kLayouts) {
-      CAPTURE(scaling_name(s));
-      CAPTURE(layout_name(layout));
-      const Rope rope({.dim = 67, .rotary_dim = 64, .layout = layout, .scaling = s});
-      const Matrix<T> x0 = input<T>(rows, 67, 300);
-      for (bool inverse : {false, true}) {
-        CAPTURE(inverse);
-        Matrix<T> listed = x0, by_row = x0;
-        if (inverse)
-          rope.apply_inverse(listed, std::span<const Index>(positions));
-        else
-          rope.apply(listed, std::span<const Index>(positions));
-        for (Index i = 0; i < rows; ++i) {
-          Eigen::Ref<Matrix<T>> row = by_row.middleRows(i, 1);
-          inverse ? rope.apply_inverse(row, positions[i]) : rope.apply(row, positions[i]);
-        }
-        // Both forms reach the same angle through the same double arithmetic; allow a few
-        // roundings in T in case one path is reorganised: 8 u_T relative to the row's scale.
-        const double scale = x0.template cast<double>().cwiseAbs().maxCoeff() * rope.magnitude();
-        CHECK((listed - by_row).template cast<double>().cwiseAbs().maxCoeff() <=
-              8 * unit_roundoff<T>() * scale);
+  for_each_rope_case({.scalings = kScalings, .widths = {{67, 64}}}, [&](const RopeCase& e) {
+    const Rope rope(e.config);
+    const Matrix<T> x0 = input<T>(rows, 67, 300);
+    for (bool inverse : {false, true}) {
+      CAPTURE(inverse);
+      Matrix<T> listed = x0, by_row = x0;
+      if (inverse)
+        rope.apply_inverse(listed, std::span<const Index>(positions));
+      else
+        rope.apply(listed, std::span<const Index>(positions));
+      for (Index i = 0; i < rows; ++i) {
+        Eigen::Ref<Matrix<T>> row = by_row.middleRows(i, 1);
+        inverse ? rope.apply_inverse(row, positions[i]) : rope.apply(row, positions[i]);
       }
-      // Consecutive positions in list form equal the offset form.
-      const std::vector<Index> run = reference::consecutive(rows, -30);
-      Matrix<T> listed = x0, offset = x0;
-      rope.apply(listed, std::span<const Index>(run));
-      rope.apply(offset, -30);
-      CHECK((listed - offset).template cast<double>().cwiseAbs().maxCoeff() <=
-            8 * unit_roundoff<T>() * x0.template cast<double>().cwiseAbs().maxCoeff() *
-                rope.magnitude());
+      // Both forms reach the same angle through the same double arithmetic; allow a few
+      // roundings in T in case one path is reorganised: 8 u_T relative to the row's scale.
+      const double scale = x0.template cast<double>().cwiseAbs().maxCoeff() * rope.magnitude();
+      CHECK((listed - by_row).template cast<double>().cwiseAbs().maxCoeff() <=
+            8 * unit_roundoff<T>() * scale);
     }
+    // Consecutive positions in list form equal the offset form.
+    const std::vector<Index> run = reference::consecutive(rows, -30);
+    Matrix<T> listed = x0, offset = x0;
+    rope.apply(listed, std::span<const Index>(run));
+    rope.apply(offset, -30);
+    CHECK((listed - offset).template cast<double>().cwiseAbs().maxCoeff() <=
+          8 * unit_roundoff<T>() * x0.template cast<double>().cwiseAbs().maxCoeff() *
+              rope.magnitude());
+  });
 }
 
 TEST_CASE("apply on a strided view rotates only the view, and rotate_rows takes a stride") {
@@ -353,18 +367,15 @@ TEST_CASE_TEMPLATE("runs across every table boundary of both block sizes", T, fl
     firsts.push_back(-b - 20);
   }
   std::uint64_t seed = 1000;
-  for (RopeLayout layout : kLayouts)
-    for (Width w : std::vector<Width>{{10, 10}, {64, 64}, {67, 66}, {128, 128}, {256, 256}})
-      for (Index first : firsts)
-        for (bool inverse : {false, true}) {
-          CAPTURE(layout_name(layout));
-          CAPTURE(w.dim);
-          CAPTURE(first);
-          CAPTURE(inverse);
-          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout};
-          check_against_matrices<T>(c, input<T>(40, w.dim, ++seed),
-                                    reference::consecutive(40, first), false, inverse);
-        }
+  const RopeSweep sweep{.widths = {{10, 10}, {64, 64}, {67, 66}, {128, 128}, {256, 256}},
+                        .firsts = firsts};
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    for (bool inverse : {false, true}) {
+      CAPTURE(inverse);
+      check_against_matrices<T>(e.config, input<T>(40, e.config.dim, ++seed),
+                                reference::consecutive(40, e.first), false, inverse);
+    }
+  });
 }
 
 TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both directions", T, float,
@@ -374,20 +385,16 @@ TEST_CASE_TEMPLATE("a long run crosses every table level and 0 in both direction
   // reference cheap.
   const Index rows = 10001, first = -5000;
   std::uint64_t seed = 800;
-  for (RopeLayout layout : kLayouts)
-    for (Width w : std::vector<Width>{{4, 4}, {7, 6}})
-      for (bool inverse : {false, true}) {
-        CAPTURE(layout_name(layout));
-        CAPTURE(w.dim);
-        CAPTURE(inverse);
-        const RopeConfig c{
-            .dim = w.dim,
-            .rotary_dim = w.rotary,
-            .layout = layout,
-            .scaling = {.kind = RopeScalingKind::Yarn, .factor = 4, .original_max_position = 512}};
-        check_against_matrices<T>(c, input<T>(rows, w.dim, ++seed),
-                                  reference::consecutive(rows, first), false, inverse);
-      }
+  const RopeSweep sweep{
+      .scalings = {{.kind = RopeScalingKind::Yarn, .factor = 4, .original_max_position = 512}},
+      .widths = {{4, 4}, {7, 6}}};
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    for (bool inverse : {false, true}) {
+      CAPTURE(inverse);
+      check_against_matrices<T>(e.config, input<T>(rows, e.config.dim, ++seed),
+                                reference::consecutive(rows, first), false, inverse);
+    }
+  });
 }
 
 TEST_CASE_TEMPLATE("ropes and table tops interleaved: each call gets its own angles", T, float,
@@ -428,22 +435,17 @@ TEST_CASE_TEMPLATE("every r/2 from 1 to 41, and 57: float groups of 16, double 8
   // edges and both signs of the angle; forward and inverse, with Yarn so the magnitude is folded
   // in. Double (portable kernel only) runs the same sweep.
   std::uint64_t seed = 3000;
-  for (RopeLayout layout : kLayouts)
-    for (Index half = 1; half <= 57; half += half < 41 ? 1 : 16)
-      for (bool inverse : {false, true}) {
-        const Index r = 2 * half, dim = r + (half % 2);
-        CAPTURE(layout_name(layout));
-        CAPTURE(half);
-        CAPTURE(dim);
-        CAPTURE(inverse);
-        const RopeConfig c{
-            .dim = dim,
-            .rotary_dim = r,
-            .layout = layout,
-            .scaling = {.kind = RopeScalingKind::Yarn, .factor = 4, .original_max_position = 256}};
-        check_against_matrices<T>(c, input<T>(37, dim, ++seed), reference::consecutive(37, -18),
-                                  false, inverse);
-      }
+  RopeSweep sweep{
+      .scalings = {{.kind = RopeScalingKind::Yarn, .factor = 4, .original_max_position = 256}}};
+  for (Index half = 1; half <= 57; half += half < 41 ? 1 : 16)
+    sweep.widths.push_back({2 * half + half % 2, 2 * half});
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    for (bool inverse : {false, true}) {
+      CAPTURE(inverse);
+      check_against_matrices<T>(e.config, input<T>(37, e.config.dim, ++seed),
+                                reference::consecutive(37, -18), false, inverse);
+    }
+  });
 }
 
 TEST_CASE_TEMPLATE("r/2 = 64, 128 (unrolled) and 129, 130 (angle buffers on the heap)", T, float,
@@ -452,14 +454,12 @@ TEST_CASE_TEMPLATE("r/2 = 64, 128 (unrolled) and 129, 130 (angle buffers on the 
   // m = 256 features of linear attention) and on the heap above; r/2 = 64 and 128 take its
   // unrolled AVX-512 kernels. A few rows at a large offset, both layouts.
   std::uint64_t seed = 3500;
-  for (RopeLayout layout : kLayouts)
-    for (Index half : {64, 128, 129, 130}) {
-      CAPTURE(layout_name(layout));
-      CAPTURE(half);
-      const RopeConfig c{.dim = 2 * half + 1, .rotary_dim = 2 * half, .layout = layout};
-      check_against_matrices<T>(c, input<T>(11, 2 * half + 1, ++seed),
-                                reference::consecutive(11, 100000 - 5), false, false);
-    }
+  RopeSweep sweep;
+  for (Index half : {64, 128, 129, 130}) sweep.widths.push_back({2 * half + 1, 2 * half});
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    check_against_matrices<T>(e.config, input<T>(11, e.config.dim, ++seed),
+                              reference::consecutive(11, 100000 - 5), false, false);
+  });
 }
 
 TEST_CASE("worked numbers for the scalings") {
@@ -572,73 +572,67 @@ TEST_CASE("<R_m q, R_n k> depends on m - n only, and |R_m x| = |x|") {
   // Pairs (m, n) with the same difference d = m - n must give the same logit as (d, 0).
   const std::vector<Index> anchors = {0, 1, 63, 64, -65, 4096, 1000000, 10000019, -10000000};
   const std::vector<Index> diffs = {0, 3, -37, 64, 1000};
-  for (const RopeScaling& s : kScalings)
-    for (RopeLayout layout : kLayouts) {
-      CAPTURE(scaling_name(s));
-      CAPTURE(layout_name(layout));
-      const RopeConfig c{.dim = 67, .rotary_dim = 64, .layout = layout, .scaling = s};
-      const Rope rope(c);
-      const double g = rope.magnitude();
-      const MatrixD q0 = testing::gaussian(1, 67, 500), k0 = testing::gaussian(1, 67, 501);
-      const double qn = q0.norm(), kn = k0.norm();
-      auto rotated = [&](const MatrixD& x, Index p) {
-        MatrixD y = x;
-        rope.apply(y, p);
-        return y;
-      };
-      for (Index diff : diffs) {
-        const double base_logit = rotated(q0, diff).row(0).dot(rotated(k0, 0).row(0));
-        for (Index n : anchors) {
-          const Index m = n + diff;
-          CAPTURE(m);
-          CAPTURE(n);
-          const double logit = rotated(q0, m).row(0).dot(rotated(k0, n).row(0));
-          // Each rotated vector is off by <= |x| g (2 u_d |p| theta_max + 9 u_d) (see
-          // rope_tolerance; theta_max <= 1 here), so a logit by |q| |k| g^2 times the sum for both
-          // vectors of both logits; 4x margin.
-          const double tol =
-              4 * qn * kn * g * g *
-              (2 * kUd * double(std::abs(m) + std::abs(n) + std::abs(diff)) + 40 * kUd);
-          CHECK(std::abs(logit - base_logit) <= tol);
-        }
-      }
-      // Norms: the rotated part scales by g, the pass-through part is unchanged.
-      for (Index p : anchors) {
-        CAPTURE(p);
-        const MatrixD y = rotated(q0, p);
-        CHECK(std::abs(y.leftCols(64).norm() - g * q0.leftCols(64).norm()) <= 16 * kUd * g * qn);
-        CHECK(y.rightCols(3) == q0.rightCols(3));
-        if (s.kind != RopeScalingKind::Yarn) CHECK(std::abs(y.norm() - qn) <= 16 * kUd * qn);
+  for_each_rope_case({.scalings = kScalings, .widths = {{67, 64}}}, [&](const RopeCase& e) {
+    const RopeScaling& s = e.config.scaling;
+    const Rope rope(e.config);
+    const double g = rope.magnitude();
+    const MatrixD q0 = testing::gaussian(1, 67, 500), k0 = testing::gaussian(1, 67, 501);
+    const double qn = q0.norm(), kn = k0.norm();
+    auto rotated = [&](const MatrixD& x, Index p) {
+      MatrixD y = x;
+      rope.apply(y, p);
+      return y;
+    };
+    for (Index diff : diffs) {
+      const double base_logit = rotated(q0, diff).row(0).dot(rotated(k0, 0).row(0));
+      for (Index n : anchors) {
+        const Index m = n + diff;
+        CAPTURE(m);
+        CAPTURE(n);
+        const double logit = rotated(q0, m).row(0).dot(rotated(k0, n).row(0));
+        // Each rotated vector is off by <= |x| g (2 u_d |p| theta_max + 9 u_d) (see
+        // rope_tolerance; theta_max <= 1 here), so a logit by |q| |k| g^2 times the sum for both
+        // vectors of both logits; 4x margin.
+        const double tol =
+            4 * qn * kn * g * g *
+            (2 * kUd * double(std::abs(m) + std::abs(n) + std::abs(diff)) + 40 * kUd);
+        CHECK(std::abs(logit - base_logit) <= tol);
       }
     }
+    // Norms: the rotated part scales by g, the pass-through part is unchanged.
+    for (Index p : anchors) {
+      CAPTURE(p);
+      const MatrixD y = rotated(q0, p);
+      CHECK(std::abs(y.leftCols(64).norm() - g * q0.leftCols(64).norm()) <= 16 * kUd * g * qn);
+      CHECK(y.rightCols(3) == q0.rightCols(3));
+      if (s.kind != RopeScalingKind::Yarn) CHECK(std::abs(y.norm() - qn) <= 16 * kUd * qn);
+    }
+  });
 }
 
 TEST_CASE_TEMPLATE("apply_inverse undoes apply", T, float, double) {
-  for (const RopeScaling& s : kScalings)
-    for (RopeLayout layout : kLayouts)
-      for (Index first : {Index(-100), Index(0), Index(61), Index(10000000)}) {
-        CAPTURE(scaling_name(s));
-        CAPTURE(layout_name(layout));
-        CAPTURE(first);
-        const RopeConfig c{.dim = 35, .rotary_dim = 32, .layout = layout, .scaling = s};
-        const Rope rope(c);
-        const Matrix<T> x0 = input<T>(65, 35, 600);
-        Matrix<T> x = x0;
-        rope.apply(x, first);
-        rope.apply_inverse(x, first);
-        // R^-1 R x: the forward error (rope_tolerance, scaled by g) and the inverse one
-        // (rope_tolerance again, divided by g) add up; both in terms of max |x|. The angle term
-        // cancels (the same angle both ways), but the bound keeps it.
-        const double tol =
-            2 * rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
-                                  double(std::abs(first) + 65));
-        CHECK((x - x0).template cast<double>().cwiseAbs().maxCoeff() <= tol);
-        // And the list form.
-        const std::vector<Index> positions = reference::consecutive(65, first);
-        rope.apply(x, std::span<const Index>(positions));
-        rope.apply_inverse(x, std::span<const Index>(positions));
-        CHECK((x - x0).template cast<double>().cwiseAbs().maxCoeff() <= 2 * tol);
-      }
+  const RopeSweep sweep{
+      .scalings = kScalings, .widths = {{35, 32}}, .firsts = {-100, 0, 61, 10000000}};
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    const RopeConfig& c = e.config;
+    const Index first = e.first;
+    const Rope rope(c);
+    const Matrix<T> x0 = input<T>(65, 35, 600);
+    Matrix<T> x = x0;
+    rope.apply(x, first);
+    rope.apply_inverse(x, first);
+    // R^-1 R x: the forward error (rope_tolerance, scaled by g) and the inverse one
+    // (rope_tolerance again, divided by g) add up; both in terms of max |x|. The angle term
+    // cancels (the same angle both ways), but the bound keeps it.
+    const double tol = 2 * rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
+                                             double(std::abs(first) + 65));
+    CHECK((x - x0).template cast<double>().cwiseAbs().maxCoeff() <= tol);
+    // And the list form.
+    const std::vector<Index> positions = reference::consecutive(65, first);
+    rope.apply(x, std::span<const Index>(positions));
+    rope.apply_inverse(x, std::span<const Index>(positions));
+    CHECK((x - x0).template cast<double>().cwiseAbs().maxCoeff() <= 2 * tol);
+  });
 }
 
 // R^T, the gradient of apply (DESIGN.md, "Gradients"): a rotation by -p theta_i times the
@@ -662,54 +656,46 @@ TEST_CASE_TEMPLATE("Rope::apply_transpose is the transpose of the explicit rotat
   // is bounded as for apply (rope_tolerance: the same cos, sin and magnitude, the opposite sign
   // of sin). Widths: full and partial rotary (dim 35, r = 32; dim 9, r = 4); positions on both
   // sides of 0 and runs that cross it.
-  const std::vector<Width> widths = {{8, 8}, {9, 4}, {35, 32}, {66, 64}};
-  const std::vector<Index> offsets = {-100, -3, 0, 61, 10000000};
   int counter = 0;
-  for (const RopeScaling& s : transpose_scalings())
-    for (RopeLayout layout : kLayouts)
-      for (const Width& w : widths)
-        for (Index first : offsets) {
-          const std::string scaling_s = scaling_name(s);
-          CAPTURE(scaling_s);
-          const std::string layout_s = layout_name(layout);
-          CAPTURE(layout_s);
-          CAPTURE(w.dim);
-          CAPTURE(w.rotary);
-          CAPTURE(first);
-          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
-          const Rope rope(c);
-          const Index rows = 7;
-          const Matrix<T> x0 = input<T>(rows, w.dim, 900 + std::uint64_t(counter++));
-          const MatrixD xd = x0.template cast<double>();
-          // Positions as consecutive offsets (the offset overload) and as a list with jumps, both
-          // signs and repeats (the positions overload).
-          const std::vector<Index> run = reference::consecutive(rows, first);
-          const std::vector<Index> list = {first, -first - 7, 0, 3, 3, -1, first / 2 + 5};
-          for (const bool use_list : {false, true}) {
-            CAPTURE(use_list);
-            const std::vector<Index>& positions = use_list ? list : run;
-            Matrix<T> x = x0;
-            if (use_list) {
-              rope.apply_transpose(x, std::span<const Index>(positions));
-            } else {
-              rope.apply_transpose(x, first);
-            }
-            MatrixD expected(rows, w.dim);
-            for (Index i = 0; i < rows; ++i)
-              expected.row(i) =
-                  (reference::rotation_matrix(c, (long double)positions[std::size_t(i)])
-                       .transpose() *
-                   xd.row(i).transpose())
-                      .transpose();
-            const double err = (x.template cast<double>() - expected).cwiseAbs().maxCoeff();
-            const double tol =
-                rope_tolerance<T>(c, xd.cwiseAbs().maxCoeff(), max_abs_position(positions));
-            CAPTURE(err);
-            CAPTURE(tol);
-            CHECK(err <= tol);
-            CHECK(x.rightCols(w.dim - w.rotary) == x0.rightCols(w.dim - w.rotary));
+  for_each_rope_case(
+      {.scalings = transpose_scalings(),
+       .widths = {{8, 8}, {9, 4}, {35, 32}, {66, 64}},
+       .firsts = {-100, -3, 0, 61, 10000000}},
+      [&](const RopeCase& e) {
+        const RopeConfig& c = e.config;
+        const Index first = e.first;
+        const Rope rope(c);
+        const Index rows = 7;
+        const Matrix<T> x0 = input<T>(rows, c.dim, 900 + std::uint64_t(counter++));
+        const MatrixD xd = x0.template cast<double>();
+        // Positions as consecutive offsets (the offset overload) and as a list with jumps, both
+        // signs and repeats (the positions overload).
+        const std::vector<Index> run = reference::consecutive(rows, first);
+        const std::vector<Index> list = {first, -first - 7, 0, 3, 3, -1, first / 2 + 5};
+        for (const bool use_list : {false, true}) {
+          CAPTURE(use_list);
+          const std::vector<Index>& positions = use_list ? list : run;
+          Matrix<T> x = x0;
+          if (use_list) {
+            rope.apply_transpose(x, std::span<const Index>(positions));
+          } else {
+            rope.apply_transpose(x, first);
           }
+          MatrixD expected(rows, c.dim);
+          for (Index i = 0; i < rows; ++i)
+            expected.row(i) =
+                (reference::rotation_matrix(c, (long double)positions[std::size_t(i)]).transpose() *
+                 xd.row(i).transpose())
+                    .transpose();
+          const double err = (x.template cast<double>() - expected).cwiseAbs().maxCoeff();
+          const double tol =
+              rope_tolerance<T>(c, xd.cwiseAbs().maxCoeff(), max_abs_position(positions));
+          CAPTURE(err);
+          CAPTURE(tol);
+          CHECK(err <= tol);
+          CHECK(x.rightCols(c.dim - c.rotary_dim) == x0.rightCols(c.dim - c.rotary_dim));
         }
+      });
 }
 
 TEST_CASE_TEMPLATE("<R x, y> == <x, R^T y> for every scaling, layout, partial width and position",
@@ -721,56 +707,49 @@ TEST_CASE_TEMPLATE("<R x, y> == <x, R^T y> for every scaling, layout, partial wi
   // with |R x| <= 2 g max|x| element-wise for the last (double summation) term. A wrong sign in
   // the reverse turn, a missing or inverted magnitude (1/g instead of g under Yarn) or a pair
   // mix-up breaks the identity at O(1).
-  const std::vector<Width> widths = {{8, 8}, {9, 4}, {35, 32}, {130, 128}};
-  const std::vector<Index> offsets = {-1000003, -65, -2, 0, 17, 4094};
   int counter = 0;
-  for (const RopeScaling& s : transpose_scalings())
-    for (RopeLayout layout : kLayouts)
-      for (const Width& w : widths)
-        for (Index first : offsets) {
-          const std::string scaling_s = scaling_name(s);
-          CAPTURE(scaling_s);
-          const std::string layout_s = layout_name(layout);
-          CAPTURE(layout_s);
-          CAPTURE(w.dim);
-          CAPTURE(w.rotary);
-          CAPTURE(first);
-          const RopeConfig c{.dim = w.dim, .rotary_dim = w.rotary, .layout = layout, .scaling = s};
-          const Rope rope(c);
-          const Index rows = 9;
-          const std::uint64_t seed = 2000 + 2 * std::uint64_t(counter++);
-          const Matrix<T> x0 = input<T>(rows, w.dim, seed), y0 = input<T>(rows, w.dim, seed + 1);
-          const MatrixD xd = x0.template cast<double>(), yd = y0.template cast<double>();
-          const double g = rope.magnitude();
-          const double max_x = xd.cwiseAbs().maxCoeff(), max_y = yd.cwiseAbs().maxCoeff();
-          const double sum_x = xd.cwiseAbs().sum(), sum_y = yd.cwiseAbs().sum();
-          std::vector<Index> list(rows);
-          for (Index i = 0; i < rows; ++i)  // alternating signs around `first`
-            list[std::size_t(i)] = (i % 2 == 0 ? first : -first) + 3 * i - 13;
-          for (const bool use_list : {false, true}) {
-            CAPTURE(use_list);
-            const std::vector<Index> positions =
-                use_list ? list : reference::consecutive(rows, first);
-            Matrix<T> rx = x0, rty = y0;
-            if (use_list) {
-              rope.apply(rx, std::span<const Index>(positions));
-              rope.apply_transpose(rty, std::span<const Index>(positions));
-            } else {
-              rope.apply(rx, first);
-              rope.apply_transpose(rty, first);
-            }
-            const double lhs = (rx.template cast<double>().array() * yd.array()).sum();
-            const double rhs = (xd.array() * rty.template cast<double>().array()).sum();
-            const double p_max = max_abs_position(positions);
-            const double tol = rope_tolerance<T>(c, max_x, p_max) * sum_y +
-                               rope_tolerance<T>(c, max_y, p_max) * sum_x +
-                               double(rows * w.dim) * kUd * 2 * g * (max_x * sum_y + max_y * sum_x);
-            CAPTURE(lhs);
-            CAPTURE(rhs);
-            CAPTURE(tol);
-            CHECK(std::abs(lhs - rhs) <= tol);
+  for_each_rope_case(
+      {.scalings = transpose_scalings(),
+       .widths = {{8, 8}, {9, 4}, {35, 32}, {130, 128}},
+       .firsts = {-1000003, -65, -2, 0, 17, 4094}},
+      [&](const RopeCase& e) {
+        const std::uint64_t seed = 2000 + 2 * std::uint64_t(counter++);
+        const RopeConfig& c = e.config;
+        const Index first = e.first;
+        const Rope rope(c);
+        const Index rows = 9;
+        const Matrix<T> x0 = input<T>(rows, c.dim, seed), y0 = input<T>(rows, c.dim, seed + 1);
+        const MatrixD xd = x0.template cast<double>(), yd = y0.template cast<double>();
+        const double g = rope.magnitude();
+        const double max_x = xd.cwiseAbs().maxCoeff(), max_y = yd.cwiseAbs().maxCoeff();
+        const double sum_x = xd.cwiseAbs().sum(), sum_y = yd.cwiseAbs().sum();
+        std::vector<Index> list(rows);
+        for (Index i = 0; i < rows; ++i)  // alternating signs around `first`
+          list[std::size_t(i)] = (i % 2 == 0 ? first : -first) + 3 * i - 13;
+        for (const bool use_list : {false, true}) {
+          CAPTURE(use_list);
+          const std::vector<Index> positions =
+              use_list ? list : reference::consecutive(rows, first);
+          Matrix<T> rx = x0, rty = y0;
+          if (use_list) {
+            rope.apply(rx, std::span<const Index>(positions));
+            rope.apply_transpose(rty, std::span<const Index>(positions));
+          } else {
+            rope.apply(rx, first);
+            rope.apply_transpose(rty, first);
           }
+          const double lhs = (rx.template cast<double>().array() * yd.array()).sum();
+          const double rhs = (xd.array() * rty.template cast<double>().array()).sum();
+          const double p_max = max_abs_position(positions);
+          const double tol = rope_tolerance<T>(c, max_x, p_max) * sum_y +
+                             rope_tolerance<T>(c, max_y, p_max) * sum_x +
+                             double(rows * c.dim) * kUd * 2 * g * (max_x * sum_y + max_y * sum_x);
+          CAPTURE(lhs);
+          CAPTURE(rhs);
+          CAPTURE(tol);
+          CHECK(std::abs(lhs - rhs) <= tol);
         }
+      });
 }
 
 TEST_CASE_TEMPLATE("apply_transpose equals apply_inverse bitwise when the magnitude is 1", T, float,
@@ -778,51 +757,47 @@ TEST_CASE_TEMPLATE("apply_transpose equals apply_inverse bitwise when the magnit
   // With g = 1 both turn by -p theta and multiply by 1 (= 1/g): the same kernel call, the same
   // bits. Under Yarn with s > 1, R^T = g^2 R^-1: the two differ by the factor g^2 = 1.46 (s = 8)
   // or 1.63 (s = 16) on the rotated dimensions, and agree bitwise on the pass-through ones.
-  for (const RopeScaling& s : transpose_scalings())
-    for (RopeLayout layout : kLayouts)
-      for (Index first : {Index(-70), Index(0), Index(61)}) {
-        const std::string scaling_s = scaling_name(s);
-        CAPTURE(scaling_s);
-        const std::string layout_s = layout_name(layout);
-        CAPTURE(layout_s);
-        CAPTURE(first);
-        const RopeConfig c{.dim = 35, .rotary_dim = 32, .layout = layout, .scaling = s};
-        const Rope rope(c);
-        const Matrix<T> x0 = input<T>(65, 35, 610);
-        Matrix<T> transposed = x0, inverted = x0;
-        rope.apply_transpose(transposed, first);
-        rope.apply_inverse(inverted, first);
-        const std::vector<Index> positions = {first, -first, 5, -5, 0};
-        Matrix<T> transposed_list = x0.topRows(5), inverted_list = x0.topRows(5);
-        rope.apply_transpose(transposed_list, std::span<const Index>(positions));
-        rope.apply_inverse(inverted_list, std::span<const Index>(positions));
-        CHECK(transposed.rightCols(3) == inverted.rightCols(3));
-        const double g = rope.magnitude();
-        if (s.kind != RopeScalingKind::Yarn || s.factor <= 1) {
-          REQUIRE(g == 1.0);
-          CHECK(transposed == inverted);
-          CHECK(transposed_list == inverted_list);
-        } else {
-          REQUIRE(g > 1.2);
-          CHECK(transposed != inverted);
-          CHECK(transposed_list != inverted_list);
-          // R^T y = g^2 R^-1 y: each side is within rope_tolerance (times g for the inverse's
-          // 1/g, times g^2 for the scaling) of the exact value, in terms of max |x|.
-          const double tol = 2 * g * g *
-                             rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
-                                               double(std::abs(first) + 65));
-          const MatrixD scaled = g * g * inverted.template cast<double>().leftCols(32);
-          CHECK((transposed.template cast<double>().leftCols(32) - scaled).cwiseAbs().maxCoeff() <=
-                tol);
-          // ... and the difference itself is O(1): (g^2 - 1) times the rotated entries.
-          const double diff =
-              (transposed.template cast<double>() - inverted.template cast<double>())
-                  .leftCols(32)
-                  .cwiseAbs()
-                  .maxCoeff();
-          CHECK(diff >= 0.1 * (g * g - 1));
-        }
-      }
+  const RopeSweep sweep{
+      .scalings = transpose_scalings(), .widths = {{35, 32}}, .firsts = {-70, 0, 61}};
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    const RopeConfig& c = e.config;
+    const RopeScaling& s = c.scaling;
+    const Index first = e.first;
+    const Rope rope(c);
+    const Matrix<T> x0 = input<T>(65, 35, 610);
+    Matrix<T> transposed = x0, inverted = x0;
+    rope.apply_transpose(transposed, first);
+    rope.apply_inverse(inverted, first);
+    const std::vector<Index> positions = {first, -first, 5, -5, 0};
+    Matrix<T> transposed_list = x0.topRows(5), inverted_list = x0.topRows(5);
+    rope.apply_transpose(transposed_list, std::span<const Index>(positions));
+    rope.apply_inverse(inverted_list, std::span<const Index>(positions));
+    CHECK(transposed.rightCols(3) == inverted.rightCols(3));
+    const double g = rope.magnitude();
+    if (s.kind != RopeScalingKind::Yarn || s.factor <= 1) {
+      REQUIRE(g == 1.0);
+      CHECK(transposed == inverted);
+      CHECK(transposed_list == inverted_list);
+    } else {
+      REQUIRE(g > 1.2);
+      CHECK(transposed != inverted);
+      CHECK(transposed_list != inverted_list);
+      // R^T y = g^2 R^-1 y: each side is within rope_tolerance (times g for the inverse's
+      // 1/g, times g^2 for the scaling) of the exact value, in terms of max |x|.
+      const double tol = 2 * g * g *
+                         rope_tolerance<T>(c, x0.template cast<double>().cwiseAbs().maxCoeff(),
+                                           double(std::abs(first) + 65));
+      const MatrixD scaled = g * g * inverted.template cast<double>().leftCols(32);
+      CHECK((transposed.template cast<double>().leftCols(32) - scaled).cwiseAbs().maxCoeff() <=
+            tol);
+      // ... and the difference itself is O(1): (g^2 - 1) times the rotated entries.
+      const double diff = (transposed.template cast<double>() - inverted.template cast<double>())
+                              .leftCols(32)
+                              .cwiseAbs()
+                              .maxCoeff();
+      CHECK(diff >= 0.1 * (g * g - 1));
+    }
+  });
 }
 
 TEST_CASE("Rope::apply_transpose rejects bad input and names itself") {
@@ -878,53 +853,53 @@ TEST_CASE("float at large positions matches double to ~1e-6 relative") {
   // ~2 u_d p = 2e-9 rad at p = 10^7: negligible. Tolerance 2x: 1.4e-6 relative per row.
   const double u = unit_roundoff<float>();
   const double rel_tol = 2 * 12 * u;
-  for (RopeLayout layout : kLayouts)
-    for (Index first : {Index(1000000), Index(999990), Index(10000000), Index(-10000019)}) {
-      CAPTURE(layout_name(layout));
-      CAPTURE(first);
-      const RopeConfig c{.dim = 128, .layout = layout};
-      const Rope rope(c);
-      const MatrixD xd = testing::gaussian(65, 128, 700);
-      const MatrixF x0 = xd.cast<float>();
-      MatrixF xf = x0;
-      rope.apply(xf, first);
-      MatrixD x_double = x0.cast<double>();
-      rope.apply(x_double, first);
-      const MatrixD expected =
-          reference::apply(c, x0.cast<double>(), reference::consecutive(65, first));
-      double worst_vs_double = 0, worst_vs_reference = 0;
-      for (Index i = 0; i < 65; ++i) {
-        const double norm = double(x0.row(i).cast<double>().norm());
-        worst_vs_double =
-            std::max(worst_vs_double, (xf.row(i).cast<double>() - x_double.row(i)).norm() / norm);
-        worst_vs_reference = std::max(worst_vs_reference,
-                                      (xf.row(i).cast<double>() - expected.row(i)).norm() / norm);
-      }
-      CAPTURE(worst_vs_double);
-      CAPTURE(worst_vs_reference);
-      CHECK(worst_vs_double <= rel_tol);
-      CHECK(worst_vs_reference <= rel_tol);
-
-      // The test can fail: angles formed in float (float(p) * float(theta)) are off by up to
-      // ulp(10^6)/2 = 0.03 rad, far outside the bound.
-      if (layout == RopeLayout::Interleaved) {
-        const std::vector<double> theta = reference::frequencies(c);
-        double worst_naive = 0;
-        for (Index i = 0; i < 65; ++i) {
-          MatrixD naive = x0.row(i).cast<double>();
-          for (Index k = 0; k < 64; ++k) {
-            const float angle = float(first + i) * float(theta[k]);
-            const double a = naive(0, 2 * k), b = naive(0, 2 * k + 1);
-            naive(0, 2 * k) = a * std::cos(angle) - b * std::sin(angle);
-            naive(0, 2 * k + 1) = a * std::sin(angle) + b * std::cos(angle);
-          }
-          worst_naive = std::max(worst_naive, (naive - expected.row(i)).norm() /
-                                                  double(x0.row(i).cast<double>().norm()));
-        }
-        CAPTURE(worst_naive);
-        CHECK(worst_naive > 1000 * rel_tol);
-      }
+  const RopeSweep sweep{.widths = {{128, 0}},  // rotary_dim 0: all of dim
+                        .firsts = {1000000, 999990, 10000000, -10000019}};
+  for_each_rope_case(sweep, [&](const RopeCase& e) {
+    const RopeConfig& c = e.config;
+    const Index first = e.first;
+    const Rope rope(c);
+    const MatrixD xd = testing::gaussian(65, 128, 700);
+    const MatrixF x0 = xd.cast<float>();
+    MatrixF xf = x0;
+    rope.apply(xf, first);
+    MatrixD x_double = x0.cast<double>();
+    rope.apply(x_double, first);
+    const MatrixD expected =
+        reference::apply(c, x0.cast<double>(), reference::consecutive(65, first));
+    double worst_vs_double = 0, worst_vs_reference = 0;
+    for (Index i = 0; i < 65; ++i) {
+      const double norm = double(x0.row(i).cast<double>().norm());
+      worst_vs_double =
+          std::max(worst_vs_double, (xf.row(i).cast<double>() - x_double.row(i)).norm() / norm);
+      worst_vs_reference =
+          std::max(worst_vs_reference, (xf.row(i).cast<double>() - expected.row(i)).norm() / norm);
     }
+    CAPTURE(worst_vs_double);
+    CAPTURE(worst_vs_reference);
+    CHECK(worst_vs_double <= rel_tol);
+    CHECK(worst_vs_reference <= rel_tol);
+
+    // The test can fail: angles formed in float (float(p) * float(theta)) are off by up to
+    // ulp(10^6)/2 = 0.03 rad, far outside the bound.
+    if (c.layout == RopeLayout::Interleaved) {
+      const std::vector<double> theta = reference::frequencies(c);
+      double worst_naive = 0;
+      for (Index i = 0; i < 65; ++i) {
+        MatrixD naive = x0.row(i).cast<double>();
+        for (Index k = 0; k < 64; ++k) {
+          const float angle = float(first + i) * float(theta[k]);
+          const double a = naive(0, 2 * k), b = naive(0, 2 * k + 1);
+          naive(0, 2 * k) = a * std::cos(angle) - b * std::sin(angle);
+          naive(0, 2 * k + 1) = a * std::sin(angle) + b * std::cos(angle);
+        }
+        worst_naive = std::max(worst_naive, (naive - expected.row(i)).norm() /
+                                                double(x0.row(i).cast<double>().norm()));
+      }
+      CAPTURE(worst_naive);
+      CHECK(worst_naive > 1000 * rel_tol);
+    }
+  });
 }
 
 TEST_CASE("rope_decay_curve") {

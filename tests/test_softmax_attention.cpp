@@ -9,6 +9,7 @@
 #include <limits>
 #include <linrope/attention.hpp>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "reference/softmax_reference.hpp"
@@ -26,11 +27,16 @@ using linrope::RopeConfig;
 using linrope::RopeLayout;
 using linrope::SoftmaxOptions;
 using linrope::testing::default_scale;
+using linrope::testing::describe;
+using linrope::testing::for_each_large_norm_case;
 using linrope::testing::input;
+using linrope::testing::kernel_options;
 using linrope::testing::kNoRope;
 using linrope::testing::kRopeCases;
 using linrope::testing::kSplitThreads;
 using linrope::testing::max_row_norm;
+using linrope::testing::PositionCase;
+using linrope::testing::reference_options;
 using linrope::testing::RopeCase;
 using linrope::testing::Ropes;
 using linrope::testing::score_error;
@@ -127,11 +133,7 @@ TEST_CASE("softmax_attention matches the naive reference: self-attention sweep")
 }
 
 TEST_CASE("softmax_attention matches the reference: cross attention, offsets, key caches") {
-  struct Case {
-    Index n, n_k, q_offset, k_offset;
-    bool causal;
-  };
-  const Case cases[] = {
+  const PositionCase cases[] = {
       {5, 70, 65, 0, true},      // decoding against a cache: the last query sees all 70 keys
       {65, 130, 65, 0, true},    // second half of a sequence; the last block sees the whole cache
       {1, 1000, 999, 0, true},   // one new token against a long cache
@@ -147,29 +149,16 @@ TEST_CASE("softmax_attention matches the reference: cross attention, offsets, ke
   };
   const Index d = 16, d_v = 9;
   std::uint64_t seed = 500;
-  for (const Case& c : cases) {
+  for (const PositionCase& c : cases) {
     const MatrixD q = input(c.n, d, ++seed), k = input(c.n_k, d, ++seed),
                   v = input(c.n_k, d_v, ++seed);
     for (const RopeCase& rope_case : {kNoRope, kRopeCases[0], kRopeCases[1]}) {
       const Ropes ropes(rope_case, d);
-      const MatrixD expected = ref::softmax_attention(q, k, v,
-                                                      {.causal = c.causal,
-                                                       .rope = ropes.reference(),
-                                                       .q_offset = c.q_offset,
-                                                       .k_offset = c.k_offset});
+      const MatrixD expected = ref::softmax_attention(q, k, v, reference_options(c, ropes));
       for (const Index block_size : {0, 7, 64}) {
-        CAPTURE(c.n);
-        CAPTURE(c.n_k);
-        CAPTURE(c.q_offset);
-        CAPTURE(c.k_offset);
-        CAPTURE(c.causal);
-        CAPTURE(rope_case.name);
-        CAPTURE(block_size);
-        const SoftmaxOptions options{.causal = c.causal,
-                                     .rope = ropes.fast(),
-                                     .q_offset = c.q_offset,
-                                     .k_offset = c.k_offset,
-                                     .block_size = block_size};
+        const std::string where = describe(c, rope_case, block_size);
+        CAPTURE(where);
+        const SoftmaxOptions options = kernel_options(c, ropes, block_size);
         check_against_reference(q, k, v, options, ropes.reference(), expected);
         if (c.causal && c.k_offset > c.q_offset) {
           // Queries before the first key have no admissible key: exactly zero, not NaN.
@@ -308,18 +297,11 @@ TEST_CASE("softmax_attention: large-norm queries and keys give finite outputs (o
   // range (float overflows at 88.7), so only the running max keeps the weights finite. Float is
   // ill-conditioned here (a score error of d u |q| |k| scale ~ 1e-2 at norm 100), which the
   // derived tolerance states; the double comparison is tight.
-  const Index n = 150, d = 16, d_v = 6;
-  for (const double norm : {100.0, 1000.0}) {
-    const double sigma = norm / std::sqrt(double(d));
-    const MatrixD q = input(n, d, 31, sigma), k = input(n, d, 32, sigma), v = input(n, d_v, 33);
-    const Ropes ropes(kRopeCases[1], d);
-    for (const bool causal : {false, true})
-      for (const Index block_size : {0, 7}) {
-        CAPTURE(norm);
-        CAPTURE(causal);
-        CAPTURE(block_size);
-        const SoftmaxOptions options{
-            .causal = causal, .rope = ropes.fast(), .block_size = block_size};
+  const Index n = 150, d_v = 6;
+  for_each_large_norm_case(
+      n, d_v,
+      [&](const MatrixD& q, const MatrixD& k, const MatrixD& v, const Ropes& ropes,
+          const SoftmaxOptions& options) {
         const MatrixD got_f = run<float>(q, k, v, options);
         CHECK(got_f.allFinite());
         // Every output is a convex combination of the rows of v.
@@ -328,10 +310,9 @@ TEST_CASE("softmax_attention: large-norm queries and keys give finite outputs (o
           CHECK(got_f.col(c).minCoeff() >= v.col(c).minCoeff() * (1 + 1e-6) - 1e-6);
         }
         const MatrixD expected =
-            ref::softmax_attention(q, k, v, {.causal = causal, .rope = ropes.reference()});
+            ref::softmax_attention(q, k, v, {.causal = options.causal, .rope = ropes.reference()});
         check_against_reference(q, k, v, options, ropes.reference(), expected);
-      }
-  }
+      });
 }
 
 TEST_CASE("softmax_attention leaves its inputs alone and is deterministic") {

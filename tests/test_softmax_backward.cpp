@@ -11,6 +11,7 @@
 #include <limits>
 #include <linrope/attention.hpp>
 #include <linrope/batched.hpp>
+#include <string>
 #include <vector>
 
 #include "reference/finite_difference.hpp"
@@ -161,11 +162,7 @@ TEST_CASE("softmax_attention_backward matches finite differences: self-attention
 }
 
 TEST_CASE("softmax_attention_backward matches finite differences: cross attention and offsets") {
-  struct Case {
-    Index n, n_k, q_offset, k_offset;
-    bool causal;
-  };
-  const Case cases[] = {
+  const PositionCase cases[] = {
       {5, 23, 18, 0, true},   // decoding against a cache: the last query sees all 23 keys
       {5, 23, 10, 0, true},   // keys 15..22 come after every query: zero dk, dv rows
       {12, 8, 0, 6, true},    // queries 0..5 precede every key: zero dq rows
@@ -176,29 +173,16 @@ TEST_CASE("softmax_attention_backward matches finite differences: cross attentio
   };
   const Index d = 8, d_v = 5;
   std::uint64_t seed = 500;
-  for (const Case& c : cases) {
+  for (const PositionCase& c : cases) {
     const MatrixD q = input(c.n, d, ++seed), k = input(c.n_k, d, ++seed),
                   v = input(c.n_k, d_v, ++seed), d_out = input(c.n, d_v, ++seed);
     for (const RopeCase& rope_case : {kNoRope, kRopeCases[0], kRopeCases[1]}) {
       const Ropes ropes(rope_case, d);
-      const Gradients expected = finite_differences(q, k, v, d_out,
-                                                    {.causal = c.causal,
-                                                     .rope = ropes.reference(),
-                                                     .q_offset = c.q_offset,
-                                                     .k_offset = c.k_offset});
+      const Gradients expected = finite_differences(q, k, v, d_out, reference_options(c, ropes));
       for (const Index block_size : {0, 7}) {
-        CAPTURE(c.n);
-        CAPTURE(c.n_k);
-        CAPTURE(c.q_offset);
-        CAPTURE(c.k_offset);
-        CAPTURE(c.causal);
-        CAPTURE(rope_case.name);
-        CAPTURE(block_size);
-        const SoftmaxOptions options{.causal = c.causal,
-                                     .rope = ropes.fast(),
-                                     .q_offset = c.q_offset,
-                                     .k_offset = c.k_offset,
-                                     .block_size = block_size};
+        const std::string where = describe(c, rope_case, block_size);
+        CAPTURE(where);
+        const SoftmaxOptions options = kernel_options(c, ropes, block_size);
         check_gradients(q, k, v, d_out, options, expected);
         if (!c.causal) continue;
         // Exact zeros, not merely small: a query before every key, a key after every query.
@@ -397,30 +381,22 @@ TEST_CASE("softmax_attention_backward: large-norm float inputs give finite gradi
   // (float overflows at 88.7), so only P = exp(s - lse) <= ~1 keeps the gradients finite. Float is
   // ill-conditioned here, which the derived tolerance states (against the double kernel, whose
   // own error is far below float's).
-  const Index n = 150, d = 16, d_v = 6;
-  for (const double norm : {100.0, 1000.0}) {
-    const double sigma = norm / std::sqrt(double(d));
-    const MatrixD q = input(n, d, 31, sigma), k = input(n, d, 32, sigma), v = input(n, d_v, 33),
-                  d_out = input(n, d_v, 34);
-    const Ropes ropes(kRopeCases[1], d);
-    for (const bool causal : {false, true})
-      for (const Index block_size : {0, 7}) {
-        CAPTURE(norm);
-        CAPTURE(causal);
-        CAPTURE(block_size);
-        const SoftmaxOptions options{
-            .causal = causal, .rope = ropes.fast(), .block_size = block_size};
-        const Gradients got_f = backward<float>(q, k, v, d_out, options);
-        const Gradients got_d = backward<double>(q, k, v, d_out, options);
-        CHECK(got_f.dq.allFinite());
-        CHECK(got_f.dk.allFinite());
-        CHECK(got_f.dv.allFinite());
-        const Gradients tol = tolerances<float>(q, k, v, d_out, default_scale(d), n);
-        check_close("dq", got_f.dq, got_d.dq, tol.dq);
-        check_close("dk", got_f.dk, got_d.dk, tol.dk);
-        check_close("dv", got_f.dv, got_d.dv, tol.dv);
-      }
-  }
+  const Index n = 150, d_v = 6;
+  const MatrixD d_out = input(n, d_v, 34);
+  for_each_large_norm_case(n, d_v,
+                           [&](const MatrixD& q, const MatrixD& k, const MatrixD& v, const Ropes&,
+                               const SoftmaxOptions& options) {
+                             const Gradients got_f = backward<float>(q, k, v, d_out, options);
+                             const Gradients got_d = backward<double>(q, k, v, d_out, options);
+                             CHECK(got_f.dq.allFinite());
+                             CHECK(got_f.dk.allFinite());
+                             CHECK(got_f.dv.allFinite());
+                             const Gradients tol =
+                                 tolerances<float>(q, k, v, d_out, default_scale(kLargeNormD), n);
+                             check_close("dq", got_f.dq, got_d.dq, tol.dq);
+                             check_close("dk", got_f.dk, got_d.dk, tol.dk);
+                             check_close("dv", got_f.dv, got_d.dv, tol.dv);
+                           });
 }
 
 TEST_CASE("softmax_attention_backward leaves its inputs alone and is deterministic") {

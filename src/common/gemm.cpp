@@ -35,6 +35,11 @@ void with_eigen_map(ConstView<T> v, F&& use) {
 // differently (causal softmax merges key-slice states kept in a buffer whose alignment depends on
 // the allocator). The blocked kernels load unaligned and sum every element of C in the same
 // order, wherever a, b and c sit.
+// generic_product_impl is an Eigen internal, not a documented API, and every determinism guarantee
+// of the kernels rests on it. tests/test_gemm.cpp, "gemm's Eigen path
+// (Eigen::internal::generic_product_impl, GemmProduct): same bits at every alignment, thread count
+// and call", is the test that catches an Eigen upgrade changing it (the name alone breaks the
+// build if Eigen drops it).
 template <class T>
 void gemm_eigen(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate) {
   Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> out(c.data, c.rows, c.cols,
