@@ -83,7 +83,8 @@ class SingleThreaded {
 void BM_Ours(benchmark::State& state, Shape s) {
   Operands x(s);
   for (auto _ : state) {
-    linrope::detail::gemm(x.a_view(), x.b_view(), linrope::detail::view(x.c), false);
+    linrope::detail::gemm(x.a_view(), x.b_view(), linrope::detail::view(x.c),
+                          linrope::detail::Write::Overwrite);
     benchmark::DoNotOptimize(x.c.data());
     benchmark::ClobberMemory();
   }

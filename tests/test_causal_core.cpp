@@ -205,7 +205,8 @@ TEST_CASE("plan_causal: segments that cover the sequence, aligned, and the keys 
             CAPTURE(align);
             CAPTURE(threads);
             const Index q_offset = 400 + shift, k_offset = 400;
-            const auto plan = linrope::detail::plan_causal(n, nk, q_offset, k_offset, align, threads);
+            const auto plan =
+                linrope::detail::plan_causal(n, nk, q_offset, k_offset, align, threads);
             const auto first_key = [&](Index i) { return std::clamp(i + shift, Index(0), nk); };
             // The rule: one segment per thread, each at least max(4 align, 256) queries long
             // before alignment, so a short head is never cut.

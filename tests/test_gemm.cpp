@@ -24,6 +24,10 @@ using linrope::Matrix;
 using linrope::MatrixD;
 using linrope::detail::ConstView;
 using linrope::detail::View;
+using linrope::detail::Write;
+
+// The sweeps below run over accumulate = false, true.
+Write write_of(bool accumulate) { return accumulate ? Write::Add : Write::Overwrite; }
 
 // One operand stored row-major or column-major (as its transpose, row-major) inside a larger
 // buffer with a padded outer stride, so that neither the order nor the stride is the trivial one.
@@ -64,7 +68,7 @@ void check_product(Index m, Index n, Index k, bool a_columns, bool b_columns, bo
   Matrix<T> buffer = Matrix<T>::Constant(m + 2, n + 5, sentinel);
   buffer.block(1, 2, m, n) = c0.cast<T>();
   const View<T> c{buffer.data() + buffer.cols() + 2, m, n, buffer.cols()};
-  linrope::detail::gemm(a_op.view, b_op.view, c, accumulate);
+  linrope::detail::gemm(a_op.view, b_op.view, c, write_of(accumulate));
 
   MatrixD expected = linrope::reference::matmul(a, b);
   MatrixD scale = linrope::reference::abs_matmul(a, b);
@@ -127,8 +131,8 @@ TEST_CASE("gemm is deterministic: repeated calls give bitwise the same result") 
                 b = linrope::testing::gaussian(300, 45, 2);
   const Operand<float> a_op(a, false), b_op(b, true);
   linrope::MatrixF first(77, 45), second(77, 45);
-  linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(first), false);
-  linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(second), false);
+  linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(first), Write::Overwrite);
+  linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(second), Write::Overwrite);
   CHECK((first.array() == second.array()).all());
 }
 
@@ -157,7 +161,8 @@ TEST_CASE("gemm fetching memory for its caller (Prefetch) gives bitwise what gem
             const linrope::MatrixF c0 = linrope::testing::gaussian(m, n, seed + 2).cast<float>();
             seed += 3;
             linrope::MatrixF plain = c0;
-            linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(plain), accumulate);
+            linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(plain),
+                                  write_of(accumulate));
             const Index a_bytes = Index(sizeof(float)) * a_op.storage.size();
             for (const Prefetch& next :
                  {Prefetch{{Prefetch::Range{elsewhere.data() + 3, 4 * 41}, Prefetch::Range{}}},
@@ -168,7 +173,7 @@ TEST_CASE("gemm fetching memory for its caller (Prefetch) gives bitwise what gem
                             Prefetch::Range{plain.data(), 8}}}}) {
               linrope::MatrixF fetched = c0;
               linrope::detail::gemm(a_op.view, b_op.view, linrope::detail::view(fetched),
-                                    accumulate, next);
+                                    write_of(accumulate), next);
               CHECK((fetched.array() == plain.array()).all());
             }
           }
@@ -245,10 +250,12 @@ void check_packed_right(Index m, Index n, Index k, bool b_columns, bool accumula
       kSamePanels ? b_op.view : ConstView<T>{b_row_major.data(), k, n, n, 1};
   const Matrix<T> c0 = linrope::testing::gaussian(m, n, seed + 2).cast<T>();
   Matrix<T> from_view = c0, from_packed = c0;
-  linrope::detail::gemm(a_op.view, reference_b, linrope::detail::view(from_view), accumulate);
+  linrope::detail::gemm(a_op.view, reference_b, linrope::detail::view(from_view),
+                        write_of(accumulate));
   const linrope::detail::PackedRight<T> packed(b_op.view);
   b_op.storage.setConstant(T(-99));  // the packed copy must not refer to b's memory
-  linrope::detail::gemm(a_op.view, packed, linrope::detail::view(from_packed), accumulate);
+  linrope::detail::gemm(a_op.view, packed, linrope::detail::view(from_packed),
+                        write_of(accumulate));
   CHECK((from_packed.array() == from_view.array()).all());
 }
 
@@ -323,7 +330,8 @@ Matrix<T> placed_product(const Matrix<T>& a, const Matrix<T>& b, const Matrix<T>
   ConstView<T> bv{pb.data, pb.rows, pb.cols, pb.stride, 1};
   if (a_columns) av = av.transposed();
   if (b_columns) bv = bv.transposed();
-  linrope::detail::gemm(av, bv, View<T>{pc.data, pc.rows, pc.cols, pc.stride}, accumulate);
+  linrope::detail::gemm(av, bv, View<T>{pc.data, pc.rows, pc.cols, pc.stride},
+                        write_of(accumulate));
   return pc.value();
 }
 

@@ -239,7 +239,7 @@ TEST_CASE("FeatureMap::apply agrees with the reference feature formulas") {
 }
 
 TEST_CASE("reference self-checks: rotation pairs and FAVOR+ against softmax") {
-  SUBCASE("rotate_rows is the element-wise RoPE of DESIGN.md") {
+  SUBCASE("rotate_rows is the element-wise RoPE of docs/DESIGN.md, section RoPE") {
     // Pair i = (2i, 2i+1) interleaved or (i, i + r/2) half, angle p * base^(-2i/r), dims >= r
     // fixed.
     for (const auto layout : {RopeLayout::Interleaved, RopeLayout::Half}) {

@@ -635,7 +635,7 @@ TEST_CASE_TEMPLATE("apply_inverse undoes apply", T, float, double) {
   });
 }
 
-// R^T, the gradient of apply (DESIGN.md, "Gradients"): a rotation by -p theta_i times the
+// R^T, the gradient of apply (docs/DESIGN.md, "Gradients"): a rotation by -p theta_i times the
 // magnitude g. Checked three ways: against the transpose of the explicit reference matrix, through
 // the adjoint identity <R x, y> == <x, R^T y> with the library's own apply, and against
 // apply_inverse (bitwise the same when g == 1, g^2 times it under Yarn with s > 1).

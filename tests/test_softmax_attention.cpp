@@ -335,7 +335,8 @@ TEST_CASE("softmax_attention leaves its inputs alone and is deterministic") {
     // one) gives the same bits.
     MatrixF serial(n, d_v);
     linrope::detail::softmax_head<float>(
-        {q.data(), k.data(), v.data(), serial.data(), n, n, d, d_v}, options, linrope::detail::Threads::Serial);
+        {q.data(), k.data(), v.data(), serial.data(), n, n, d, d_v}, options,
+        linrope::detail::Threads::Serial);
     CHECK((serial == first));
     // And so does a single-thread run: the blocking depends on n, never on the thread count.
     const ThreadCount one(1);

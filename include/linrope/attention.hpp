@@ -116,18 +116,18 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                          const FeatureMap& map, const LinearOptions& options = {},
                          DenominatorStats* stats = nullptr);
 
-// Gradients (docs/DESIGN.md, "Gradients"): for L = sum(d_out * out), the exact dL/dq, dL/dk, dL/dv of
-// the function the forward computes, with the rope, the map's W and every option held fixed
-// (o = num / (den + eps) on the unstabilised scale; the stabilisers' shifts are constants). A
-// causal gradient never depends on a later key. Memory O(n): nothing n x n is stored (softmax
-// keeps two numbers per query row, the linear forms O(n m) features and O(m d_v) states).
-// Rows of the forward's zero outputs (a query with no admissible key; den + eps == 0) get zero
-// gradients. The causal linear backward has one form whatever the forward's method (the chunked
-// form and the scan compute one function): the scan's, a forward sweep for dq and a reverse sweep
-// for dk and dv (Katharopoulos et al. 2020, sec. 3.3, with the denominator and the stabilisers in
-// the gradient), each a recurrence whose state is streamed from L1 in strips, no masked products.
-// Throws std::invalid_argument as the forward does, and when d_out is not [n x d_v] or holds a
-// non-finite value.
+// Gradients (docs/DESIGN.md, "Gradients"): for L = sum(d_out * out), the exact dL/dq, dL/dk, dL/dv
+// of the function the forward computes, with the rope, the map's W and every option held fixed (o =
+// num / (den + eps) on the unstabilised scale; the stabilisers' shifts are constants). A causal
+// gradient never depends on a later key. Memory O(n): nothing n x n is stored (softmax keeps two
+// numbers per query row, the linear forms O(n m) features and O(m d_v) states). Rows of the
+// forward's zero outputs (a query with no admissible key; den + eps == 0) get zero gradients. The
+// causal linear backward has one form whatever the forward's method (the chunked form and the scan
+// compute one function): the scan's, a forward sweep for dq and a reverse sweep for dk and dv
+// (Katharopoulos et al. 2020, sec. 3.3, with the denominator and the stabilisers in the gradient),
+// each a recurrence whose state is streamed from L1 in strips, no masked products. Throws
+// std::invalid_argument as the forward does, and when d_out is not [n x d_v] or holds a non-finite
+// value.
 template <class T>
 struct AttentionGradients {
   Matrix<T> dq, dk, dv;  // the shapes of q, k and v

@@ -1,6 +1,6 @@
-// linrope._core: the C++ API on NumPy arrays (docs/DESIGN.md, "Python"). A thin layer: it checks dtype
-// and rank, views C-contiguous arrays without a copy, releases the GIL around every kernel and
-// calls the C++ API, whose std::invalid_argument pybind11 turns into ValueError with the same
+// linrope._core: the C++ API on NumPy arrays (docs/DESIGN.md, "Python"). A thin layer: it checks
+// dtype and rank, views C-contiguous arrays without a copy, releases the GIL around every kernel
+// and calls the C++ API, whose std::invalid_argument pybind11 turns into ValueError with the same
 // message. No mathematics here.
 //
 // Arrays are float32 or float64, shaped (n, d) or (B, H, n, d). The attention calls go through the

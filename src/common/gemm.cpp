@@ -337,9 +337,9 @@ void product(ConstView<T> a, const Right& b, View<T> c, bool accumulate,
 }  // namespace
 
 template <class T>
-void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate, Prefetch next) {
+void gemm(ConstView<T> a, ConstView<T> b, View<T> c, Write write, Prefetch next) {
   assert(a.cols == b.rows && c.rows == a.rows && c.cols == b.cols);
-  product(a, b, c, accumulate, next);
+  product(a, b, c, write == Write::Add, next);
 }
 
 template <class T>
@@ -358,16 +358,16 @@ PackedRight<T>::PackedRight(ConstView<T> b) : rows_(b.rows), cols_(b.cols) {
 }
 
 template <class T>
-void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, bool accumulate) {
+void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, Write write) {
   assert(a.cols == b.rows() && c.rows == a.rows && c.cols == b.cols());
-  product(a, b, c, accumulate, Prefetch{});
+  product(a, b, c, write == Write::Add, Prefetch{});
 }
 
-template void gemm<float>(ConstView<float>, ConstView<float>, View<float>, bool, Prefetch);
-template void gemm<double>(ConstView<double>, ConstView<double>, View<double>, bool, Prefetch);
+template void gemm<float>(ConstView<float>, ConstView<float>, View<float>, Write, Prefetch);
+template void gemm<double>(ConstView<double>, ConstView<double>, View<double>, Write, Prefetch);
 template class PackedRight<float>;
 template class PackedRight<double>;
-template void gemm<float>(ConstView<float>, const PackedRight<float>&, View<float>, bool);
-template void gemm<double>(ConstView<double>, const PackedRight<double>&, View<double>, bool);
+template void gemm<float>(ConstView<float>, const PackedRight<float>&, View<float>, Write);
+template void gemm<double>(ConstView<double>, const PackedRight<double>&, View<double>, Write);
 
 }  // namespace linrope::detail

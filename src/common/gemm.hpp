@@ -99,10 +99,13 @@ class LineFeed {
   int count_ = 0, current_ = 0;
 };
 
-// c = a b (accumulate: c += a b). Shapes must agree: a [m x k], b [k x n], c [m x n]; c must not
+// What a product does to c: c = a b (Overwrite) or c += a b (Add).
+enum class Write { Overwrite, Add };
+
+// c = a b, or c += a b (`write`). Shapes must agree: a [m x k], b [k x n], c [m x n]; c must not
 // overlap a or b. Never throws but std::bad_alloc (packing buffers, grown once per thread).
 template <class T>
-void gemm(ConstView<T> a, ConstView<T> b, View<T> c, bool accumulate, Prefetch next = {});
+void gemm(ConstView<T> a, ConstView<T> b, View<T> c, Write write, Prefetch next = {});
 
 // A right-hand factor laid out once in the form gemm would otherwise rebuild on every call: for a
 // fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-128
@@ -122,12 +125,12 @@ class PackedRight {
   std::vector<T, Eigen::aligned_allocator<T>> data_;
 };
 
-// c = a b (accumulate: c += a b) with b packed beforehand. Float with AVX-512: bitwise the same c
+// c = a b, or c += a b (`write`), with b packed beforehand. Float with AVX-512: bitwise the same c
 // as gemm on b's view (the same panels through the same micro-kernel calls). Elsewhere (double, or
 // no AVX-512) Eigen multiplies a contiguous row-major copy of b: bitwise gemm's c when b's view is
 // itself contiguous and row-major (FAVOR+'s projection), otherwise equal up to rounding (Eigen
 // may pick another product kernel for another layout, e.g. for m = 1).
 template <class T>
-void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, bool accumulate);
+void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, Write write);
 
 }  // namespace linrope::detail

@@ -106,7 +106,7 @@ class FavorMap final : public FeatureMap {
     for_each_index(blocks, parallel ? Threads::Parallel : Threads::Serial, [&](Index b) {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       gemm(const_view(x.middleRows(first, rows)), wt, view(out.middleRows(first, rows).leftCols(f)),
-           false);
+           Write::Overwrite);
       for (Index i = first; i < first + rows; ++i) {
         const double squared = sum_of_squares(x.data() + i * x.outerStride(), d);
         const double h = squared * inv_two_sqrt_d;
@@ -162,7 +162,7 @@ class FavorMap final : public FeatureMap {
         }
       }
       gemm(const_view(products), const_view(scaled_transpose_matrix<T>()).transposed(),
-           view(dx.middleRows(first, rows)), false);
+           view(dx.middleRows(first, rows)), Write::Overwrite);
       for (Index i = first; i < first + rows; ++i) {
         const double along_x = h_sign * inv_sqrt_d *
                                dot_of(g.data() + i * g.outerStride(),

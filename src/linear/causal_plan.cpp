@@ -5,7 +5,8 @@
 
 namespace linrope::detail {
 
-CausalPlan plan_causal(Index n, Index n_k, Index q_offset, Index k_offset, Index align, int threads) {
+CausalPlan plan_causal(Index n, Index n_k, Index q_offset, Index k_offset, Index align,
+                       int threads) {
   CausalPlan plan;
   plan.segments = std::clamp<Index>(n / std::max<Index>(4 * align, 256), 1, std::max(threads, 1));
   const auto first_key = [&](Index query) {
@@ -32,8 +33,8 @@ std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearSt
     const Index begin = key_start[t], end = key_start[t + 1];
     if (t + 1 < segments) {
       prefix[t + 1].reset(setup.m, d_v);
-      absorb_keys(prefix[t + 1], k + begin * d, v + begin * d_v, end - begin, k_offset + begin, setup,
-                  keep, begin);
+      absorb_keys(prefix[t + 1], k + begin * d, v + begin * d_v, end - begin, k_offset + begin,
+                  setup, keep, begin);
     } else if (keep) {
       keep_features(*keep, k, begin, end, k_offset, setup);
     }

@@ -19,9 +19,10 @@ struct CausalPlan {
 };
 
 // Queries [0, n) at q_offset, keys [0, n_k) at k_offset (query i sees key j iff k_offset + j <=
-// q_offset + i). Segments start at multiples of `align` (the form's block or chunk) and are at least
-// max(4 align, 256) queries long, at most `threads` of them: a short head is one segment.
-CausalPlan plan_causal(Index n, Index n_k, Index q_offset, Index k_offset, Index align, int threads);
+// q_offset + i). Segments start at multiples of `align` (the form's block or chunk) and are at
+// least max(4 align, 256) queries long, at most `threads` of them: a short head is one segment.
+CausalPlan plan_causal(Index n, Index n_k, Index q_offset, Index k_offset, Index align,
+                       int threads);
 
 // The key state at each segment's start: [0] = state, [t] = state and keys [0, key_start[t]). The
 // key ranges are absorbed in parallel, one per thread, then summed in order (m x d_v each). With

@@ -122,7 +122,7 @@ void absorb_queries(QueryState<T>& state, const FeatureRows<T>& queries, const Q
     w[r] = terms.scale[r] == kEmpty ? T(0) : T(std::exp(state.K - terms.scale[r]));
   RowMap<T> g(weighted, rows, d_v);
   g = w.asDiagonal() * ConstRowMap<T>(terms.g, rows, d_v);
-  gemm(const_view(queries.num()).transposed(), const_view(g), view(state.U), true);
+  gemm(const_view(queries.num()).transposed(), const_view(g), view(state.U), Write::Add);
   for (Index r = 0; r < rows; ++r) w[r] *= T(terms.delta[r]);
   state.y.noalias() += queries.den().transpose() * w;
 }
@@ -139,8 +139,8 @@ void key_terms_from_state(const QueryState<T>& state, const FeatureRows<T>& keys
   const Index rows = keys.rows(), m = setup.m, d_v = setup.d_v;
   RowMap<T> from_u(scratch_m, rows, m), from_ut(scratch_d_v, rows, d_v);
   gemm(const_view(ConstRowMap<T>(v, rows, d_v)), const_view(state.U).transposed(), view(from_u),
-       false);
-  gemm(const_view(keys.num()), const_view(state.U), view(from_ut), false);
+       Write::Overwrite);
+  gemm(const_view(keys.num()), const_view(state.U), view(from_ut), Write::Overwrite);
   RowMap<T> c(gc, rows, m), e(setup.plan.separate_denominator ? ge : gc, rows, m),
       value(dv, rows, d_v);
   for (Index j = 0; j < rows; ++j) {

@@ -231,7 +231,7 @@ void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weig
     weighted_v.noalias() = weights.asDiagonal() * values;
   }
   gemm(const_view(keys.num()).transposed(), unit ? const_view(values) : const_view(weighted_v),
-       view(state.S), true, next);
+       view(state.S), Write::Add, next);
   if (unit)
     state.z.noalias() += keys.den().colwise().sum().transpose();
   else
@@ -242,7 +242,8 @@ void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weig
 // the keys that no query reads between (the causal forms' keys before a block of queries).
 template <class T>
 void absorb_through(LinearState<T>& state, FeatureBlock<T>& keys, const T* k, const T* v,
-                    Index k_offset, Index& next, Index end, Matrix<T>& weighted, Vector<T>& weights) {
+                    Index k_offset, Index& next, Index end, Matrix<T>& weighted,
+                    Vector<T>& weights) {
   const Index d = keys.setup().d, d_v = keys.setup().d_v;
   while (next < end) {
     const Index rows = std::min(keys.capacity(), end - next);

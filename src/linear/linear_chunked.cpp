@@ -62,7 +62,7 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
     // Numerators: the state's part, then the chunk's own keys.
     numerator.resize(rows, d_v);
     if (state.M != kEmpty) {
-      gemm(const_view(queries.num()), const_view(state.S), view(numerator), false,
+      gemm(const_view(queries.num()), const_view(state.S), view(numerator), Write::Overwrite,
            Prefetch{{rows_of(q, d, qs + rows, next_rows), rows_of(k, d, je, next_je - je)}});
       for (Index r = 0; r < rows; ++r)
         if (query_max[r] > state.M) numerator.row(r) *= T(std::exp(state.M - query_max[r]));
@@ -88,7 +88,7 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
       for_each_key_block([&](Index c0, Index r0, Index width) {
         gemm(const_view(queries.num().bottomRows(rows - r0)),
              const_view(keys.num().middleRows(c0, width)).transposed(),
-             View<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb}, false);
+             View<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb}, Write::Overwrite);
       });
       double weight_max = kEmpty;
       Index weight_count = 0;
@@ -104,15 +104,16 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
       for_each_key_block([&](Index c0, Index r0, Index width) {
         gemm(ConstView<T>{scores.data() + r0 * kb + c0, rows - r0, width, kb, 1},
              const_view(ConstRowMap<T>(v + (js + c0) * d_v, width, d_v)),
-             view(numerator.bottomRows(rows - r0)), true);
+             view(numerator.bottomRows(rows - r0)), Write::Add);
       });
     }
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * d_v, numerator.data() + r * d_v, d_v, den[r],
                    queries.log_scale(r) + query_max[r], setup.options.eps, tally);
     if (kb > 0 && (final_state == FinalState::EveryKey || next_rows > 0)) {
-      absorb(state, keys, v + js * d_v, weighted, weights,
-             Prefetch{{rows_of(v, d_v, je, next_je - je), rows_of(out, d_v, qs + rows, next_rows)}});
+      absorb(
+          state, keys, v + js * d_v, weighted, weights,
+          Prefetch{{rows_of(v, d_v, je, next_je - je), rows_of(out, d_v, qs + rows, next_rows)}});
       absorbed = je;
     } else if (kb > 0) {
       // The last chunk's keys would only serve a later call, which has none: leave them out of

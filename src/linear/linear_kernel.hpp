@@ -98,8 +98,8 @@ struct LinearSetup {
   NonFiniteFlag* nonfinite = nullptr;
 };
 
-// One head's rows: q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v], row-major and contiguous;
-// row i of q at position q_offset + i, row j of k and v at k_offset + j.
+// One head's rows: q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v], row-major and
+// contiguous; row i of q at position q_offset + i, row j of k and v at k_offset + j.
 template <class T>
 struct LinearHead {
   const T* q;

@@ -20,7 +20,7 @@ void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_
     const Index rows = std::min(block, n - qs), next_rows = std::min(block, n - qs - rows);
     queries.compute(q + qs * setup.d, rows, q_offset + qs);
     numerator.resize(rows, setup.d_v);
-    gemm(const_view(queries.num()), const_view(state.S), view(numerator), false,
+    gemm(const_view(queries.num()), const_view(state.S), view(numerator), Write::Overwrite,
          Prefetch{{rows_of(out, setup.d_v, qs, rows), rows_of(q, setup.d, qs + rows, next_rows)}});
     den.noalias() = queries.den() * state.z;
     for (Index r = 0; r < rows; ++r)
@@ -46,8 +46,8 @@ void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, 
   parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
     const Index begin = split_point(n_k, key_parts, t, kPartRows);
     const Index end = split_point(n_k, key_parts, t + 1, kPartRows);
-    absorb_keys(parts[t], k + begin * d, v + begin * d_v, end - begin, k_offset + begin, setup, keep,
-                begin);
+    absorb_keys(parts[t], k + begin * d, v + begin * d_v, end - begin, k_offset + begin, setup,
+                keep, begin);
   });
   for (const auto& part : parts) merge(state, part);
 }

@@ -36,7 +36,7 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
       scale[r] = divisor[r] == 0 ? kEmpty : keys_state.M;
       scaled_gradient(d_out + (qs + r) * d_v, g.data() + r * d_v, d_v, divisor[r]);
     }
-    gemm(const_view(g), const_view(keys_state.S).transposed(), view(ga), false);
+    gemm(const_view(g), const_view(keys_state.S).transposed(), view(ga), Write::Overwrite);
     RowMap<T>& den_side = separate ? gb : ga;
     if (separate) gb.setZero();
     for (Index r = 0; r < rows; ++r) {

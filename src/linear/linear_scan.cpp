@@ -13,8 +13,8 @@ namespace linrope::detail {
 // works out each query's scale and denominator (scalars and the m-vector z), then scan_steps runs
 // the block's rank-one updates and read-outs through strips of S. Keys that no query reads between
 // enter a block at a time, as in the chunked form (absorb): those before a block's first query
-// (n_k ahead of n), and those after the last query for FinalState::EveryKey (which no caller has yet: the
-// stream's queries and keys are the same tokens).
+// (n_k ahead of n), and those after the last query for FinalState::EveryKey (which no caller has
+// yet: the stream's queries and keys are the same tokens).
 template <class T>
 void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
                  FinalState final_state, DenominatorTally* tally) {

@@ -99,9 +99,10 @@ void query_block(const Operands<T>& a, Index i0, Index rows, const SoftmaxOption
     const Index j0 = b * bk, cols = std::min(bk, key_end - j0);
     auto s = strip(ws.p.get(), j0, cols);
     auto dp = strip(ws.ds.get(), j0, cols);
-    gemm(rows_of(a.qs, i0, rows, d), rows_of(a.kr, j0, cols, d).transposed(), view(s), false);
+    gemm(rows_of(a.qs, i0, rows, d), rows_of(a.kr, j0, cols, d).transposed(), view(s),
+         Write::Overwrite);
     gemm(rows_of(a.d_out, i0, rows, d_v), rows_of(a.v, j0, cols, d_v).transposed(), view(dp),
-         false);
+         Write::Overwrite);
     for (Index i = 0; i < rows; ++i) {
       const Index len = keys_admitted(options, first_pos + i, j0, cols);
       T& max = ws.row_max[i];
@@ -150,11 +151,11 @@ void query_block(const Operands<T>& a, Index i0, Index rows, const SoftmaxOption
   const auto ds = strip(ws.ds.get(), 0, key_end);
   RowMap<T> grad(ws.grad.get(), rows, d);
   gemm(const_view(p).transposed(), rows_of(a.d_out, i0, rows, d_v),
-       View<T>{part.dv, key_end, d_v, d_v}, true);
+       View<T>{part.dv, key_end, d_v, d_v}, Write::Add);
   if (d > 0) {
     gemm(const_view(ds).transposed(), rows_of(a.qs, i0, rows, d), View<T>{part.dk, key_end, d, d},
-         true);
-    gemm(const_view(ds), rows_of(a.kr, 0, key_end, d), view(grad), false);
+         Write::Add);
+    gemm(const_view(ds), rows_of(a.kr, 0, key_end, d), view(grad), Write::Overwrite);
   }
   // d s / d(R q) = scale kr: the scale that qs carries, then R^T at the queries' positions.
   grad *= scale;

@@ -81,7 +81,7 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
     const Index cols = std::min(bk, j_end - j0);
     StridedRowMap<T> s(ws.s.get(), rows, cols, Eigen::OuterStride<>(ws.s_stride));
     gemm(const_view(qb), const_view(ConstRowMap<T>(k + j0 * d, cols, d)).transposed(), view(s),
-         false);
+         Write::Overwrite);
     for (Index i = 0; i < rows; ++i) {
       T* srow = ws.s.get() + i * ws.s_stride;
       const Index len = keys_admitted(options, first_pos + i, j0, cols);
@@ -102,7 +102,7 @@ void stream_keys(const T* q, const T* k, const T* v, Index i0, Index rows, Index
       row_max[i] = new_max;
       if (alpha != T(1)) acc.row(i) *= alpha;
     }
-    gemm(const_view(s), const_view(ConstRowMap<T>(v + j0 * d_v, cols, d_v)), view(acc), true);
+    gemm(const_view(s), const_view(ConstRowMap<T>(v + j0 * d_v, cols, d_v)), view(acc), Write::Add);
   }
 }
 

@@ -50,6 +50,7 @@ template <class T>
 void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, Threads threading);
 
 extern template void softmax_head<float>(const SoftmaxHead<float>&, const SoftmaxOptions&, Threads);
-extern template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&, Threads);
+extern template void softmax_head<double>(const SoftmaxHead<double>&, const SoftmaxOptions&,
+                                          Threads);
 
 }  // namespace linrope::detail
