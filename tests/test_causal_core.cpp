@@ -195,19 +195,19 @@ TEST_CASE("admit_key: the running maximum and the rescaled sum of the keys admit
 
 TEST_CASE("plan_causal: segments that cover the sequence, aligned, and the keys each sees first") {
   for (Index n : {0, 1, 255, 256, 1000, 1100, 4096})
-    for (Index nk : {Index(0), n / 2, n, n + 37})
+    for (Index n_k : {Index(0), n / 2, n, n + 37})
       for (Index shift : {-300, -1, 0, 5, 64})
         for (Index align : {16, 64})
           for (int threads : {1, 2, 3, 8}) {
             CAPTURE(n);
-            CAPTURE(nk);
+            CAPTURE(n_k);
             CAPTURE(shift);
             CAPTURE(align);
             CAPTURE(threads);
             const Index q_offset = 400 + shift, k_offset = 400;
             const auto plan =
-                linrope::detail::plan_causal(n, nk, q_offset, k_offset, align, threads);
-            const auto first_key = [&](Index i) { return std::clamp(i + shift, Index(0), nk); };
+                linrope::detail::plan_causal(n, n_k, q_offset, k_offset, align, threads);
+            const auto first_key = [&](Index i) { return std::clamp(i + shift, Index(0), n_k); };
             // The rule: one segment per thread, each at least max(4 align, 256) queries long
             // before alignment, so a short head is never cut.
             const Index unit = std::max<Index>(4 * align, 256);

@@ -1087,7 +1087,7 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
   // must still name the first bad value of q, k, then v. The thread count is set here, so that
   // n = 700 (causal) is split into two segments whatever the machine gives.
   const ThreadCount threads(kSplitThreads);
-  const Index d = 6, dv = 3;
+  const Index d = 6, d_v = 3;
   const auto elu = small_map(FeatureMapKind::EluPlusOne, d);
   const auto favor = small_map(FeatureMapKind::FavorPositive, d);
   const Rope feature_rope(RopeConfig{.dim = favor->output_dim()});
@@ -1101,9 +1101,9 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
        {Method{"noncausal", false, CausalMethod::Chunked},
         Method{"chunked", true, CausalMethod::Chunked}, Method{"scan", true, CausalMethod::Scan}})
     for (const Index n : {Index(0), Index(7), Index(700)}) {  // 700: split across threads
-      const Index nk = n + 40;  // causal: keys from n (n - 4 for FAVOR+) on lie past every query
-      const MatrixF q = gaussian(n, d, 11).cast<float>(), k = gaussian(nk, d, 12).cast<float>(),
-                    v = gaussian(nk, dv, 13).cast<float>();
+      const Index n_k = n + 40;  // causal: keys from n (n - 4 for FAVOR+) on lie past every query
+      const MatrixF q = gaussian(n, d, 11).cast<float>(), k = gaussian(n_k, d, 12).cast<float>(),
+                    v = gaussian(n_k, d_v, 13).cast<float>();
       for (const bool use_favor : {false, true}) {
         LinearOptions options;
         options.q_offset = use_favor ? 3 : 0;  // FAVOR+: queries 4 positions behind the keys
@@ -1117,8 +1117,8 @@ TEST_CASE("a non-finite value is found wherever it is: every method, parallel sp
           char tensor;
           Index row, col;
         };
-        std::vector<Bad> cases = {{'k', 0, 1}, {'k', nk - 1, 4}, {'k', nk / 2, 0},
-                                  {'v', 0, 2}, {'v', nk - 1, 0}, {'v', nk / 2 + 3, 1}};
+        std::vector<Bad> cases = {{'k', 0, 1}, {'k', n_k - 1, 4}, {'k', n_k / 2, 0},
+                                  {'v', 0, 2}, {'v', n_k - 1, 0}, {'v', n_k / 2 + 3, 1}};
         // v's row n - 1 (causal, elu+1): the last chunk's keys, which are never absorbed.
         if (n > 0)
           cases.insert(cases.end(),

@@ -290,7 +290,7 @@ struct Bounds {
 
 Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want) {
   const Problem& p = s.p;
-  const Index n = s.q.rows(), nk = s.k.rows(), d = s.q.cols();
+  const Index n = s.q.rows(), n_k = s.k.rows(), d = s.q.cols();
   const MatrixD w = s.map->projection();
   const bool before = p.placement == RopePlacement::BeforeMap;
   const bool rotated =
@@ -327,12 +327,12 @@ Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want) {
     a_weight(i) = d_sum * amp(i);
     b_weight(i) = d_sum * (want.num_magnitude(i) / den + (2 + 2 * cond) * o) / den;
   }
-  MatrixD mask = MatrixD::Zero(n, nk);
+  MatrixD mask = MatrixD::Zero(n, n_k);
   for (Index i = 0; i < n; ++i)
-    for (Index j = 0; j < nk; ++j)
+    for (Index j = 0; j < n_k; ++j)
       mask(i, j) = (!p.causal || p.k_offset + j <= p.q_offset + i) ? 1.0 : 0.0;
-  VectorD vmax = VectorD::Zero(nk);
-  for (Index j = 0; j < nk; ++j) vmax(j) = s.v.cols() > 0 ? s.v.row(j).cwiseAbs().maxCoeff() : 0.0;
+  VectorD vmax = VectorD::Zero(n_k);
+  for (Index j = 0; j < n_k; ++j) vmax(j) = s.v.cols() > 0 ? s.v.row(j).cwiseAbs().maxCoeff() : 0.0;
 
   // dq: row i = (a_i sum_j mask_ij vmax_j fa_j + b_i sum_j mask_ij fb_j) |J_i|.
   const MatrixD sa = mask * vmax.asDiagonal() * fa, sb = mask * fb;
@@ -340,13 +340,13 @@ Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want) {
   const MatrixD ta = mask.transpose() * a_weight.asDiagonal() * ga;
   const MatrixD tb = mask.transpose() * b_weight.asDiagonal() * gb;
   b.dq = MatrixD::Zero(n, d);
-  b.dk = MatrixD::Zero(nk, d);
+  b.dk = MatrixD::Zero(n_k, d);
   for (Index i = 0; i < n; ++i) {
     MatrixD jac = jacobian_magnitude(p.kind, w, qf.row(i));
     if (before) jac = jac * ref::rotation_matrix(*s.spec, p.q_offset + i).cwiseAbs();
     b.dq.row(i) = (a_weight(i) * sa.row(i) + b_weight(i) * sb.row(i)) * jac;
   }
-  for (Index j = 0; j < nk; ++j) {
+  for (Index j = 0; j < n_k; ++j) {
     MatrixD jac = jacobian_magnitude(p.kind, w, kf.row(j));
     if (before) jac = jac * ref::rotation_matrix(*s.spec, p.k_offset + j).cwiseAbs();
     b.dk.row(j) = (vmax(j) * ta.row(j) + tb.row(j)) * jac;

@@ -9,12 +9,13 @@
 #include "arrays.hpp"
 #include "bindings.hpp"
 #include "options.hpp"
+#include "rope/rope_access.hpp"
 #include "threads.hpp"
 
 namespace linrope::python {
 namespace {
 
-enum class Turn { Apply, Inverse, Transpose };
+using detail::Turn;  // the kernels' own name for which of R, R^-1, R^T a call applies
 
 // rope.apply, apply_inverse or apply_transpose on rows, at `where`: a first position or a list.
 template <class T, class Where>

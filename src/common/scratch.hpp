@@ -8,10 +8,10 @@
 // of buffers that grow as needed and are kept between calls, up to kKeptBytes each: after a
 // thread's first call, nothing is allocated. A larger buffer (a caller's huge chunk_size, say) is
 // released when the thread's outermost Scratch ends, so that one odd call does not pin its memory
-// to the thread for the rest of the program, unless it was asked for as `lasting`: the backward
-// passes keep a whole sequence's features (O(n m), tens of MB) and are called once per training
-// step with the same shapes, and allocating those afresh cost ~10% of a causal FAVOR+ backward in
-// page faults and zeroing. A lasting buffer stays with the thread, at its largest size, until the
+// to the thread for the rest of the program, unless it was asked for with Lifetime::Thread: the
+// backward passes keep a whole sequence's features (O(n m), tens of MB) and are called once per
+// training step with the same shapes, and allocating those afresh cost ~10% of a causal FAVOR+
+// backward in page faults and zeroing. Such a buffer stays with the thread, at its largest size, until the
 // thread ends (what PyTorch's caching allocator does with its tensors).
 #pragma once
 
@@ -25,10 +25,14 @@ namespace linrope::detail {
 // `count` T's (64-byte aligned, contents unspecified) from this thread's scratch stack, valid until
 // the Scratch is destroyed. A thread's Scratch objects must die in reverse order of creation, which
 // scopes guarantee. Throws std::bad_alloc only when the stack has to grow.
+// How long a Scratch's memory stays with its thread once the outermost Scratch is gone: released
+// if large (Call), or kept at its largest size (Thread, `lasting` below).
+enum class Lifetime { Call, Thread };
+
 template <class T>
 class Scratch {
  public:
-  explicit Scratch(Index count, bool lasting = false) {
+  explicit Scratch(Index count, Lifetime lifetime = Lifetime::Call) {
     Stack& s = stack();
     if (s.buffers.size() <= s.depth) {
       s.buffers.emplace_back();
@@ -37,7 +41,7 @@ class Scratch {
     auto& buffer = s.buffers[s.depth];
     if (Index(buffer.size()) < count) buffer.resize(std::size_t(count));
     data_ = buffer.data();
-    if (lasting) s.lasting[s.depth] = 1;
+    if (lifetime == Lifetime::Thread) s.lasting[s.depth] = 1;
     ++s.depth;  // only once nothing can throw any more
   }
   ~Scratch() {

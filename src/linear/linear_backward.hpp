@@ -157,7 +157,7 @@ void key_terms_from_state(const QueryState<T>& state, const FeatureRows<T>& keys
 // whose two sides are the same rows), both on the features' reciprocal scale: through R^T where
 // the placement rotates, then the map.
 template <class T>
-void input_gradient(const FeatureRows<T>& block, const T* x, Index first_position, T* g_num,
+void input_gradient(const FeatureRows<T>& block, const T* x, Index offset, T* g_num,
                     const T* g_den, T* dx) {
   const LinearSetup& setup = block.setup();
   const Index rows = block.rows(), m = setup.m, d = setup.d;
@@ -169,17 +169,17 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index first_positio
   };
   const PlacementPlan& plan = setup.plan;
   if (plan.rotate_features && plan.separate_denominator) {  // den: the unrotated features
-    RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
+    RopeAccess::rotate_rows(*rope, g_num, rows, m, offset, Turn::Transpose);
     add_den();
   } else {
     add_den();
     if (plan.rotate_features)
-      RopeAccess::rotate_rows(*rope, g_num, rows, m, first_position, Turn::Transpose);
+      RopeAccess::rotate_rows(*rope, g_num, rows, m, offset, Turn::Transpose);
   }
   if (plan.rotate_input) {
     FeatureMapAccess::backward<T>(*setup.map, block.rotated_input(), block.plain(), g,
                                   RowMap<T>(dx, rows, d));
-    RopeAccess::rotate_rows(*rope, dx, rows, d, first_position, Turn::Transpose);
+    RopeAccess::rotate_rows(*rope, dx, rows, d, offset, Turn::Transpose);
   } else {
     FeatureMapAccess::backward<T>(*setup.map, ConstRowMap<T>(x, rows, d), block.plain(), g,
                                   RowMap<T>(dx, rows, d));
@@ -199,9 +199,9 @@ struct CausalGradients {
         separate(s.plan.separate_denominator),
         queries(s, h.n, Plain::Kept),
         keys(s, h.n_k, Plain::Kept),
-        g_(h.n * s.d_v, /*lasting=*/true),
-        delta_(h.n, /*lasting=*/true),
-        scale_(h.n, /*lasting=*/true),
+        g_(h.n * s.d_v, Lifetime::Thread),
+        delta_(h.n, Lifetime::Thread),
+        scale_(h.n, Lifetime::Thread),
         g(g_.data()),
         delta(delta_.data()),
         scale(scale_.data()) {}

@@ -71,7 +71,7 @@ class FeatureRows {
 template <class T>
 class LastingScratch : public Scratch<T> {
  public:
-  explicit LastingScratch(Index count) : Scratch<T>(count, /*lasting=*/true) {}
+  explicit LastingScratch(Index count) : Scratch<T>(count, Lifetime::Thread) {}
 };
 
 // Whether a FeatureBlock keeps the map's own output beside its rotation where the forward would not
@@ -92,14 +92,14 @@ class FeatureBlock {
                               (setup.plan.rotate_input ? setup.d : 0))),
         log_scale_(capacity) {}
 
-  // Features of rows x [rows x d] at positions first_position, first_position + 1, ...; they
+  // Features of rows x [rows x d] at positions offset, offset + 1, ...; they
   // become rows [0, rows).
-  void compute(const T* x, Index rows, Index first_position) {
-    compute_at(0, x, rows, first_position);
+  void compute(const T* x, Index rows, Index offset) {
+    compute_at(0, x, rows, offset);
     rows_ = rows;
   }
   // The same into rows [at, at + rows), leaving rows() as it is (see fill()).
-  void compute_at(Index at, const T* x, Index rows, Index first_position) {
+  void compute_at(Index at, const T* x, Index rows, Index offset) {
     check_input(setup_, x, rows, setup_.d);
     const FeatureMap& map = *setup_.map;
     const Rope* rope = setup_.options.rope;
@@ -115,16 +115,16 @@ class FeatureBlock {
     if (plan.rotate_input) {
       RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
       rotated = input;
-      RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, first_position, Turn::Apply);
+      RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, offset, Turn::Apply);
       map_rows(rotated, num);
     } else if (!plan.rotate_features) {
       map_rows(input, num);
     } else if (separate_plain_) {  // den (or the backward): the features; num: their rotation
       map_rows(input, plain);
-      RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, first_position, Turn::Apply);
+      RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, offset, Turn::Apply);
     } else {
       map_rows(input, num);
-      RopeAccess::rotate_rows(*rope, num, rows, m, first_position, Turn::Apply);
+      RopeAccess::rotate_rows(*rope, num, rows, m, offset, Turn::Apply);
     }
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
@@ -329,13 +329,13 @@ void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index n_k, Index
   }
 }
 
-// Features of rows [begin, end) of x (positions pos0 + row) into `kept`, a block at a time.
+// Features of rows [begin, end) of x (positions offset + row) into `kept`, a block at a time.
 template <class T>
-void keep_features(KeptFeatures<T>& kept, const T* x, Index begin, Index end, Index pos0,
+void keep_features(KeptFeatures<T>& kept, const T* x, Index begin, Index end, Index offset,
                    const LinearSetup& setup) {
   const Index block = block_rows(setup.m);
   for (Index at = begin; at < end; at += block)
-    kept.compute_at(at, x + at * setup.d, std::min(block, end - at), pos0 + at);
+    kept.compute_at(at, x + at * setup.d, std::min(block, end - at), offset + at);
 }
 
 // The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at

@@ -111,12 +111,12 @@ struct LinearHead {
 };
 
 // Non-causal: every query sees every key.
-// `threads`: Threads::Parallel spreads the work over the OpenMP threads (Serial when already inside
+// `threading`: Threads::Parallel spreads the work over the OpenMP threads (Serial when already inside
 // a parallel region, e.g. one head per thread); the result is the same bits either way. Never
 // throws but std::bad_alloc.
 template <class T>
 void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, DenominatorTally* tally,
-                      Threads threads);
+                      Threads threading);
 
 // What a causal call leaves in its `state`: every key (the stream, which goes on from it), or only
 // some of them, for the caller to discard.
@@ -128,7 +128,7 @@ enum class FinalState { Discarded, EveryKey };
 // method (its last bits then depend on the thread count; see attention.hpp, "Reproducibility").
 template <class T>
 void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearState<T>& state,
-                   FinalState final_state, DenominatorTally* tally, Threads threads);
+                   FinalState final_state, DenominatorTally* tally, Threads threading);
 
 // Argument checks shared by every linear entry point (throws std::invalid_argument).
 void check_linear_setup(std::string_view fn, const FeatureMap& map, const LinearOptions& options,

@@ -195,7 +195,7 @@ inline LinearResult linear_attention(const MatrixD& q, const MatrixD& k, const M
     throw std::logic_error("reference::linear_attention: shapes");
   if (spec.placement != RopePlacement::None && !spec.rope)
     throw std::logic_error("reference::linear_attention: placement needs a rope");
-  const Index n = q.rows(), nk = k.rows();
+  const Index n = q.rows(), n_k = k.rows();
 
   MatrixD a, b, mag, mag_den;
   switch (spec.placement) {
@@ -242,7 +242,7 @@ inline LinearResult linear_attention(const MatrixD& q, const MatrixD& k, const M
   LinearResult r;
   r.admissible.assign(std::size_t(n), 0);
   for (Index i = 0; i < n; ++i)
-    for (Index j = 0; j < nk; ++j) {
+    for (Index j = 0; j < n_k; ++j) {
       const bool keep = !spec.causal || spec.k_offset + j <= spec.q_offset + i;
       if (keep) {
         ++r.admissible[std::size_t(i)];
@@ -254,8 +254,8 @@ inline LinearResult linear_attention(const MatrixD& q, const MatrixD& k, const M
       }
     }
 
-  VectorD vmax(nk);
-  for (Index j = 0; j < nk; ++j) vmax(j) = v.cols() > 0 ? v.row(j).cwiseAbs().maxCoeff() : 0.0;
+  VectorD vmax(n_k);
+  for (Index j = 0; j < n_k; ++j) vmax(j) = v.cols() > 0 ? v.row(j).cwiseAbs().maxCoeff() : 0.0;
 
   r.num = a * v;
   r.den = b.rowwise().sum();
