@@ -111,8 +111,12 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         require_tools()
         build_dir = self.cmake_build_dir()
-        if not (build_dir / "CMakeCache.txt").exists() or "LINROPE_BUILD_DIR" not in os.environ:
+        cache = build_dir / "CMakeCache.txt"
+        if not cache.exists() or "LINROPE_BUILD_DIR" not in os.environ:
             self.configure(build_dir)
+        elif "LINROPE_BUILD_PYTHON:BOOL=ON" not in cache.read_text():
+            raise SetupError("linrope: LINROPE_BUILD_DIR=%s is configured without the Python "
+                             "module; reconfigure it with -DLINROPE_BUILD_PYTHON=ON" % build_dir)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
         run(["cmake", "--build", build_dir, "--target", "linrope_python", "-j", jobs], "build")
         package = build_dir / "python" / "linrope"
