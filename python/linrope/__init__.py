@@ -40,11 +40,13 @@ from linrope._core import (  # noqa: E402,F401
 
 def build_info():
     """How this linrope was built and runs: a dict of the version, the commit (``git_dirty``: the
-    tracked files differed from it), build type, compiler, whether -march=native, the instruction
-    sets the build uses (/proc/cpuinfo names), OpenMP and the kernels' thread count now."""
+    tracked files differed from it), build type, compiler, the CMake build directory, whether
+    -march=native, the instruction sets the build uses (/proc/cpuinfo names), OpenMP and the
+    kernels' thread count now."""
     return dict(version=__version__, git_commit=_build_info.git_commit,
                 git_dirty=_build_info.git_dirty, build_type=_build_info.build_type,
-                compiler=_build_info.compiler, native=_build_info.native,
+                compiler=_build_info.compiler, build_dir=_build_info.build_dir,
+                native=_build_info.native,
                 isa=list(_build_info.isa), openmp=openmp, threads=get_num_threads())
 
 

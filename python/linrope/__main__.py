@@ -49,6 +49,7 @@ def main(argv=None):
     print("commit    %s%s" % (info["git_commit"], dirty))
     print("build     %s, %s, %s" % (info["build_type"], info["compiler"],
                                     "-march=native" if info["native"] else "portable"))
+    print("built in  %s" % info["build_dir"])
     print("isa       %s" % (" ".join(info["isa"]) or "(none recorded)"))
     print("cpu       %s: %s" % (info["cpu"], lacks))
     print("openmp    %s" % ("on, %d threads" % info["threads"] if info["openmp"]

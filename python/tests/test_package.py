@@ -45,7 +45,7 @@ def test_main_prints_the_report():
     lines = result.stdout.splitlines()
     assert lines[0] == "linrope " + linrope.__version__
     keys = [line.split()[0] for line in lines[1:]]
-    assert keys == ["commit", "build", "isa", "cpu", "openmp", "python", "location"]
+    assert keys == ["commit", "build", "built", "isa", "cpu", "openmp", "python", "location"]
     assert linrope.build_info()["git_commit"] in lines[1]
     as_json = json.loads(run_python("-m", "linrope", "--json").stdout)
     assert as_json["version"] == linrope.__version__ and as_json["cpu_lacks"] in ([], None)
