@@ -41,32 +41,33 @@ build_tree() {
 
 # VENV: where both scripts install the Python package, the way a user does (README, "Python"): a
 # venv of Debian's python3 with --system-site-packages (so numpy, torch and pytest are Debian's),
-# and `pip install .` into it, offline. pip runs setup.py, whose CMake build directory
-# (build/python-<interpreter>-native-openmp) persists: a second install recompiles only what
-# changed. Undo: rm -r build/venv.
+# and `pip install .` into it, offline. Undo: rm -r build/venv.
 VENV="$ROOT/build/venv"
 
+# install_python_package BUILD_DIR: pip install . into VENV, its module taken from BUILD_DIR, a
+# build tree configured with LINROPE_BUILD_PYTHON=ON that build_tree just built (setup.py's
+# LINROPE_BUILD_DIR: built as it is configured, so the install compiles nothing more). Without it
+# setup.py would configure and compile a build of its own, build/python-<interpreter>-native-openmp.
 install_python_package() {
   [ -x "$VENV/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$VENV"
-  "$VENV/bin/pip" install --quiet --no-build-isolation --no-index --no-deps "$ROOT"
-  echo "linrope: Python package installed into $VENV (pip); $VENV/bin/python -m linrope says" \
-       "which build" >&2
-  link_python_package
+  LINROPE_BUILD_DIR="$1" \
+    "$VENV/bin/pip" install --quiet --no-build-isolation --no-index --no-deps "$ROOT"
+  echo "linrope: Python package installed into $VENV (pip, from $1); $VENV/bin/python -m" \
+       "linrope says which build" >&2
+  link_python_package "$1/python"
 }
 
-# link_python_package: the one exception to the install above, a convenience kept from before it:
-# makes `/usr/bin/python3 -c "import linrope"` work from any directory (and in any venv made with
-# --system-site-packages) by writing linrope.pth, one line naming the package pip just built
-# (<pip's CMake build directory>/python), into a site-packages directory: as root,
-# /usr/local/lib/python3.X/dist-packages (the place Debian leaves to packages it did not install;
-# pip's refusal, PEP 668, is about Debian's own), otherwise the user's own site-packages, so that
-# no user's build tree lands on root's path. A venv's own install comes first on its sys.path. Set
-# LINROPE_NO_LINK=1 to leave it out; undo: delete the file.
+# link_python_package DIR: the one exception to the install above, a convenience kept from before
+# it: makes `/usr/bin/python3 -c "import linrope"` work from any directory (and in any venv made
+# with --system-site-packages) by writing linrope.pth, one line naming DIR, the package in the
+# build tree pip installed from (a rebuild there is seen at once), into a site-packages directory:
+# as root, /usr/local/lib/python3.X/dist-packages (the place Debian leaves to packages it did not
+# install; pip's refusal, PEP 668, is about Debian's own), otherwise the user's own site-packages,
+# so that no user's build tree lands on root's path. A venv's own install comes first on its
+# sys.path. Set LINROPE_NO_LINK=1 to leave it out; undo: delete the file.
 link_python_package() {
   [ "${LINROPE_NO_LINK:-0}" = 1 ] && return 0
-  local package site
-  package="$("$VENV/bin/python" -c 'from linrope import _build_info
-print(_build_info.build_dir)')/python"
+  local package="$1" site
   [ -f "$package/linrope/__init__.py" ] || return 0
   if [ "$(id -u)" -eq 0 ]; then
     site="$(/usr/bin/python3 -c 'import site

@@ -10,11 +10,10 @@
 # and results/REPORT.md. --no-plots, wherever it is given, is the analysis's.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_dependencies
-# The same configuration as scripts/test.sh's Release pass, so that the two share build/release.
 build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
-  -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=OFF
-# The Python package, pip-installed into build/venv (common.sh), for the training.
-install_python_package
+  -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=ON
+# The Python package, pip-installed from that build into build/venv (common.sh), for the training.
+install_python_package "$ROOT/build/release"
 cd "$ROOT"
 # The training (the installed linrope) and the analysis of its output import from experiments/.
 export PYTHONPATH="$ROOT/experiments${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: install dependencies, then build and test three times —
 #   Release with warnings as errors (benchmarks built too, so they keep compiling); then the Python
-#     package installed with pip into a fresh venv, build/venv, and its pytest suites (python/tests,
-#     experiments/training/tests) and the README's example run from outside the source tree
-#     against that install,
+#     package installed with pip (from that build) into a fresh venv, build/venv, and its pytest
+#     suites (python/tests, experiments/training/tests) and the README's example run from outside
+#     the source tree against that install,
 #   portable and serial: no -march=native and no OpenMP (LINROPE_NATIVE=OFF, LINROPE_OPENMP=OFF).
 #     On an AVX-512 machine the native passes take only the AVX-512 float kernels (gemm's
 #     micro-kernel, RoPE's rotate_block_avx512); this pass runs the float fallbacks (Eigen's
@@ -24,10 +24,10 @@ pass() {
 }
 
 release() {
-  # The Python package is built by pip (python_package below), not in this tree.
   build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
-    -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=OFF
-  ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure
+    -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=ON
+  # -LE python: the Python package's tests run in the next pass, against the pip install.
+  ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure -LE python
 }
 
 # pytest_suite DIR: one pytest run; exit 5 (no test collected: a renamed function, an import turned
@@ -44,7 +44,7 @@ pytest_suite() {
 python_package() {
   # A fresh venv each run: the test is of `pip install .` into an environment that had no linrope.
   rm -rf "$VENV"
-  install_python_package
+  install_python_package "$ROOT/build/release"
   # From a directory outside the source tree, so that only the installed package can be imported;
   # python/tests/conftest.py stops at once if the linrope found is not the venv's. Passive OpenMP
   # waiting: gradcheck makes thousands of small calls, each of which would otherwise spin a
