@@ -11,6 +11,8 @@
 #include <sstream>
 #include <thread>
 
+#include <linrope/version.hpp>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -185,7 +187,8 @@ nlohmann::json run_metadata() {
 #else
   const nlohmann::json openmp = {{"enabled", false}, {"version", nullptr}, {"threads", 1}};
 #endif
-  return {{"git_commit", git_commit()},
+  return {{"linrope_version", linrope::version},
+          {"git_commit", git_commit()},
           {"git_dirty", dirty ? nlohmann::json(*dirty) : nlohmann::json(nullptr)},
           {"machine",
            {{"cpu", cpu_model()},

@@ -42,7 +42,7 @@ class ScopedThreads {
   int previous_;
 };
 
-// {"git_commit", "git_dirty", "machine": {"cpu", "cores", "isa", "threads"}, "compiler",
+// {"linrope_version", "git_commit", "git_dirty", "machine": {"cpu", "cores", "isa", "threads"}, "compiler",
 // "build_type",
 //  "isa", "openmp": {"enabled", "version", "threads"}, "date", "load_average"}
 nlohmann::json run_metadata();

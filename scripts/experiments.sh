@@ -12,13 +12,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_dependencies
 build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
   -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=ON
-link_python_package "$ROOT/build/release"
+# The Python package, pip-installed from that build into build/venv (common.sh), for the training.
+install_python_package "$ROOT/build/release"
 cd "$ROOT"
-# The training imports linrope (this build) and, like the analysis of its output, experiments/.
-export PYTHONPATH="$ROOT/build/release/python:$ROOT/experiments${PYTHONPATH:+:$PYTHONPATH}"
+# The training (the installed linrope) and the analysis of its output import from experiments/.
+export PYTHONPATH="$ROOT/experiments${PYTHONPATH:+:$PYTHONPATH}"
 
 training() {
-  (cd "$ROOT/experiments" && /usr/bin/python3 -m training --out "$ROOT/results/training" "$@")
+  (cd "$ROOT/experiments" && "$VENV/bin/python" -m training --out "$ROOT/results/training" "$@")
 }
 analysis() {
   /usr/bin/python3 -B "$ROOT/experiments/analysis/report.py" "$@" "${plots[@]}"

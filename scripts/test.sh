@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: install dependencies, then build and test three times —
-#   Release with warnings as errors (benchmarks built too, so they keep compiling), and the Python
-#     package's pytest suite,
+#   Release with warnings as errors (benchmarks built too, so they keep compiling); then the Python
+#     package installed with pip (from that build) into a fresh venv, build/venv, and its pytest
+#     suites (python/tests, experiments/training/tests) and the README's example run from outside
+#     the source tree against that install,
 #   portable and serial: no -march=native and no OpenMP (LINROPE_NATIVE=OFF, LINROPE_OPENMP=OFF).
 #     On an AVX-512 machine the native passes take only the AVX-512 float kernels (gemm's
 #     micro-kernel, RoPE's rotate_block_avx512); this pass runs the float fallbacks (Eigen's
@@ -24,8 +26,40 @@ pass() {
 release() {
   build_tree "$ROOT/build/release" -DCMAKE_BUILD_TYPE=Release -DLINROPE_WERROR=ON \
     -DLINROPE_BUILD_BENCHMARKS=ON -DLINROPE_BUILD_PYTHON=ON
-  link_python_package "$ROOT/build/release"
-  ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure
+  # -LE python: the Python package's tests run in the next pass, against the pip install.
+  ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure -LE python
+}
+
+# pytest_suite DIR: one pytest run; exit 5 (no test collected: a renamed function, an import turned
+# into a skip) fails, saying why, as it would otherwise pass unseen.
+pytest_suite() {
+  local status=0
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$1" || status=$?
+  if [ "$status" -eq 5 ]; then
+    echo "linrope: pytest collected no tests from $1" >&2
+  fi
+  return "$status"
+}
+
+python_package() {
+  # A fresh venv each run: the test is of `pip install .` into an environment that had no linrope.
+  rm -rf "$VENV"
+  install_python_package "$ROOT/build/release"
+  # From a directory outside the source tree, so that only the installed package can be imported;
+  # python/tests/conftest.py stops at once if the linrope found is not the venv's. Passive OpenMP
+  # waiting: gradcheck makes thousands of small calls, each of which would otherwise spin a
+  # timeslice for a descheduled thread on a loaded machine (16 ms instead of 0.03 ms per call).
+  local work="$ROOT/build/python-tests"
+  rm -rf "$work" && mkdir -p "$work"
+  (
+    cd "$work"
+    export LINROPE_EXPECT_PREFIX="$VENV" OMP_WAIT_POLICY=PASSIVE
+    "$VENV/bin/python" -m linrope
+    pytest_suite "$ROOT/python/tests"
+    pytest_suite "$ROOT/experiments/training/tests"
+    # The README's example (it fails if eq. 19's denominators were not all positive).
+    "$VENV/bin/python" "$ROOT/examples/torch_layer.py" > /dev/null
+  )
 }
 
 portable_serial() {
@@ -50,5 +84,6 @@ sanitizers() {
 
 install_dependencies
 pass Release release
+pass "Python package" python_package
 [ "${LINROPE_SKIP_PORTABLE:-0}" = 1 ] || pass "portable serial" portable_serial
 [ "${LINROPE_SKIP_SANITIZERS:-0}" = 1 ] || pass sanitizer sanitizers

@@ -114,7 +114,9 @@ def metadata(args, argv, started, source, corpus_info):
         **source,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         duration_s=time.time() - started, machine=dict(cpu=_cpu(), cores=os.cpu_count()),
-        torch=torch.__version__, linrope=getattr(linrope, "__version__", None),
+        torch=torch.__version__, linrope=linrope.__version__,
+        # The installed linrope's commit, -march=native or not, instruction sets, OpenMP, threads.
+        linrope_build=linrope.build_info(),
         jobs=args.jobs, threads=args.threads, redraw_interval=args.redraw_interval,
         corpus=corpus_info, model=plans.MODEL,
         plan={k: v for k, v in plans.MODES[args.mode].items() if k != "variants"},

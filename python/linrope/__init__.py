@@ -8,8 +8,18 @@ ValueError with the C++ library's message. The differentiable PyTorch layer is `
 Threads: linrope runs its kernels on ``get_num_threads()`` threads, the machine's cores (or
 OMP_NUM_THREADS) by default, whatever ``torch.set_num_threads`` says; ``import torch`` lowers the
 OpenMP thread count the two libraries share, which is why the count is linrope's own.
+
+What was built: ``__version__``, ``build_info()`` (the commit, the options, the instruction sets),
+and ``python3 -m linrope``, which prints them for a bug report.
 """
-from linrope._core import (  # noqa: F401
+from linrope import _build_info, _isa
+
+__version__ = _build_info.version
+# Before the module is loaded: a build for instruction sets this CPU lacks stops here with one line
+# instead of an illegal instruction.
+_isa.check(_build_info.isa, _build_info.native)
+
+from linrope._core import (  # noqa: E402,F401
     DenominatorStats,
     FeatureMap,
     FeatureMapConfig,
@@ -27,9 +37,23 @@ from linrope._core import (  # noqa: F401
     softmax_attention_backward,
 )
 
+
+def build_info():
+    """How this linrope was built and runs: a dict of the version, the commit (``git_dirty``: the
+    tracked files differed from it), build type, compiler, the CMake build directory, whether
+    -march=native, the instruction sets the build uses (/proc/cpuinfo names), OpenMP and the
+    kernels' thread count now."""
+    return dict(version=__version__, git_commit=_build_info.git_commit,
+                git_dirty=_build_info.git_dirty, build_type=_build_info.build_type,
+                compiler=_build_info.compiler, build_dir=_build_info.build_dir,
+                native=_build_info.native,
+                isa=list(_build_info.isa), openmp=openmp, threads=get_num_threads())
+
+
 __all__ = [
     "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention", "linear_attention_backward",
     "openmp", "set_num_threads", "softmax_attention", "softmax_attention_backward",
     # The C++ options structs; default-constructed, they hold every function's defaults.
     "DenominatorStats", "FeatureMapConfig", "LinearOptions", "RopeConfig", "SoftmaxOptions",
+    "build_info",
 ]
