@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <linrope/version.hpp>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -97,6 +98,7 @@ TEST_CASE("every experiment writes its CSV schema and JSON metadata, and nothing
     CHECK(meta["experiment"] == schema.experiment);
     CHECK(meta["status"] == "complete");
     CHECK(meta["git_commit"].is_string());
+    CHECK(meta["linrope_version"] == linrope::version);  // project(VERSION), written once
     CHECK(!meta["machine"]["cpu"].get<std::string>().empty());
     CHECK(meta["machine"]["cores"].get<unsigned>() >= 1);
     CHECK(meta["compiler"].get<std::string>().find(__VERSION__) != std::string::npos);

@@ -7,3 +7,4 @@
 #include <linrope/random.hpp>
 #include <linrope/rope.hpp>
 #include <linrope/types.hpp>
+#include <linrope/version.hpp>

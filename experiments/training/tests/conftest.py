@@ -1,7 +1,8 @@
 """Shared pieces of the training package's tests: small synthetic texts and tiny configurations.
 
-Runs from any directory, `/usr/bin/python3 -m pytest experiments/training/tests`, once either
-README command has linked the built linrope package (or with PYTHONPATH naming it): this file
+Runs from any directory with an interpreter that imports linrope (`build/venv/bin/python -m
+pytest experiments/training/tests` after either README command, or PYTHONPATH naming a build's
+python/ directory): this file
 puts experiments/ (the home of `training` and `analysis`) on sys.path itself.
 
 Every model here is tiny (d_model 16, one layer, one head) so the whole suite takes seconds."""
