@@ -22,7 +22,7 @@ def _cpu_model():
     return platform.processor() or "unknown"
 
 
-def main(argv=None):
+def _report(argv=None):
     parser = argparse.ArgumentParser(
         prog="linrope", description="Print how this linrope was built (for a bug report).")
     parser.add_argument("--version", action="store_true",
@@ -57,6 +57,16 @@ def main(argv=None):
     print("python    %s" % info["python"])
     print("location  %s" % info["location"])
     return 0
+
+
+def main(argv=None):
+    try:
+        return _report(argv)
+    except BrokenPipeError:
+        # `python3 -m linrope | head`: the reader has gone, which is not an error of ours. Point
+        # stdout at /dev/null so that the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

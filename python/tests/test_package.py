@@ -51,6 +51,18 @@ def test_main_prints_the_report():
     assert as_json["version"] == linrope.__version__ and as_json["cpu_lacks"] in ([], None)
 
 
+def test_main_into_a_reader_that_has_left_is_not_an_error():
+    # `python3 -m linrope | head -1`, at its worst: the reader has gone before the first write.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run([sys.executable, "-m", "linrope"], stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert result.returncode == 0 and result.stderr == ""
+
+
 def fake_cpuinfo(tmp_path, flags):
     path = tmp_path / "cpuinfo"
     path.write_text("processor\t: 0\nmodel name\t: Fake CPU\nflags\t\t: %s\n" % " ".join(flags))
