@@ -157,8 +157,8 @@ void key_terms_from_state(const QueryState<T>& state, const FeatureRows<T>& keys
 // whose two sides are the same rows), both on the features' reciprocal scale: through R^T where
 // the placement rotates, then the map.
 template <class T>
-void input_gradient(const FeatureRows<T>& block, const T* x, Index offset, T* g_num,
-                    const T* g_den, T* dx) {
+void input_gradient(const FeatureRows<T>& block, const T* x, Index offset, T* g_num, const T* g_den,
+                    T* dx) {
   const LinearSetup& setup = block.setup();
   const Index rows = block.rows(), m = setup.m, d = setup.d;
   if (rows == 0) return;
@@ -196,7 +196,6 @@ struct CausalGradients {
       : head(h),
         setup(s),
         shift(h.q_offset - h.k_offset),
-        separate(s.plan.separate_denominator),
         queries(s, h.n, Plain::Kept),
         keys(s, h.n_k, Plain::Kept),
         g_(h.n * s.d_v, Lifetime::Thread),
@@ -213,7 +212,6 @@ struct CausalGradients {
   const LinearGradientHead<T>& head;
   const LinearSetup& setup;
   const Index shift;
-  const bool separate;  // the denominator-side features are other rows (setup.plan)
   KeptFeatures<T> queries, keys;
 
  private:

@@ -27,6 +27,7 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
   const LinearGradientHead<T>& h = c.head;
   const LinearSetup& s = c.setup;
   const Index m = s.m, d = s.d, d_v = s.d_v;
+  const bool separate = s.plan.separate_denominator;  // den-side features are other rows
   Matrix<T> weighted;
   Vector<T> weights;
   if (q_begin == 0) {  // the keys every query sees
@@ -73,8 +74,8 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
     }
     scan_steps(st.data(), d_v, m, steps);  // Ga = S~_i g~_i, at each row's own scale M_i
     // delta and Gb = delta z~, then dq.
-    RowMap<T>& den_side = c.separate ? gb : ga;
-    if (c.separate) gb.setZero();
+    RowMap<T>& den_side = separate ? gb : ga;
+    if (separate) gb.setZero();
     for (Index r = 0; r < rows; ++r) {
       const double D = divisor[r];
       const double delta = D == 0 ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / D;
@@ -82,7 +83,7 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       den_side.row(r) += T(delta) * z.row(r);
     }
     input_gradient(queries, h.q + qs * d, h.q_offset + qs, ga.data(),
-                   c.separate ? gb.data() : nullptr, h.dq + qs * d);
+                   separate ? gb.data() : nullptr, h.dq + qs * d);
   }
 }
 
@@ -92,6 +93,7 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
   const LinearGradientHead<T>& h = c.head;
   const LinearSetup& s = c.setup;
   const Index m = s.m, d = s.d, d_v = s.d_v;
+  const bool separate = s.plan.separate_denominator;  // den-side features are other rows
   if (k_begin == k_end) return;  // a segment past the horizon, or whose queries see no key
   // The segment's queries whose own key lies at or past k_end see every key of it: in first.
   absorb_query_range(state, c, std::clamp(k_end - c.shift, Index(0), q_end), q_end);
@@ -145,10 +147,10 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
       RowMap<T>(h.dv + j * d_v, 1, d_v) *= f;
       gc.row(j - js) *= f;
       ge.row(j - js) *= f;
-      if (!c.separate) gc.row(j - js) += ge.row(j - js);
+      if (!separate) gc.row(j - js) += ge.row(j - js);
     }
     input_gradient(c.keys.range(js, rows), h.k + js * d, h.k_offset + js, gc.data(),
-                   c.separate ? ge.data() : nullptr, h.dk + js * d);
+                   separate ? ge.data() : nullptr, h.dk + js * d);
   }
 }
 
