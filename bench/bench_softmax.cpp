@@ -39,8 +39,8 @@ void BM_Naive(benchmark::State& state) {
   for (auto _ : state) {
     // The reference's textbook form: S = Q K^T [n x n], mask, row-wise softmax, S V; O(n^2)
     // memory. Eigen threads the products, the rows run in parallel.
-    linrope::reference::textbook_softmax_attention<float>(q, k, v, 1 / std::sqrt(double(d)),
-                                                          causal, 0, 0, s, out);
+    linrope::reference::textbook_softmax_attention<float>(q, k, v, 1 / std::sqrt(double(d)), causal,
+                                                          0, 0, s, out);
     benchmark::DoNotOptimize(out.data());
   }
   state.SetItemsProcessed(state.iterations() * n);

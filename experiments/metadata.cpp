@@ -7,11 +7,10 @@
 #include <ctime>
 #include <fstream>
 #include <iterator>
+#include <linrope/version.hpp>
 #include <set>
 #include <sstream>
 #include <thread>
-
-#include <linrope/version.hpp>
 
 #ifdef _OPENMP
 #include <omp.h>

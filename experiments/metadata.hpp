@@ -42,9 +42,9 @@ class ScopedThreads {
   int previous_;
 };
 
-// {"linrope_version", "git_commit", "git_dirty", "machine": {"cpu", "cores", "isa", "threads"}, "compiler",
-// "build_type",
-//  "isa", "openmp": {"enabled", "version", "threads"}, "date", "load_average"}
+// {"linrope_version", "git_commit", "git_dirty", "machine": {"cpu", "cores", "isa", "threads"},
+//  "compiler", "build_type", "isa", "openmp": {"enabled", "version", "threads"}, "date",
+//  "load_average"}
 nlohmann::json run_metadata();
 
 // Runs a shell command and returns its standard output (and, when merge_stderr, its standard

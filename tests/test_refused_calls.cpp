@@ -86,8 +86,11 @@ TEST_CASE("batched attention refuses a view whose batch * heads * n * d overflow
   std::vector<float> out(64);
   check_refused([&] { softmax_attention(q, q, q, {out.data(), 1, 1, 1, 64}); }, "overflows");
   const auto map = make_feature_map({.kind = FeatureMapKind::Relu, .input_dim = 64});
-  check_refused([&] { linear_attention(q, small, small, {out.data(), 1, 1, 1, 64}, *map); },
-                "overflows");
+  check_refused(
+      [&] {
+        linear_attention(q, small, small, {out.data(), 1, 1, 1, 64}, *map);
+      },
+      "overflows");
 }
 
 TEST_CASE("a moved-from LinearAttentionStream refuses every call instead of crashing") {

@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <map>
 #include <linrope/version.hpp>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 

@@ -11,8 +11,8 @@
 // to the thread for the rest of the program, unless it was asked for with Lifetime::Thread: the
 // backward passes keep a whole sequence's features (O(n m), tens of MB) and are called once per
 // training step with the same shapes, and allocating those afresh cost ~10% of a causal FAVOR+
-// backward in page faults and zeroing. Such a buffer stays with the thread, at its largest size, until the
-// thread ends (what PyTorch's caching allocator does with its tensors).
+// backward in page faults and zeroing. Such a buffer stays with the thread, at its largest size,
+// until the thread ends (what PyTorch's caching allocator does with its tensors).
 #pragma once
 
 #include <Eigen/Core>

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "common/check.hpp"
-#include "common/nonfinite.hpp"
 #include "common/enum_names.hpp"
+#include "common/nonfinite.hpp"
 #include "common/parallel.hpp"
 #include "common/scratch.hpp"
 #include "feature_maps/maps.hpp"

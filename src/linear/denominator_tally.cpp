@@ -22,8 +22,7 @@ void DenominatorTally::add(double den, double log_scale, bool zero_divisor) {
 
 void DenominatorTally::merge_into(DenominatorStats& stats) const {
   const Index attended = count_ - no_keys_;
-  if (attended > 0)
-    stats.min = stats.count == stats.no_keys ? min_ : std::min(stats.min, min_);
+  if (attended > 0) stats.min = stats.count == stats.no_keys ? min_ : std::min(stats.min, min_);
   stats.nonpositive += nonpositive_;
   stats.below_threshold += below_;
   stats.count += count_;

@@ -88,8 +88,8 @@ class FeatureBlock {
         capacity_(capacity),
         separate_plain_(setup.plan.rotate_features &&
                         (setup.plan.separate_denominator || plain == Plain::Kept)),
-        features_(capacity * ((separate_plain_ ? 2 : 1) * setup.m +
-                              (setup.plan.rotate_input ? setup.d : 0))),
+        features_(capacity *
+                  ((separate_plain_ ? 2 : 1) * setup.m + (setup.plan.rotate_input ? setup.d : 0))),
         log_scale_(capacity) {}
 
   // Features of rows x [rows x d] at positions offset, offset + 1, ...; they
@@ -153,9 +153,7 @@ class FeatureBlock {
   T* plain_data() const {
     return separate_plain_ ? features_.data() + capacity_ * setup_.m : features_.data();
   }
-  T* den_data() const {
-    return setup_.plan.separate_denominator ? plain_data() : num_data();
-  }
+  T* den_data() const { return setup_.plan.separate_denominator ? plain_data() : num_data(); }
   T* rotated_input_data() const {
     return features_.data() + capacity_ * setup_.m * (separate_plain_ ? 2 : 1);
   }

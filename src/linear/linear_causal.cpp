@@ -35,8 +35,8 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
   // Queries [q0, q0 + rows) against the keys from k0 on, from the state `from`.
   const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, FinalState rest,
                        DenominatorTally* part) {
-    const LinearHead<T> segment{q + q0 * d, k + k0 * d, v + k0 * d_v, out + q0 * d_v,
-                                rows,       n_k - k0,    q_offset + q0, k_offset + k0};
+    const LinearHead<T> segment{q + q0 * d, k + k0 * d, v + k0 * d_v,  out + q0 * d_v,
+                                rows,       n_k - k0,   q_offset + q0, k_offset + k0};
     if (scan)
       causal_scan(segment, setup, from, rest, part);
     else
@@ -56,8 +56,7 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     const Index q0 = plan.query_start[t], k0 = plan.key_start[t];
     run(q0, k0, plan.query_start[t + 1] - q0, prefix[t],
-        t + 1 == segments ? final_state : FinalState::Discarded,
-        tally ? &tallies[t] : nullptr);
+        t + 1 == segments ? final_state : FinalState::Discarded, tally ? &tallies[t] : nullptr);
   });
   if (final_state == FinalState::EveryKey) state = std::move(prefix[segments - 1]);
   if (tally)
@@ -65,10 +64,8 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
 }
 
 template void linear_causal<float>(const LinearHead<float>&, const LinearSetup&,
-                                   LinearState<float>&, FinalState, DenominatorTally*,
-                                   Threads);
+                                   LinearState<float>&, FinalState, DenominatorTally*, Threads);
 template void linear_causal<double>(const LinearHead<double>&, const LinearSetup&,
-                                    LinearState<double>&, FinalState, DenominatorTally*,
-                                    Threads);
+                                    LinearState<double>&, FinalState, DenominatorTally*, Threads);
 
 }  // namespace linrope::detail

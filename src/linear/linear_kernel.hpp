@@ -111,9 +111,9 @@ struct LinearHead {
 };
 
 // Non-causal: every query sees every key.
-// `threading`: Threads::Parallel spreads the work over the OpenMP threads (Serial when already inside
-// a parallel region, e.g. one head per thread); the result is the same bits either way. Never
-// throws but std::bad_alloc.
+// `threading`: Threads::Parallel spreads the work over the OpenMP threads (Serial when already
+// inside a parallel region, e.g. one head per thread); the result is the same bits either way.
+// Never throws but std::bad_alloc.
 template <class T>
 void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, DenominatorTally* tally,
                       Threads threading);

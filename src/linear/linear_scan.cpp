@@ -26,7 +26,7 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
   FeatureBlock<T> queries(setup, kScanBlock), keys(setup, kScanBlock);
   ScanSteps<T> steps;
   double scale[kScanBlock], den[kScanBlock];  // the state's log scale M and den~ at each read
-  Scratch<T> numerator(kScanBlock * d_v);      // the block's numerators, row-major
+  Scratch<T> numerator(kScanBlock * d_v);     // the block's numerators, row-major
   Matrix<T> weighted;
   Vector<T> weights;
   Index next = 0;  // keys [0, next) are in the state

@@ -45,8 +45,9 @@ namespace {
 template <class State>
 void require_state(const std::unique_ptr<State>& state, std::string_view fn) {
   if (!state)
-    detail::throw_invalid(fn, "this stream was moved from and has no state; assign a "
-                              "LinearAttentionStream to it before using it again");
+    detail::throw_invalid(fn,
+                          "this stream was moved from and has no state; assign a "
+                          "LinearAttentionStream to it before using it again");
 }
 
 }  // namespace

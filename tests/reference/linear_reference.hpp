@@ -75,8 +75,7 @@ inline std::vector<std::pair<Index, Index>> rotary_pairs(const RopeSpec& spec) {
     throw std::logic_error("reference::rotary_pairs: bad rotary_dim");
   const Index half = spec.rotary_dim / 2;
   std::vector<std::pair<Index, Index>> pairs;
-  for (Index i = 0; i < half; ++i)
-    pairs.push_back(pair_of(spec.layout, spec.rotary_dim, i));
+  for (Index i = 0; i < half; ++i) pairs.push_back(pair_of(spec.layout, spec.rotary_dim, i));
   return pairs;
 }
 

@@ -35,8 +35,8 @@ struct PlainRope {
 // rope_reference.hpp, the one place the reference writes a rotation matrix from a configuration.
 inline MatrixD plain_rope_matrix(const PlainRope& rope, Index position) {
   return rotation_matrix(
-      RopeConfig{.dim = rope.dim, .rotary_dim = rope.rotary_dim, .base = rope.base,
-                 .layout = rope.layout},
+      RopeConfig{
+          .dim = rope.dim, .rotary_dim = rope.rotary_dim, .base = rope.base, .layout = rope.layout},
       (long double)position);
 }
 
@@ -75,8 +75,7 @@ void textbook_softmax_attention(const Eigen::Ref<const Matrix<T>>& q,
 #endif
   for (Index i = 0; i < n; ++i) {
     auto row = scores.row(i);
-    const Index admissible =
-        causal ? std::clamp<Index>(q_offset + i - k_offset + 1, 0, n_k) : n_k;
+    const Index admissible = causal ? std::clamp<Index>(q_offset + i - k_offset + 1, 0, n_k) : n_k;
     row.tail(n_k - admissible).setZero();
     if (admissible == 0) continue;
     auto head = row.head(admissible);
