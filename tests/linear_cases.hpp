@@ -31,6 +31,19 @@ inline RopeConfig placement_rope(RopePlacement placement, Index d, Index m, bool
   return config;
 }
 
+// The options of a call, its method and chunk left at their defaults.
+inline LinearOptions linear_options(bool causal, RopePlacement placement, const Rope* rope,
+                                    double eps, Index q_offset, Index k_offset) {
+  LinearOptions options;
+  options.causal = causal;
+  options.placement = placement;
+  options.rope = rope;
+  options.eps = eps;
+  options.q_offset = q_offset;
+  options.k_offset = k_offset;
+  return options;
+}
+
 // The reference's spec for a kernel call with `options`, whose rope the reference sees as `rope`.
 inline reference::LinearSpec reference_spec(const LinearOptions& options,
                                             const std::optional<reference::RopeSpec>& rope) {

@@ -136,12 +136,8 @@ struct Fixture {
     q = gaussian(p.n, p.d, p.seed, p.scale).cast<T>();
     k = gaussian(n_k, p.d, p.seed + 1, p.scale).cast<T>();
     v = gaussian(n_k, p.d_v, p.seed + 2).cast<T>();
-    options.causal = p.causal;
-    options.placement = p.placement;
-    options.rope = rope ? &*rope : nullptr;
-    options.eps = p.eps;
-    options.q_offset = p.q_offset;
-    options.k_offset = p.k_offset;
+    options = linear_options(p.causal, p.placement, rope ? &*rope : nullptr, p.eps, p.q_offset,
+                             p.k_offset);
     options.method = p.method;
     options.chunk_size = p.chunk_size;
   }

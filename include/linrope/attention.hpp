@@ -6,6 +6,7 @@
 // with k_offset + j <= q_offset + i. A query with no admissible key gets a zero row.
 #pragma once
 
+#include <limits>
 #include <linrope/feature_maps.hpp>
 #include <linrope/rope.hpp>
 #include <linrope/types.hpp>
@@ -146,6 +147,70 @@ AttentionGradients<double> linear_attention_backward(const MatrixD& q, const Mat
                                                      const MatrixD& v, const MatrixD& d_out,
                                                      const FeatureMap& map,
                                                      const LinearOptions& options = {});
+
+// State in, state out (docs/DESIGN.md, "State in, state out"). Causal linear attention is a
+// recurrence over a state that sums what the keys so far contribute (Katharopoulos et al. 2020,
+// sec. 3.4): a sequence cut into parts and run part by part, each part from the state the parts
+// before it left, gives what one call on the whole gives (to rounding). That is how a long sequence
+// is spread over processes (linrope.torch.distributed) or fed in pieces.
+//   S = sum_j exp(c_j - log_scale) num_j v_j^T   [m x d_v]   num_j: the key's numerator-side
+//                                                            features (R_j psi~_j for
+//                                                            numerator_only and full)
+//   z = sum_j exp(c_j - log_scale) den_j         [m]         den_j: its denominator-side ones
+//                                                            (unrotated psi~_j for numerator_only)
+// psi_j = exp(c_j) psi~_j are the key's features with their stabiliser shift c_j (0 for maps that
+// need none: elu+1, relu, 1+cos), and log_scale is the largest c_j so far, so every entry stays
+// finite for large inputs: the sums themselves are exp(log_scale) S and exp(log_scale) z. The empty
+// state (no key yet) has log_scale = -inf; its S and z are then ignored and may be of size 0.
+template <class T>
+struct LinearAttentionState {
+  Matrix<T> S;
+  Vector<T> z;
+  double log_scale = -std::numeric_limits<double>::infinity();
+};
+using LinearAttentionStateF = LinearAttentionState<float>;
+using LinearAttentionStateD = LinearAttentionState<double>;
+
+// dL/dS and dL/dz of a LinearAttentionState, its log_scale held fixed. The scale is a stabiliser,
+// not a variable: a loss that reads the state only through the sums exp(log_scale) (S, z), as a
+// call that starts from it does, gets its exact gradient this way. Of size 0: zero.
+template <class T>
+struct LinearStateGradient {
+  Matrix<T> dS;  // [m x d_v]
+  Vector<T> dz;  // [m]
+};
+
+// Causal linear attention continued from `state`: query i sees everything in `state` plus the
+// keys j with k_offset + j <= q_offset + i. On return `state` holds its old contents plus every
+// key of k (all n_k of them, including keys that no query of this call sees). Positions are the
+// caller's to continue: a part that follows n earlier tokens has q_offset = k_offset = n.
+// options.causal must be true. Throws std::invalid_argument as linear_attention does, and when
+// options.causal is false, or state is not empty and S is not [m x d_v], z not [m] (m =
+// map.output_dim(), d_v = v's columns), log_scale is +inf or NaN, or S or z hold a non-finite
+// value; `state` is then unchanged. Also when a non-finite input is found (state then holds
+// unspecified values).
+MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
+                         const FeatureMap& map, const LinearOptions& options,
+                         LinearAttentionStateF& state, DenominatorStats* stats = nullptr);
+MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                         const FeatureMap& map, const LinearOptions& options,
+                         LinearAttentionStateD& state, DenominatorStats* stats = nullptr);
+
+// The gradients of the call above, for L = sum(d_out * out) + <d_final.dS, S_final> +
+// <d_final.dz, z_final> (S_final, z_final: the state the call leaves): dq, dk, dv, and, if
+// d_initial is given, dL/dS and dL/dz of `initial_state` (the state the forward started from),
+// written into it at [m x d_v] and [m]. Chaining parts backward: a part's d_initial is the
+// d_final of the part before it (both at the scale of the state between them). Throws as
+// linear_attention_backward and the forward above do, and when d_final is neither of size 0 nor
+// [m x d_v] and [m], or holds a non-finite value.
+AttentionGradients<float> linear_attention_backward(
+    const MatrixF& q, const MatrixF& k, const MatrixF& v, const MatrixF& d_out,
+    const FeatureMap& map, const LinearOptions& options, const LinearAttentionStateF& initial_state,
+    const LinearStateGradient<float>& d_final, LinearStateGradient<float>* d_initial = nullptr);
+AttentionGradients<double> linear_attention_backward(
+    const MatrixD& q, const MatrixD& k, const MatrixD& v, const MatrixD& d_out,
+    const FeatureMap& map, const LinearOptions& options, const LinearAttentionStateD& initial_state,
+    const LinearStateGradient<double>& d_final, LinearStateGradient<double>* d_initial = nullptr);
 
 // Causal linear attention as a stream, for autoregressive decoding: each call appends t tokens
 // (q, k, v rows at the next t positions, starting at options.q_offset == options.k_offset) and

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <linrope/attention.hpp>
+#include <type_traits>
 
 namespace linrope {
 
@@ -38,6 +39,34 @@ void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const 
                       Heads<double> out, const FeatureMap& map, const LinearOptions& options = {},
                       DenominatorStats* stats = nullptr);
 
+// The states of every (b, h) slice (attention.hpp, "State in, state out"), contiguous row-major
+// buffers in PyTorch's layout: S [batch, heads, m, d_v], z [batch, heads, m], log_scale [batch,
+// heads] (-inf: an empty state). A view whose S is null stands for "none": every state empty
+// (an initial state), or not wanted (a final state, a gradient). Gradients leave log_scale null.
+template <class T>
+struct HeadStates {
+  T* S = nullptr;
+  T* z = nullptr;
+  std::conditional_t<std::is_const_v<T>, const double, double>* log_scale = nullptr;
+  Index batch = 1, heads = 1, m = 0, d_v = 0;
+};
+
+// Causal linear attention per slice, each continued from its initial state, leaving in
+// final_state (if not "none") the initial state plus every key of the slice within the lengths.
+// final_state may be initial_state itself (the states are then updated in place); it must not
+// otherwise share memory with it nor with q, k, v or out. options.causal must be true. Throws as
+// the call above does, and on states of the wrong shape (batch and heads of q, m =
+// map.output_dim(), d_v of v), a null z or log_scale beside a non-null S, or a non-finite S, z or
+// log_scale (+inf, NaN) in the initial state.
+void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                      Heads<float> out, const FeatureMap& map, const LinearOptions& options,
+                      HeadStates<const float> initial_state, HeadStates<float> final_state,
+                      DenominatorStats* stats = nullptr);
+void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                      Heads<double> out, const FeatureMap& map, const LinearOptions& options,
+                      HeadStates<const double> initial_state, HeadStates<double> final_state,
+                      DenominatorStats* stats = nullptr);
+
 // Gradients of the two calls above (attention.hpp, "Gradients"): d_out [B,H,n,d_v] in, dq, dk, dv
 // (the shapes of q, k, v) out. Rows at or past the lengths are neither read from d_out nor
 // attended to, and get zero gradients. Each (b, h) slice equals the single-head backward.
@@ -55,5 +84,19 @@ void linear_attention_backward(Heads<const double> q, Heads<const double> k, Hea
                                Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
                                Heads<double> dv, const FeatureMap& map,
                                const LinearOptions& options = {});
+
+// The gradients of the stateful call above (attention.hpp's single-head form says what they are):
+// dq, dk, dv, and, unless d_initial is "none", dL/dS and dL/dz of each slice's initial state, from
+// d_final (dL/dS and dL/dz of each final state; "none": zero).
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map, const LinearOptions& options,
+                               HeadStates<const float> initial_state,
+                               HeadStates<const float> d_final, HeadStates<float> d_initial);
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options, HeadStates<const double> initial_state,
+                               HeadStates<const double> d_final, HeadStates<double> d_initial);
 
 }  // namespace linrope

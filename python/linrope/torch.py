@@ -4,7 +4,9 @@ Functions (torch.autograd.Function over the C++ forward and backward; each saves
 and its options, and its backward calls the C++ backward):
     softmax_attention(q, k, v, causal, scale, rope, q_offset, k_offset, q_lengths, k_lengths)
     linear_attention(q, k, v, feature_map, causal, placement, rope, eps, q_offset, k_offset,
-                     return_stats, stats_threshold, method, chunk_size, q_lengths, k_lengths)
+                     return_stats, stats_threshold, method, chunk_size, q_lengths, k_lengths,
+                     initial_state, return_state)
+    merge_states(states): the state holding the keys of several (LinearState, below)
     rope_apply(x, rope, first_position, positions), feature_map_apply(x, feature_map)
 q_lengths / k_lengths (B entries: a list, array or tensor) mark padding in (B, H, n, d) batches:
 rows at or past them are not attended to, their outputs are 0 and their gradients 0.
@@ -17,6 +19,8 @@ Layers (torch.nn.Module):
     MultiheadAttention  q/k/v/out projections and attention chosen by name: "softmax" (exact, RoPE
         on q and k) or "linear" (a feature map, a RoPE placement, eps, feature redraws).
 """
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -32,7 +36,8 @@ _ROPE = _core.RopeConfig()
 _MAP = _core.FeatureMapConfig()
 
 __all__ = [
-    "softmax_attention", "linear_attention", "rope_apply", "feature_map_apply",
+    "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
+    "feature_map_apply",
     "RotaryEmbedding", "MultiheadAttention",
 ]
 
@@ -88,39 +93,102 @@ class _SoftmaxAttention(torch.autograd.Function):
         return (*_tensors(grads), None)
 
 
+class LinearState(NamedTuple):
+    """The state of causal linear attention after some tokens (include/linrope/attention.hpp,
+    "State in, state out"): the sums over the keys so far of features times values, S [..., m,
+    d_v], and of features, z [..., m] (q's dtype), both divided by exp(log_scale) [...]
+    (float64; -inf: no key yet), "..." being q's leading dimensions. The scale is the stabiliser's
+    (the largest key shift so far, 0 for maps without one), so S and z stay finite for large
+    inputs. Gradients flow through S and z with log_scale held fixed: exact for every use that
+    reads the state as exp(log_scale) (S, z), as a call continued from it does."""
+    S: torch.Tensor
+    z: torch.Tensor
+    log_scale: torch.Tensor
+
+
+def merge_states(states):
+    """The state that holds the keys of every state in `states` (a non-empty sequence of
+    LinearState of one shape): sum_p exp(log_scale_p - top) (S_p, z_p) at top = max log_scale.
+    The sums commute, so order does not matter. Differentiable in each S and z."""
+    states = [LinearState(*s) for s in states]
+    if not states:
+        raise ValueError("merge_states: expected at least one state")
+    scales = torch.stack([s.log_scale for s in states])
+    top = scales.max(0).values
+    # exp(-inf - finite) = 0: empty states add nothing, and an all-empty result stays at -inf.
+    weights = torch.exp(scales - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+    dtype = states[0].S.dtype
+    S = sum(w.to(dtype)[..., None, None] * s.S for w, s in zip(weights, states))
+    z = sum(w.to(dtype)[..., None] * s.z for w, s in zip(weights, states))
+    return LinearState(S, z, top)
+
+
+def _state_arrays(state, function, name):
+    if state is None:
+        return None
+    S, z, log_scale = state
+    return (_array(S, function, name + ".S"), _array(z, function, name + ".z"),
+            _array(log_scale, function, name + ".log_scale"))
+
+
 class _LinearAttention(torch.autograd.Function):
+    """out (and, with return_state, the final state's S, z, log_scale) from q, k, v and an optional
+    initial state (S0, z0, log_scale0); the backward takes the gradients of out and of the final
+    S and z, and gives those of q, k, v, S0 and z0."""
+
     @staticmethod
-    def forward(ctx, q, k, v, feature_map, options, stats, stats_threshold):
+    def forward(ctx, q, k, v, S0, z0, log_scale0, feature_map, options, stats, stats_threshold,
+                return_state):
         fn = "linear_attention"
         ctx.feature_map, ctx.options = feature_map, options
         # The backward needs the W of this forward: a redraw in between would silently give the
         # gradient of another function, so the seed is checked (MultiheadAttention redraws by
         # making a new map instead, which leaves this one, held here, unchanged).
         ctx.seed = feature_map.seed
-        ctx.save_for_backward(q, k, v)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
+        ctx.save_for_backward(q, k, v, S0, z0, log_scale0)
+        initial = None if S0 is None else _state_arrays((S0, z0, log_scale0), fn, "initial_state")
         result = _core.linear_attention(
             _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"), feature_map,
-            return_stats=stats is not None, stats_threshold=stats_threshold, **options)
-        if stats is None:
+            return_stats=stats is not None, stats_threshold=stats_threshold,
+            initial_state=initial, return_state=return_state, **options)
+        if stats is None and not return_state:
             return torch.from_numpy(result)
-        out, values = result
-        stats.update(values)
-        return torch.from_numpy(out)
+        out = result[0]
+        if stats is not None:
+            stats.update(result[1])
+        if not return_state:
+            return torch.from_numpy(out)
+        S, z, log_scale = _tensors(result[-1])
+        ctx.mark_non_differentiable(log_scale)
+        return torch.from_numpy(out), S, z, log_scale
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, d_S=None, d_z=None, _d_log_scale=None):
         fn = "linear_attention_backward"
         if ctx.feature_map.seed != ctx.seed:
             raise RuntimeError(
                 f"{fn}: the feature map was redrawn (seed {ctx.seed} -> {ctx.feature_map.seed}) "
                 f"between the forward and the backward; redraw after backward(), or use a new "
                 f"FeatureMap")
-        q, k, v = ctx.saved_tensors
+        q, k, v, S0, z0, log_scale0 = ctx.saved_tensors
+        if d_out is None:  # only the state was used
+            d_out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+        d_final = None
+        if d_S is not None or d_z is not None:
+            m = ctx.feature_map.output_dim
+            d_S = d_S if d_S is not None else q.new_zeros(q.shape[:-2] + (m, v.shape[-1]))
+            d_z = d_z if d_z is not None else q.new_zeros(q.shape[:-2] + (m,))
+            d_final = (_array(d_S, fn, "d_final_state.dS"), _array(d_z, fn, "d_final_state.dz"))
+        want_initial = S0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
+        initial = None if S0 is None else _state_arrays((S0, z0, log_scale0), fn, "initial_state")
         grads = _core.linear_attention_backward(
             _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
-            _array(d_out, fn, "d_out"), ctx.feature_map, **ctx.options)
-        return (*_tensors(grads), None, None, None, None)
+            _array(d_out, fn, "d_out"), ctx.feature_map, initial_state=initial,
+            d_final_state=d_final, return_state_gradient=want_initial, **ctx.options)
+        d_S0, d_z0 = _tensors(grads[3]) if want_initial else (None, None)
+        return (*_tensors(grads[:3]), d_S0, d_z0, None, None, None, None, None, None)
 
 
 class _RopeApply(torch.autograd.Function):
@@ -167,18 +235,31 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
                      rope=None, eps=_LINEAR.eps, q_offset=_LINEAR.q_offset,
                      k_offset=_LINEAR.k_offset, return_stats=False,
                      stats_threshold=_STATS.threshold, method=_LINEAR.method,
-                     chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None):
+                     chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
+                     initial_state=None, return_state=False):
     """Linear attention, differentiable in q, k and v (W held fixed); see
     linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
     forward; both give the same gradients. With return_stats=True returns (out, stats), stats a
     dict of the denominator statistics (min, nonpositive, below_threshold, threshold, count,
-    no_keys, zero_divisor; include/linrope/attention.hpp says what each counts)."""
+    no_keys, zero_divisor; include/linrope/attention.hpp says what each counts).
+
+    State in, state out (causal only): initial_state, a LinearState (or a tuple (S, z,
+    log_scale)), is the state of the tokens before these, whose positions q_offset and k_offset
+    then continue; return_state=True also returns the LinearState after every key of k, last in
+    the tuple: (out, state) or (out, stats, state). Both are differentiable in S and z, so a
+    sequence cut into parts and run part by part from each other's states gives the outputs and
+    gradients of one call on the whole (to rounding)."""
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
                    k_offset=k_offset, method=method, chunk_size=chunk_size,
                    q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
     stats = {} if return_stats else None
-    out = _LinearAttention.apply(q, k, v, feature_map, options, stats, stats_threshold)
-    return (out, stats) if return_stats else out
+    S0, z0, log_scale0 = (None, None, None) if initial_state is None else tuple(initial_state)
+    result = _LinearAttention.apply(q, k, v, S0, z0, log_scale0, feature_map, options, stats,
+                                    stats_threshold, bool(return_state))
+    if not return_state:
+        return (result, stats) if return_stats else result
+    out, state = result[0], LinearState(*result[1:])
+    return (out, stats, state) if return_stats else (out, state)
 
 
 def rope_apply(x, rope, first_position=0, positions=None):

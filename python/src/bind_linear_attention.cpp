@@ -6,6 +6,7 @@
 #include "attention_inputs.hpp"
 #include "bindings.hpp"
 #include "options.hpp"
+#include "states.hpp"
 
 namespace linrope::python {
 namespace {
@@ -14,7 +15,8 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
                           const FeatureMap& map, bool causal, const std::string& placement,
                           const Rope* rope, double eps, Index q_offset, Index k_offset,
                           bool return_stats, double stats_threshold, const std::string& method,
-                          Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths) {
+                          Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths,
+                          const py::object& initial_state, bool return_state) {
   constexpr std::string_view fn = "linear_attention";
   const LinearOptions options =
       linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
@@ -22,14 +24,28 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
     const Inputs<T> in = inputs<T>(q, k, v, nullptr, q_lengths, k_lengths);
     CArray<T> out = in.new_output();
     DenominatorStats stats{.threshold = stats_threshold};
+    const Heads<const T> q_heads = in.q_heads();
+    const Index m = map.output_dim(), d_v = in.v_heads().d;
+    const StateArrays<T> initial =
+        read_state<T>(fn, "initial_state", initial_state, q, m, d_v, true);
+    StateArrays<T> final = return_state ? new_state<T>(q, m, d_v, true) : StateArrays<T>();
     {
       KernelScope scope(&map);
-      linear_attention(in.q_heads(), in.k_heads(), in.v_heads(),
-                       with_lengths(output_heads(out), q_lengths), map, options,
-                       return_stats ? &stats : nullptr);
+      const Heads<T> out_heads = with_lengths(output_heads(out), q_lengths);
+      DenominatorStats* wanted = return_stats ? &stats : nullptr;
+      if (initial.present || return_state)
+        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options,
+                         initial.view(q_heads.batch, q_heads.heads, m, d_v),
+                         final.mutable_view(q_heads.batch, q_heads.heads, m, d_v), wanted);
+      else
+        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options, wanted);
     }
-    if (return_stats) return py::make_tuple(std::move(out), stats_dict(stats));
-    return out;
+    py::list result;
+    result.append(std::move(out));
+    if (return_stats) result.append(stats_dict(stats));
+    if (return_state) result.append(final.to_tuple());
+    if (result.size() == 1) return result[0];
+    return py::tuple(result);
   });
 }
 
@@ -37,16 +53,37 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
                            const py::array& d_out, const FeatureMap& map, bool causal,
                            const std::string& placement, const Rope* rope, double eps,
                            Index q_offset, Index k_offset, const std::string& method,
-                           Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths) {
+                           Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths,
+                           const py::object& initial_state, const py::object& d_final_state,
+                           bool return_state_gradient) {
   constexpr std::string_view fn = "linear_attention_backward";
   const LinearOptions options =
       linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method, chunk_size);
   return with_inputs(fn, q, k, v, &d_out, q_lengths, k_lengths, [&]<class T>() -> py::object {
     const Inputs<T> in = inputs<T>(q, k, v, &d_out, q_lengths, k_lengths);
-    return gradients<T>(in, &map, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
-      linear_attention_backward(in.q_heads(), in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
-                                dv, map, options);
+    const Heads<const T> q_heads = in.q_heads();
+    const Index batch = q_heads.batch, heads = q_heads.heads, m = map.output_dim(),
+                d_v = in.v_heads().d;
+    const StateArrays<T> initial =
+        read_state<T>(fn, "initial_state", initial_state, q, m, d_v, true);
+    const StateArrays<T> d_final =
+        read_state<T>(fn, "d_final_state", d_final_state, q, m, d_v, false);
+    StateArrays<T> d_initial =
+        return_state_gradient ? new_state<T>(q, m, d_v, false) : StateArrays<T>();
+    const bool stateful = initial.present || d_final.present || return_state_gradient;
+    py::object grads = gradients<T>(in, &map, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
+      if (stateful)
+        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
+                                  map, options, initial.view(batch, heads, m, d_v),
+                                  d_final.view(batch, heads, m, d_v),
+                                  d_initial.mutable_view(batch, heads, m, d_v));
+      else
+        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
+                                  map, options);
     });
+    if (!return_state_gradient) return grads;
+    return py::make_tuple(grads[py::int_(0)], grads[py::int_(1)], grads[py::int_(2)],
+                          d_initial.to_tuple());
   });
 }
 
@@ -62,16 +99,21 @@ void bind_linear_attention(py::module_& m) {
         "eps"_a = o.eps, "q_offset"_a = o.q_offset, "k_offset"_a = o.k_offset,
         "return_stats"_a = false, "stats_threshold"_a = stats_defaults.threshold,
         "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size, "q_lengths"_a = py::none(),
-        "k_lengths"_a = py::none(),
-        "Linear attention; with return_stats=True returns (out, denominator statistics). Holds "
-        "feature_map while it runs: a redraw from another thread meanwhile raises RuntimeError.");
+        "k_lengths"_a = py::none(), "initial_state"_a = py::none(), "return_state"_a = false,
+        "Linear attention; with return_stats=True returns (out, denominator statistics). Causal "
+        "calls can continue from initial_state=(S, z, log_scale) and, with return_state=True, "
+        "also return the state after their keys, last in the tuple (include/linrope/attention.hpp, "
+        "\"State in, state out\"). Holds feature_map while it runs: a redraw from another thread "
+        "meanwhile raises RuntimeError.");
   m.def("linear_attention_backward", &linear_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
         "feature_map"_a, "causal"_a = o.causal, "placement"_a = name_of(o.placement),
         "rope"_a = py::none(), "eps"_a = o.eps, "q_offset"_a = o.q_offset,
         "k_offset"_a = o.k_offset, "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size,
-        "q_lengths"_a = py::none(), "k_lengths"_a = py::none(),
-        "(dq, dk, dv) of sum(d_out * linear_attention(...)). Holds feature_map while it runs, as "
-        "linear_attention does.");
+        "q_lengths"_a = py::none(), "k_lengths"_a = py::none(), "initial_state"_a = py::none(),
+        "d_final_state"_a = py::none(), "return_state_gradient"_a = false,
+        "(dq, dk, dv) of sum(d_out * linear_attention(...)) (+ <dS, S> + <dz, z> of the final "
+        "state when d_final_state=(dS, dz)); with return_state_gradient=True also (dS, dz) of "
+        "initial_state, last. Holds feature_map while it runs, as linear_attention does.");
 }
 
 }  // namespace linrope::python

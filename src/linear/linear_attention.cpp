@@ -2,10 +2,12 @@
 #include <array>
 #include <cmath>
 #include <linrope/attention.hpp>
+#include <linrope/batched.hpp>
 
 #include "common/check.hpp"
 #include "common/enum_names.hpp"
 #include "linear/linear_kernel.hpp"
+#include "linear/state_views.hpp"
 
 namespace linrope {
 namespace detail {
@@ -52,14 +54,20 @@ PlacementPlan plan_placement(RopePlacement placement) {
 namespace {
 
 template <class T>
-Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
-                        const FeatureMap& map, const LinearOptions& options,
-                        DenominatorStats* stats) {
-  constexpr std::string_view fn = "linear_attention";
+void check_single_inputs(std::string_view fn, const Matrix<T>& q, const Matrix<T>& k,
+                         const Matrix<T>& v) {
   if (k.cols() != q.cols())
     detail::throw_invalid(fn, "k is ", detail::shape_of(k), " but q has d = ", q.cols());
   if (v.rows() != k.rows())
     detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but k has ", k.rows(), " rows");
+}
+
+template <class T>
+Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const FeatureMap& map, const LinearOptions& options,
+                        DenominatorStats* stats) {
+  constexpr std::string_view fn = "linear_attention";
+  check_single_inputs(fn, q, k, v);
   detail::check_linear_setup(fn, map, options, q.cols());
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.rows());
@@ -84,6 +92,28 @@ Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>&
   return out;
 }
 
+// The stateful single-head call, as a one-slice batched call (linear_batched.cpp).
+template <class T>
+Matrix<T> linear_single_continued(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                                  const FeatureMap& map, const LinearOptions& options,
+                                  LinearAttentionState<T>& state, DenominatorStats* stats) {
+  constexpr std::string_view fn = "linear_attention";
+  check_single_inputs(fn, q, k, v);
+  const Index m = map.output_dim(), d_v = v.cols();
+  detail::check_state(fn, "state", state, m, d_v);
+  Matrix<T> out(q.rows(), d_v);
+  LinearAttentionState<T> next{Matrix<T>(m, d_v), Vector<T>(m)};
+  const auto input = [](const Matrix<T>& x) {
+    return Heads<const T>{x.data(), 1, 1, x.rows(), x.cols()};
+  };
+  linear_attention(input(q), input(k), input(v), Heads<T>{out.data(), 1, 1, out.rows(), d_v}, map,
+                   options, detail::state_view(state),
+                   HeadStates<T>{next.S.data(), next.z.data(), &next.log_scale, 1, 1, m, d_v},
+                   stats);
+  state = std::move(next);
+  return out;
+}
+
 constexpr std::array<const char*, 4> kPlacementNames = {"none", "before_map", "numerator_only",
                                                         "full"};
 constexpr std::array<const char*, 2> kMethodNames = {"chunked", "scan"};
@@ -99,6 +129,17 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                          const FeatureMap& map, const LinearOptions& options,
                          DenominatorStats* stats) {
   return linear_single(q, k, v, map, options, stats);
+}
+
+MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
+                         const FeatureMap& map, const LinearOptions& options,
+                         LinearAttentionStateF& state, DenominatorStats* stats) {
+  return linear_single_continued(q, k, v, map, options, state, stats);
+}
+MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                         const FeatureMap& map, const LinearOptions& options,
+                         LinearAttentionStateD& state, DenominatorStats* stats) {
+  return linear_single_continued(q, k, v, map, options, state, stats);
 }
 
 const char* to_string(RopePlacement placement) {

@@ -8,6 +8,7 @@
 #include "common/check.hpp"
 #include "common/heads.hpp"
 #include "linear/linear_backward.hpp"
+#include "linear/state_views.hpp"
 
 namespace linrope {
 namespace {
@@ -16,17 +17,16 @@ constexpr std::string_view kFn = "linear_attention_backward";
 
 template <class T>
 void run_head(const detail::LinearGradientHead<T>& head, const detail::LinearSetup& setup,
-              detail::Threads threading) {
+              detail::Threads threading, const detail::StatePorts<T>& ports = {}) {
   if (setup.options.causal)
-    detail::linear_causal_backward(head, setup, threading);
+    detail::linear_causal_backward(head, setup, threading, ports);
   else
     detail::linear_noncausal_backward(head, setup, threading);
 }
 
 template <class T>
-AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
-                                      const Matrix<T>& d_out, const FeatureMap& map,
-                                      const LinearOptions& options) {
+void check_single_inputs(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                         const Matrix<T>& d_out) {
   if (k.cols() != q.cols())
     detail::throw_invalid(kFn, "k is ", detail::shape_of(k), " but q has d = ", q.cols());
   if (v.rows() != k.rows())
@@ -34,6 +34,13 @@ AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, co
   if (d_out.rows() != q.rows() || d_out.cols() != v.cols())
     detail::throw_invalid(kFn, "d_out is ", detail::shape_of(d_out), " but expected ",
                           detail::Shape{q.rows(), v.cols()}, " (q's rows x v's columns)");
+}
+
+template <class T>
+AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                                      const Matrix<T>& d_out, const FeatureMap& map,
+                                      const LinearOptions& options) {
+  check_single_inputs(q, k, v, d_out);
   detail::check_linear_setup(kFn, map, options, q.cols());
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.rows());
@@ -50,10 +57,44 @@ AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, co
   return grads;
 }
 
+// The states of a stateful backward: causal, shaped for the call, the inputs finite, d_initial in
+// memory of its own.
+template <class T>
+void check_state_views(const Heads<const T>& q, const Heads<const T>& k, const Heads<const T>& v,
+                       const Heads<const T>& d_out, const detail::LinearSetup& setup,
+                       const HeadStates<const T>& initial, const HeadStates<const T>& d_final,
+                       const HeadStates<T>& d_initial) {
+  if (!setup.options.causal)
+    detail::throw_invalid(kFn, "options.causal is false but a state in, state out call is causal");
+  const Index m = setup.m, d_v = setup.d_v;
+  detail::check_states(kFn, "initial_state", initial, q, m, d_v, true);
+  detail::check_states(kFn, "d_final", d_final, q, m, d_v, false);
+  detail::check_states(kFn, "d_initial", d_initial, q, m, d_v, false);
+  detail::require_finite_states(kFn, "initial_state", initial, true);
+  detail::require_finite_states(kFn, "d_final", d_final, false);
+  if (d_initial.S == nullptr) return;
+  for (const auto& [name, part] : {std::pair{"d_initial.S", detail::S_heads(d_initial)},
+                                   std::pair{"d_initial.z", detail::z_heads(d_initial)}}) {
+    for (const auto& [other, input] :
+         {std::pair{"q", q}, std::pair{"k", k}, std::pair{"v", v}, std::pair{"d_out", d_out},
+          std::pair{"initial_state.S", detail::S_heads(initial)},
+          std::pair{"initial_state.z", detail::z_heads(initial)},
+          std::pair{"d_final.S", detail::S_heads(d_final)},
+          std::pair{"d_final.z", detail::z_heads(d_final)}})
+      detail::require_separate(kFn, name, part, other, input);
+  }
+  detail::require_separate(kFn, "d_initial.z", detail::z_heads(d_initial), "d_initial.S",
+                           detail::S_heads(d_initial));
+}
+
+// initial, d_final, d_initial: the stateful call's (attention.hpp, "State in, state out"); null for
+// the plain call.
 template <class T>
 void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<const T> d_out,
                       Heads<T> dq, Heads<T> dk, Heads<T> dv, const FeatureMap& map,
-                      const LinearOptions& options) {
+                      const LinearOptions& options, const HeadStates<const T>* initial = nullptr,
+                      const HeadStates<const T>* d_final = nullptr,
+                      const HeadStates<T>* d_initial = nullptr) {
   using detail::slice;
   using detail::slice_out;
   using detail::valid_rows;
@@ -62,18 +103,29 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup(map, options, q.d, v.d);
+  if (initial) check_state_views(q, k, v, d_out, setup, *initial, *d_final, *d_initial);
+  const HeadStates<const T> from = initial ? *initial : HeadStates<const T>{},
+                            final_gradient = d_final ? *d_final : HeadStates<const T>{};
+  const HeadStates<T> initial_gradient = d_initial ? *d_initial : HeadStates<T>{};
   // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp), as in the
   // forward; then named as an up-front scan would: q, k, v over the slices in order, then d_out.
   const Index slices = q.batch * q.heads;
   std::vector<detail::NonFiniteFlag> nonfinite(slices);
   const auto run = [&](Index b, Index h, detail::Threads threading) {
-    const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
+    const Index s = b * q.heads + h, n = valid_rows(q, b), n_k = valid_rows(k, b);
     detail::LinearSetup setup_of_slice = setup;
-    setup_of_slice.nonfinite = &nonfinite[b * q.heads + h];
+    setup_of_slice.nonfinite = &nonfinite[s];
+    const detail::StatePorts<T> ports{detail::S_of(from, s),
+                                      detail::z_of(from, s),
+                                      detail::log_scale_of(from, s),
+                                      detail::S_of(final_gradient, s),
+                                      detail::z_of(final_gradient, s),
+                                      detail::S_of(initial_gradient, s),
+                                      detail::z_of(initial_gradient, s)};
     run_head<T>(
         {slice(q, b, h), slice(k, b, h), slice(v, b, h), slice(d_out, b, h), slice_out(dq, b, h),
          slice_out(dk, b, h), slice_out(dv, b, h), n, n_k, options.q_offset, options.k_offset},
-        setup_of_slice, threading);
+        setup_of_slice, threading, ports);
     detail::zero_rows_past(dq, b, h, n);
     detail::zero_rows_past(dk, b, h, n_k);
     detail::zero_rows_past(dv, b, h, n_k);
@@ -85,6 +137,41 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
     if (nonfinite[s].raised())
       detail::require_finite(kFn, detail::slice_name("d_out", s, q.heads),
                              detail::valid_slice(d_out, s, q));
+}
+
+// The stateful single-head backward, as a one-slice batched call.
+template <class T>
+AttentionGradients<T> backward_single_continued(const Matrix<T>& q, const Matrix<T>& k,
+                                                const Matrix<T>& v, const Matrix<T>& d_out,
+                                                const FeatureMap& map, const LinearOptions& options,
+                                                const LinearAttentionState<T>& initial,
+                                                const LinearStateGradient<T>& d_final,
+                                                LinearStateGradient<T>* d_initial) {
+  check_single_inputs(q, k, v, d_out);
+  const Index m = map.output_dim(), d_v = v.cols();
+  detail::check_state(kFn, "initial_state", initial, m, d_v);
+  detail::check_gradient(kFn, "d_final", d_final, m, d_v);
+  AttentionGradients<T> grads{Matrix<T>(q.rows(), q.cols()), Matrix<T>(k.rows(), k.cols()),
+                              Matrix<T>(v.rows(), v.cols())};
+  LinearStateGradient<T> initial_gradient{Matrix<T>(m, d_v), Vector<T>(m)};
+  const auto input = [](const Matrix<T>& x) {
+    return Heads<const T>{x.data(), 1, 1, x.rows(), x.cols()};
+  };
+  const auto output = [](Matrix<T>& x) { return Heads<T>{x.data(), 1, 1, x.rows(), x.cols()}; };
+  const HeadStates<const T> from = detail::state_view(initial),
+                            final_gradient = detail::gradient_view(d_final);
+  const HeadStates<T> to = d_initial ? HeadStates<T>{initial_gradient.dS.data(),
+                                                     initial_gradient.dz.data(),
+                                                     nullptr,
+                                                     1,
+                                                     1,
+                                                     m,
+                                                     d_v}
+                                     : HeadStates<T>{};
+  backward_batched(input(q), input(k), input(v), input(d_out), output(grads.dq), output(grads.dk),
+                   output(grads.dv), map, options, &from, &final_gradient, &to);
+  if (d_initial) *d_initial = std::move(initial_gradient);
+  return grads;
 }
 
 }  // namespace
@@ -113,6 +200,34 @@ void linear_attention_backward(Heads<const double> q, Heads<const double> k, Hea
                                Heads<double> dv, const FeatureMap& map,
                                const LinearOptions& options) {
   backward_batched(q, k, v, d_out, dq, dk, dv, map, options);
+}
+
+AttentionGradients<float> linear_attention_backward(
+    const MatrixF& q, const MatrixF& k, const MatrixF& v, const MatrixF& d_out,
+    const FeatureMap& map, const LinearOptions& options, const LinearAttentionStateF& initial_state,
+    const LinearStateGradient<float>& d_final, LinearStateGradient<float>* d_initial) {
+  return backward_single_continued(q, k, v, d_out, map, options, initial_state, d_final, d_initial);
+}
+AttentionGradients<double> linear_attention_backward(
+    const MatrixD& q, const MatrixD& k, const MatrixD& v, const MatrixD& d_out,
+    const FeatureMap& map, const LinearOptions& options, const LinearAttentionStateD& initial_state,
+    const LinearStateGradient<double>& d_final, LinearStateGradient<double>* d_initial) {
+  return backward_single_continued(q, k, v, d_out, map, options, initial_state, d_final, d_initial);
+}
+
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map, const LinearOptions& options,
+                               HeadStates<const float> initial_state,
+                               HeadStates<const float> d_final, HeadStates<float> d_initial) {
+  backward_batched(q, k, v, d_out, dq, dk, dv, map, options, &initial_state, &d_final, &d_initial);
+}
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options, HeadStates<const double> initial_state,
+                               HeadStates<const double> d_final, HeadStates<double> d_initial) {
+  backward_batched(q, k, v, d_out, dq, dk, dv, map, options, &initial_state, &d_final, &d_initial);
 }
 
 }  // namespace linrope

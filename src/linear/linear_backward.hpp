@@ -53,9 +53,23 @@ struct LinearGradientHead {
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
                                Threads threading);
+// A causal backward's state in and state out (attention.hpp, "State in, state out"), one head's:
+// the state its forward started from (null: empty), dL/dS and dL/dz of the state the forward left
+// (null: zero), and where dL/dS and dL/dz of the initial state go (null: not wanted); S-shaped
+// pointers are [m x d_v], z-shaped [m], row-major.
+template <class T>
+struct StatePorts {
+  const T* initial_S = nullptr;
+  const T* initial_z = nullptr;
+  double initial_log_scale = -std::numeric_limits<double>::infinity();
+  const T* d_final_S = nullptr;
+  const T* d_final_z = nullptr;
+  T* d_initial_S = nullptr;
+  T* d_initial_z = nullptr;
+};
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            Threads threading);
+                            Threads threading, const StatePorts<T>& ports = {});
 
 inline constexpr double kNoQueries = std::numeric_limits<double>::infinity();
 

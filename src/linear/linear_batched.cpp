@@ -4,6 +4,7 @@
 
 #include "common/heads.hpp"
 #include "linear/linear_kernel.hpp"
+#include "linear/state_views.hpp"
 
 namespace linrope {
 namespace {
@@ -13,15 +14,54 @@ using detail::slice;
 using detail::slice_out;
 using detail::valid_rows;
 
+// The states of a stateful forward: causal, shaped for the call, the initial one finite, the final
+// one in its own memory (or the initial one's: each slice reads its initial state before it writes
+// its final one).
+template <class T>
+void check_state_views(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
+                       const Heads<const T>& v, const Heads<T>& out,
+                       const detail::LinearSetup& setup, const HeadStates<const T>& initial,
+                       const HeadStates<T>& final) {
+  if (!setup.options.causal)
+    detail::throw_invalid(fn, "options.causal is false but a state in, state out call is causal");
+  detail::check_states(fn, "initial_state", initial, q, setup.m, setup.d_v, true);
+  detail::check_states(fn, "final_state", final, q, setup.m, setup.d_v, true);
+  detail::require_finite_states(fn, "initial_state", initial, true);
+  if (final.S == nullptr) return;
+  const bool in_place =
+      final.S == initial.S && final.z == initial.z && final.log_scale == initial.log_scale;
+  const auto separate = [&](std::string_view name, const Heads<T>& part) {
+    detail::require_separate(fn, name, part, "q", q);
+    detail::require_separate(fn, name, part, "k", k);
+    detail::require_separate(fn, name, part, "v", v);
+    detail::require_separate(fn, name, part, "out", out);
+    if (!in_place) {
+      detail::require_separate(fn, name, part, "initial_state.S", detail::S_heads(initial));
+      detail::require_separate(fn, name, part, "initial_state.z", detail::z_heads(initial));
+    }
+  };
+  separate("final_state.S", detail::S_heads(final));
+  separate("final_state.z", detail::z_heads(final));
+  detail::require_separate(fn, "final_state.z", detail::z_heads(final), "final_state.S",
+                           detail::S_heads(final));
+}
+
+// initial and final: the stateful call's (attention.hpp, "State in, state out"); null for the
+// plain call, whose causal slices start empty and discard their state.
 template <class T>
 void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<T> out,
-                    const FeatureMap& map, const LinearOptions& options, DenominatorStats* stats) {
+                    const FeatureMap& map, const LinearOptions& options, DenominatorStats* stats,
+                    const HeadStates<const T>* initial = nullptr,
+                    const HeadStates<T>* final = nullptr) {
   constexpr std::string_view fn = "linear_attention";
   check_heads(fn, q, k, v, out);
   detail::check_linear_setup(fn, map, options, q.d);
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup(map, options, q.d, v.d);
+  if (initial) check_state_views(fn, q, k, v, out, setup, *initial, *final);
+  const HeadStates<const T> from = initial ? *initial : HeadStates<const T>{};  // none: empty
+  const bool keep_state = final && final->S;
   const double threshold = stats ? stats->threshold : 0.0;
   const Index slices = q.batch * q.heads;
   std::vector<detail::DenominatorTally> tallies(slices, detail::DenominatorTally(threshold));
@@ -37,10 +77,16 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
         slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, n_k,
         options.q_offset, options.k_offset};
     if (options.causal) {
-      detail::LinearState<T> state;
-      state.reset(setup.m, setup.d_v);
-      detail::linear_causal(head, setup_of_slice, state, detail::FinalState::Discarded, tally,
-                            threading);
+      detail::LinearState<T> state =
+          detail::load_state(detail::S_of(from, s), detail::z_of(from, s),
+                             detail::log_scale_of(from, s), setup.m, setup.d_v);
+      detail::linear_causal(
+          head, setup_of_slice, state,
+          keep_state ? detail::FinalState::EveryKey : detail::FinalState::Discarded, tally,
+          threading);
+      if (keep_state)
+        detail::store_state(state, detail::S_of(*final, s), detail::z_of(*final, s),
+                            final->log_scale + s);
     } else {
       detail::linear_noncausal(head, setup_of_slice, tally, threading);
     }
@@ -65,6 +111,19 @@ void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const 
                       Heads<double> out, const FeatureMap& map, const LinearOptions& options,
                       DenominatorStats* stats) {
   linear_batched(q, k, v, out, map, options, stats);
+}
+
+void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                      Heads<float> out, const FeatureMap& map, const LinearOptions& options,
+                      HeadStates<const float> initial_state, HeadStates<float> final_state,
+                      DenominatorStats* stats) {
+  linear_batched(q, k, v, out, map, options, stats, &initial_state, &final_state);
+}
+void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                      Heads<double> out, const FeatureMap& map, const LinearOptions& options,
+                      HeadStates<const double> initial_state, HeadStates<double> final_state,
+                      DenominatorStats* stats) {
+  linear_batched(q, k, v, out, map, options, stats, &initial_state, &final_state);
 }
 
 }  // namespace linrope

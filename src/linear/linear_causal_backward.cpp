@@ -19,46 +19,89 @@
 
 namespace linrope::detail {
 
+// The final state's gradient enters the keys' sweep as one more query, one that sees every key at
+// the final scale (the largest key scale, or the initial state's): U = dL/dS~, y = dL/dz~ at K =
+// that scale. dL/dS~ of the initial state is what every query (and that one) gives it, the keys'
+// sweep's state once all of them are in, times exp(initial log scale - K) <= 1.
+template <class T>
+QueryState<T> final_state_gradient(const StatePorts<T>& ports, double final_scale, Index m,
+                                   Index d_v) {
+  QueryState<T> state;
+  state.reset(m, d_v);
+  if (ports.d_final_S == nullptr || final_scale == kEmpty) return state;
+  state.U = ConstRowMap<T>(ports.d_final_S, m, d_v);
+  state.y = Eigen::Map<const Vector<T>>(ports.d_final_z, m);
+  state.K = final_scale;
+  return state;
+}
+
+template <class T>
+void store_initial_gradient(const StatePorts<T>& ports, const QueryState<T>& all, Index m,
+                            Index d_v) {
+  RowMap<T> dS(ports.d_initial_S, m, d_v);
+  Eigen::Map<Vector<T>> dz(ports.d_initial_z, m);
+  if (ports.initial_log_scale == kEmpty || all.K == kNoQueries) {
+    dS.setZero();
+    dz.setZero();
+    return;
+  }
+  const T factor = T(std::exp(ports.initial_log_scale - all.K));
+  dS = factor * all.U;
+  dz = factor * all.y;
+}
+
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            Threads threading) {
+                            Threads threading, const StatePorts<T>& ports) {
   CausalGradients<T> c(head, setup);
   const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v, m = setup.m;
-  const Index horizon = n > 0 ? c.first_key(n) : 0;  // keys [horizon, n_k) are seen by no query
-  std::fill(head.dk + horizon * d, head.dk + n_k * d, T(0));
-  std::fill(head.dv + horizon * d_v, head.dv + n_k * d_v, T(0));
-  check_input(setup, head.k + horizon * d, n_k - horizon, d);  // read by nothing else
-  check_input(setup, head.v + horizon * d_v, n_k - horizon, d_v);
-  if (n == 0) return;
-  const CausalPlan plan =
+  // Keys [swept, n_k) are seen by no query; the final state holds them, so with its gradient
+  // every key is swept.
+  const bool final_gradient = ports.d_final_S != nullptr;
+  const Index swept = final_gradient ? n_k : n > 0 ? c.first_key(n) : 0;
+  std::fill(head.dk + swept * d, head.dk + n_k * d, T(0));
+  std::fill(head.dv + swept * d_v, head.dv + n_k * d_v, T(0));
+  check_input(setup, head.k + swept * d, n_k - swept, d);  // read by nothing else
+  check_input(setup, head.v + swept * d_v, n_k - swept, d_v);
+  const LinearState<T> initial =
+      load_state(ports.initial_S, ports.initial_z, ports.initial_log_scale, m, d_v);
+  CausalPlan plan =
       plan_causal(n, n_k, head.q_offset, head.k_offset, kScanBlock, usable_threads(threading));
+  plan.key_start.back() = swept;
   const Index segments = plan.segments;
   const std::vector<Index>&query_start = plan.query_start, &key_start = plan.key_start;
-  LinearState<T> empty;
-  empty.reset(m, d_v);
   std::vector<LinearState<T>> start =
-      prefix_states<T>(plan, empty, head.k, head.v, head.k_offset, setup, &c.keys);
+      prefix_states<T>(plan, initial, head.k, head.v, head.k_offset, setup, &c.keys);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     scan_queries_backward(c, query_start[t], query_start[t + 1], start[t]);
   });
   c.queries.fill(n);
-  // The queries' state at each segment's end: the later segments' queries, summed from the back.
+  // The queries' state at each segment's end: the later segments' queries, summed from the back,
+  // after the final state's gradient.
   std::vector<QueryState<T>> end(segments);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     end[t].reset(m, d_v);
     if (t > 0) absorb_query_range(end[t], c, query_start[t], query_start[t + 1]);  // for end[t - 1]
   });
   for (Index t = 0; t + 1 < segments; ++t) end[t] = std::move(end[t + 1]);
-  end[segments - 1].reset(m, d_v);
-  for (Index t = segments - 3; t >= 0; --t) merge(end[t], end[t + 1]);
+  const double final_scale = std::max(initial.M, c.keys.all().max_log_scale());
+  end[segments - 1] = final_state_gradient(ports, final_scale, m, d_v);
+  for (Index t = segments - 2; t >= 0; --t) merge(end[t], end[t + 1]);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     scan_keys_backward(c, key_start[t], key_start[t + 1], query_start[t + 1], end[t]);
   });
+  if (ports.d_initial_S == nullptr) return;
+  // end[0] now holds every query whose own key is a key of this call; those before the first key
+  // (or all of segment 0's, when its sweep had no key and so took none) saw the initial state only.
+  const Index unseen =
+      key_start[1] > 0 ? std::clamp(-c.shift, Index(0), query_start[1]) : query_start[1];
+  absorb_query_range(end[0], c, 0, unseen);
+  store_initial_gradient(ports, end[0], m, d_v);
 }
 
 template void linear_causal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
-                                            Threads);
+                                            Threads, const StatePorts<float>&);
 template void linear_causal_backward<double>(const LinearGradientHead<double>&, const LinearSetup&,
-                                             Threads);
+                                             Threads, const StatePorts<double>&);
 
 }  // namespace linrope::detail

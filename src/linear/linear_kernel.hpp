@@ -42,6 +42,25 @@ struct LinearState {
   }
 };
 
+// The state in row-major buffers S [m x d_v] and z [m] at log_scale, as the public
+// LinearAttentionState and HeadStates hold it; null S, or log_scale -inf: the empty state.
+template <class T>
+LinearState<T> load_state(const T* S, const T* z, double log_scale, Index m, Index d_v) {
+  LinearState<T> state;
+  state.reset(m, d_v);
+  if (S == nullptr || log_scale == -std::numeric_limits<double>::infinity()) return state;
+  state.S = Eigen::Map<const Matrix<T>>(S, m, d_v);
+  state.z = Eigen::Map<const Vector<T>>(z, m);
+  state.M = log_scale;
+  return state;
+}
+template <class T>
+void store_state(const LinearState<T>& state, T* S, T* z, double* log_scale) {
+  Eigen::Map<Matrix<T>>(S, state.S.rows(), state.S.cols()) = state.S;
+  Eigen::Map<Vector<T>>(z, state.z.size()) = state.z;
+  *log_scale = state.M;
+}
+
 // Accumulates DenominatorStats from den~_i and its log scale a_i + M_i.
 class DenominatorTally {
  public:
