@@ -170,7 +170,7 @@ class CMakeBuild(build_ext):
 setup(
     version=cmake_version(),
     package_dir={"": "python"},
-    packages=["linrope"],
+    packages=["linrope", "linrope.torch"],
     ext_modules=[Extension("linrope._core", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
 )

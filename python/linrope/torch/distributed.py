@@ -1,0 +1,210 @@
+"""linrope.torch.distributed: causal linear attention over a sequence split across processes.
+
+    linear_attention(q, k, v, feature_map, *, group=None, **options of linrope.torch.linear_attention)
+
+Each rank of the torch.distributed group holds a contiguous slice of every sequence, q, k, v of
+shape [B, H, n_local, d] (n_local may differ between ranks; rank r's tokens follow rank r - 1's,
+and positions continue: rank r's first token sits at q_offset + the tokens of ranks 0..r-1).
+Causal linear attention only needs, from the tokens before a slice, their state: the sums of
+their key features times values, S [m x d_v], and of their key features, z [m], with the
+stabiliser's log scale (linrope.torch.LinearState; include/linrope/attention.hpp, "State in,
+state out"). So each rank
+
+  1. exchanges a few integers describing its call (all_gather), so that when a rank's input is
+     unusable (not [B, H, n, d], non-finite, lengths given, causal=False) or differs from rank
+     0's (heads, widths, dtype, feature map kind, width and seed, placement, rope width,
+     offsets), every rank raises the same ValueError instead of waiting for the others forever;
+  2. sums the state of its own keys (a keys-only call: no queries);
+  3. gathers every rank's state (all_gather, list form: gloo has no all_gather_into_tensor);
+  4. merges the states of the ranks before it into its prefix state, and runs its slice from it.
+
+The backward runs the exchange the other way: each rank's gradient with respect to every gathered
+state is summed over the ranks (all_reduce), and each rank takes its own state's, which the
+keys-only call turns into gradients of its k and v. Every rank must call backward (the
+all_reduce waits for all), as with DistributedDataParallel.
+
+What travels, per call (one layer), for P ranks, B x H heads, m features, d_v value width and w
+bytes per element (4 for float32, 8 for float64), whatever the sequence length:
+
+  state bytes    s = B H (m (d_v + 1) w + 8)        (S and z, plus the float64 log scale)
+  forward        all_gather of s from every rank: each rank receives (P - 1) s
+                 + all_gather of 19 int64 (the call's description): 152 (P - 1) bytes
+  backward       all_reduce of P s (the gradients of every gathered S and z, without the scales)
+
+Three collectives per forward and backward (two in the forward, one in the backward), each of
+O(P s) bytes: for B = 1, H = 8, m = 256, d_v = 64, float32, s = 532 kB. Exact softmax attention
+would need every earlier rank's keys and values instead: O(n) bytes.
+"""
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from linrope.torch import LinearState, _LINEAR, _STATS, linear_attention as _local_attention
+
+__all__ = ["linear_attention", "state_bytes"]
+
+_PLACEMENTS = ("none", "before_map", "numerator_only", "full")
+_DTYPES = (torch.float32, torch.float64)
+
+# The fields of a call's description, in the order exchanged: each must agree on every rank
+# (but the slice lengths, which may differ, and the local checks' outcome, reported per rank).
+_FIELDS = ("dimensions", "batch", "heads", "n_q", "n_k", "d", "d_v", "dtype", "map output_dim",
+           "map seed", "map kind", "placement", "rope dim", "q_offset", "k_offset", "causal",
+           "lengths given", "initial_state given", "finite")
+_MUST_AGREE = ("dimensions", "batch", "heads", "d", "d_v", "dtype", "map output_dim", "map seed",
+               "map kind", "placement", "rope dim", "q_offset", "k_offset", "causal",
+               "initial_state given")
+
+
+def state_bytes(batch, heads, m, d_v, dtype=torch.float32):
+    """Bytes of one state as exchanged: S and z in dtype, and the float64 log scale."""
+    width = torch.finfo(dtype).bits // 8
+    return batch * heads * (m * (d_v + 1) * width + 8)
+
+
+def _describe(q, k, v, feature_map, options, offsets, lengths_given, initial_given):
+    """The call's description as int64 values (unusable input: -1), checked after the exchange
+    (_check_descriptions) so that every rank raises together."""
+    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
+    four = tensors and all(t.dim() == 4 for t in (q, k, v))
+
+    def size(t, i):
+        return int(t.shape[i]) if four else -1
+    dtype = q.dtype if tensors and q.dtype == k.dtype == v.dtype else None
+    finite = four and dtype in _DTYPES and all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+    rope = options["rope"]
+    return [4 if four else -1, size(q, 0), size(q, 1), size(q, 2), size(k, 2), size(q, 3),
+            size(v, 3), _DTYPES.index(dtype) if dtype in _DTYPES else -1,
+            int(feature_map.output_dim), int(feature_map.seed) % (1 << 62),
+            zlib.crc32(feature_map.kind.encode()),
+            _PLACEMENTS.index(options["placement"]) if options["placement"] in _PLACEMENTS else -1,
+            int(rope.dim) if rope is not None else -1, int(offsets[0]), int(offsets[1]),
+            int(bool(options["causal"])), int(lengths_given), int(initial_given), int(finite)]
+
+
+def _check_descriptions(rows):
+    """The same message on every rank for the first problem among the ranks' descriptions."""
+    first = dict(zip(_FIELDS, rows[0]))
+    for rank, row in enumerate(rows):
+        here = dict(zip(_FIELDS, row))
+        where = f"linrope.torch.distributed.linear_attention: rank {rank}"
+        if here["dimensions"] != 4:
+            raise ValueError(f"{where}: q, k and v must be [B, H, n_local, d] tensors (4 "
+                             f"dimensions each)")
+        if here["dtype"] < 0:
+            raise ValueError(f"{where}: q, k and v must share one dtype, torch.float32 or "
+                             f"torch.float64")
+        if not here["causal"]:
+            raise ValueError(f"{where}: causal is False but a sequence split across ranks is "
+                             f"causal attention (pass causal=True)")
+        if here["lengths given"]:
+            raise ValueError(f"{where}: q_lengths or k_lengths given, but a split sequence has "
+                             f"no padding (each rank's slice is all tokens)")
+        if not here["finite"]:
+            raise ValueError(f"{where}: q, k or v holds a non-finite value")
+        if here["q_offset"] != here["k_offset"]:
+            raise ValueError(f"{where}: q_offset is {here['q_offset']} but k_offset is "
+                             f"{here['k_offset']}; a split sequence's q and k are the same tokens")
+        if here["n_q"] != here["n_k"]:
+            raise ValueError(f"{where}: q has n_local = {here['n_q']} but k has "
+                             f"{here['n_k']}: a rank's q, k and v are the same tokens")
+        for field in _MUST_AGREE:
+            if here[field] != first[field]:
+                shown = _PLACEMENTS if field == "placement" else _DTYPES if field == "dtype" \
+                    else None
+                a, b = first[field], here[field]
+                if shown is not None:
+                    a, b = shown[a] if a >= 0 else "?", shown[b] if b >= 0 else "?"
+                raise ValueError(f"{where}: {field} is {b} but rank 0's is {a}; every rank "
+                                 f"must make the same call on its own slice")
+
+
+class _GatherStates(torch.autograd.Function):
+    """Every rank's packed (S, z) [B, H, m (d_v + 1)] -> [P, B, H, m (d_v + 1)]; the backward sums
+    the gradients of the gathered pieces over the ranks and returns this rank's own."""
+
+    @staticmethod
+    def forward(ctx, packed, group):
+        ctx.group = group
+        ctx.rank = dist.get_rank(group)
+        pieces = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, packed.contiguous(), group=group)
+        return torch.stack(pieces)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def _gather_scales(log_scale, group):
+    pieces = [torch.empty_like(log_scale) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, log_scale.contiguous(), group=group)
+    return torch.stack(pieces)
+
+
+def _merge_masked(S, z, scales, keep, initial):
+    """The state holding the gathered states p with keep[p] (and `initial`, if any), written over
+    all P of them (masked by weight 0) so that every rank's output depends on the gathered tensor
+    and every rank's backward reaches the all_reduce."""
+    if initial is not None:
+        S = torch.cat([initial.S[None], S])
+        z = torch.cat([initial.z[None], z])
+        scales = torch.cat([initial.log_scale[None], scales])
+        keep = [True] + keep
+    mask = torch.tensor(keep)[:, None, None]
+    kept = torch.where(mask, scales, torch.full_like(scales, -torch.inf))
+    top = kept.max(0).values
+    weights = torch.exp(kept - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+    w = weights.to(S.dtype)
+    return LinearState((w[..., None, None] * S).sum(0), (w[..., None] * z).sum(0), top)
+
+
+def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
+                     placement=_LINEAR.placement, rope=None, eps=_LINEAR.eps,
+                     q_offset=_LINEAR.q_offset, k_offset=_LINEAR.k_offset, return_stats=False,
+                     stats_threshold=_STATS.threshold, method=_LINEAR.method,
+                     chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
+                     initial_state=None, return_state=False):
+    """Causal linear attention over a sequence split across the ranks of `group` (default: the
+    whole world), each holding a contiguous slice [B, H, n_local, d] of q, k, v; returns this
+    rank's outputs [B, H, n_local, d_v], equal (to rounding) to the matching rows of
+    linrope.torch.linear_attention on the whole sequence, in value and gradient. The options are
+    linrope.torch.linear_attention's: q_offset and k_offset give the whole sequence's first
+    position (the same on every rank), initial_state the state before the whole sequence (given
+    on every rank: used by rank 0's slice), return_state=True also returns the state after the
+    whole sequence (the same on every rank). causal must be True and lengths None. See the
+    module's docstring for what travels between ranks and how much."""
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    options = dict(causal=causal, placement=placement, rope=rope, eps=eps, method=method,
+                   chunk_size=chunk_size)
+    mine = _describe(q, k, v, feature_map, options, (q_offset, k_offset),
+                     q_lengths is not None or k_lengths is not None, initial_state is not None)
+    rows = [torch.empty(len(_FIELDS), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(rows, torch.tensor(mine, dtype=torch.int64), group=group)
+    rows = [r.tolist() for r in rows]
+    _check_descriptions(rows)
+    offset = q_offset + sum(row[_FIELDS.index("n_q")] for row in rows[:rank])
+    # 2. This rank's keys alone: a call without queries leaves their state.
+    _, local = _local_attention(q[:, :, :0], k, v, feature_map, q_offset=offset, k_offset=offset,
+                                return_state=True, **options)
+    batch, heads, m, d_v = local.S.shape
+    # 3. Every rank's state: S and z packed in q's dtype (differentiable), the scales apart.
+    packed = torch.cat([local.S.reshape(batch, heads, m * d_v), local.z], -1)
+    gathered = _GatherStates.apply(packed, group)
+    scales = _gather_scales(local.log_scale, group)
+    S_all = gathered[..., :m * d_v].reshape(world, batch, heads, m, d_v)
+    z_all = gathered[..., m * d_v:]
+    initial = None if initial_state is None else LinearState(*initial_state)
+    # 4. The ranks before this one, then this rank's slice from their state.
+    prefix = _merge_masked(S_all, z_all, scales, [p < rank for p in range(world)], initial)
+    result = _local_attention(q, k, v, feature_map, q_offset=offset, k_offset=offset,
+                              initial_state=prefix, return_stats=return_stats,
+                              stats_threshold=stats_threshold, **options)
+    if not return_state:
+        return result
+    final = _merge_masked(S_all, z_all, scales, [True] * world, initial)
+    return (*result, final) if return_stats else (result, final)

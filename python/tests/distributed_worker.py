@@ -1,0 +1,122 @@
+"""One rank of test_distributed.py: python3 distributed_worker.py RANK WORLD PORT SCENARIO OUT.
+
+Joins a gloo group of WORLD processes on 127.0.0.1:PORT, runs the scenario's calls of
+linrope.torch.distributed.linear_attention on its slice of each sequence, and saves what it got
+(outputs, gradients, or the error message it raised) to OUT with torch.save. The inputs of every
+case are drawn from fixed seeds (cases()), so the parent test can compute the single-process call
+on the whole sequence and compare."""
+import datetime
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import linrope
+import linrope.torch as lt
+import linrope.torch.distributed as ltd
+
+MAPS = ["elu+1", "favor+", "favor-hyp", "relu"]
+PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
+
+
+def slices(n, world, uneven):
+    """Slice lengths: equal, or uneven (rank 0 the longest, one rank a single token)."""
+    if not uneven:
+        return [n // world + (r < n % world) for r in range(world)]
+    lengths = [1] * world
+    lengths[0] = n - (world - 1) - (world - 2) * 2
+    for r in range(1, world - 1):
+        lengths[r] = 3
+    return lengths
+
+
+def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
+    """The whole sequence's inputs, the map, and the options of one case."""
+    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=seed)
+    width = d if placement == "before_map" else fm.output_dim
+    rope = None if placement == "none" else linrope.Rope(width, rotary_dim=width - width % 2)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, d_out = [0.5 * torch.randn(2, 2, n, w, generator=g, dtype=torch.float64)
+                      for w in (d, d, d_v, d_v)]
+    options = dict(causal=True, placement=placement, rope=rope, q_offset=5, k_offset=5,
+                   eps=1.0 if placement == "full" else 1e-6)
+    return fm, q, k, v, d_out, options
+
+
+def cases():
+    """(kind, placement, uneven, with_state): every map x placement, equal and uneven slices;
+    one initial/final-state case per map."""
+    for i, kind in enumerate(MAPS):
+        for j, placement in enumerate(PLACEMENTS):
+            yield kind, placement, bool((i + j) % 2), placement == "numerator_only"
+
+
+def initial_state(fm, seed):
+    g = torch.Generator().manual_seed(seed + 100)
+    m = fm.output_dim
+    S = torch.randn(2, 2, m, 3, generator=g, dtype=torch.float64)
+    z = torch.rand(2, 2, m, generator=g, dtype=torch.float64) + 0.5
+    return lt.LinearState(S, z, torch.full((2, 2), 0.25, dtype=torch.float64))
+
+
+def run_case(rank, world, index, kind, placement, uneven, with_state):
+    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index)
+    lengths = slices(q.shape[2], world, uneven)
+    begin = sum(lengths[:rank])
+    part = [x[:, :, begin:begin + lengths[rank]].clone().requires_grad_() for x in (q, k, v)]
+    state = None
+    if with_state:
+        state = lt.LinearState(*[t.clone().requires_grad_() if t.dtype == torch.float64
+                                 and t.dim() > 2 else t for t in initial_state(fm, index)])
+    result = ltd.linear_attention(*part, fm, initial_state=state, return_state=with_state,
+                                  **options)
+    out, final = result if with_state else (result, None)
+    loss = (out * d_out[:, :, begin:begin + lengths[rank]]).sum()
+    if with_state and rank == 0:
+        # The final state's sums enter rank 0's loss (every rank holds the same final state; the
+        # whole-sequence loss has it once): its gradient reaches every rank's keys.
+        scale = torch.exp(final.log_scale)
+        loss = loss + (final.S * scale[..., None, None]).sum() + (final.z * scale[..., None]).sum()
+    loss.backward()
+    got = dict(out=out.detach(), dq=part[0].grad, dk=part[1].grad, dv=part[2].grad,
+               lengths=lengths)
+    if with_state:
+        got.update(final=[t.detach() for t in final], dS0=state.S.grad, dz0=state.z.grad)
+    return got
+
+
+def bad_input(rank, world):
+    """Rank 1 passes 3 heads where the others pass 2: every rank must raise the same error."""
+    fm = linrope.FeatureMap("elu+1", 4)
+    heads = 3 if rank == 1 else 2
+    q = torch.randn(1, heads, 5, 4, dtype=torch.float64)
+    try:
+        ltd.linear_attention(q, q, q[..., :3], fm, placement="none")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def main():
+    rank, world, port, scenario, out = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                        sys.argv[4], sys.argv[5])
+    torch.set_num_threads(1)
+    linrope.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        if scenario == "cases":
+            result = [run_case(rank, world, i, *case) for i, case in enumerate(cases())]
+        else:
+            result = bad_input(rank, world)
+        torch.save(result, out)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
