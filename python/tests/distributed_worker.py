@@ -86,6 +86,29 @@ def run_case(rank, world, index, kind, placement, uneven, with_state):
     return got
 
 
+def layer_inputs(seed=11, batch=2, n=21, embed=16):
+    torch.manual_seed(seed)
+    layer = lt.MultiheadAttention(embed, 2, attention="linear", feature_map="favor+", causal=True,
+                                  seed=seed).double()
+    g = torch.Generator().manual_seed(seed)
+    x, d_out = [torch.randn(batch, n, embed, generator=g, dtype=torch.float64) for _ in range(2)]
+    return layer, x, d_out
+
+
+def run_layer(rank, world):
+    """The layer on this rank's slice, sequence-parallel: its output rows and its parameters'
+    gradients (this rank's share: summed over ranks, they are the whole's)."""
+    layer, x, d_out = layer_inputs()
+    lengths = slices(x.shape[1], world, uneven=True)
+    begin = sum(lengths[:rank])
+    part = x[:, begin:begin + lengths[rank]].clone().requires_grad_()
+    layer.sequence_parallel = True
+    out = layer(part)
+    (out * d_out[:, begin:begin + lengths[rank]]).sum().backward()
+    return dict(out=out.detach(), dx=part.grad,
+                grads={name: p.grad for name, p in layer.named_parameters()})
+
+
 def bad_input(rank, world):
     """Rank 1 passes 3 heads where the others pass 2: every rank must raise the same error."""
     fm = linrope.FeatureMap("elu+1", 4)
@@ -108,6 +131,8 @@ def main():
     try:
         if scenario == "cases":
             result = [run_case(rank, world, i, *case) for i, case in enumerate(cases())]
+        elif scenario == "layer":
+            result = run_layer(rank, world)
         else:
             result = bad_input(rank, world)
         torch.save(result, out)

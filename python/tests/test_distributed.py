@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import linrope.torch as lt
-from distributed_worker import case_inputs, cases, initial_state
+from distributed_worker import case_inputs, cases, initial_state, layer_inputs
 
 TIMEOUT = 120
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
@@ -100,7 +100,39 @@ def test_split_sequence_equals_one_process(world, tmp_path):
                 assert close(got, want[name]), f"{what}: {name}"
 
 
+def test_a_sequence_parallel_layer_equals_one_process(tmp_path):
+    # MultiheadAttention with sequence_parallel=True on 3 ranks (uneven slices) against the layer
+    # on the whole sequence: outputs, input gradients, and the parameters' gradients summed over
+    # the ranks (what a data-parallel all-reduce of the gradients would give).
+    ranks = launch(3, "layer", tmp_path)
+    layer, x, d_out = layer_inputs()
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    (out * d_out).sum().backward()
+    assert close(torch.cat([r["out"] for r in ranks], 1), out.detach())
+    assert close(torch.cat([r["dx"] for r in ranks], 1), x.grad)
+    for name, p in layer.named_parameters():
+        assert close(sum(r["grads"][name] for r in ranks), p.grad), name
+
+
 def test_mismatched_heads_raise_on_every_rank(tmp_path):
     messages = launch(2, "bad", tmp_path)
     assert messages[0] is not None and messages[0] == messages[1]
     assert "rank 1: heads is 3 but rank 0's is 2" in messages[0]
+
+
+def test_sequence_parallel_layers_refuse_what_cannot_be_split():
+    # Refused before any collective, so no process group is needed.
+    x = torch.randn(1, 4, 8)
+    softmax = lt.MultiheadAttention(8, 2, attention="softmax", causal=True)
+    softmax.sequence_parallel = True
+    with pytest.raises(ValueError, match="needs attention='linear'"):
+        softmax(x)
+    noncausal = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1")
+    noncausal.sequence_parallel = True
+    with pytest.raises(ValueError, match="needs causal=True"):
+        noncausal(x)
+    causal = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True)
+    causal.sequence_parallel = True
+    with pytest.raises(ValueError, match="takes no lengths"):
+        causal(x, lengths=[4])

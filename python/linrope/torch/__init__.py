@@ -19,6 +19,7 @@ Layers (torch.nn.Module):
     MultiheadAttention  q/k/v/out projections and attention chosen by name: "softmax" (exact, RoPE
         on q and k) or "linear" (a feature map, a RoPE placement, eps, feature redraws).
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -317,6 +318,13 @@ class MultiheadAttention(nn.Module):
         restores W and the redraw schedule.
     track_stats=True keeps the last forward's denominator statistics in last_stats (linear only);
     stats_threshold is the |den| below which a denominator counts as tiny (below_threshold).
+
+    Sequence parallelism: with sequence_parallel=True (an attribute, settable after construction),
+    each rank of sequence_group (None: the whole torch.distributed world) holds a contiguous slice
+    of every sequence, and causal linear attention runs through linrope.torch.distributed, which
+    exchanges only states between the ranks; first_position is then the whole sequence's first
+    position (each rank's own follows from the slices before it). Causal linear self-attention
+    only, without lengths.
     """
 
     def __init__(self, embed_dim, num_heads, attention="softmax", *, causal=False, rope=True,
@@ -346,6 +354,7 @@ class MultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.track_stats, self.stats_threshold, self.last_stats = track_stats, stats_threshold, None
         self.redraw_interval = redraw_interval
+        self.sequence_parallel, self.sequence_group = False, None
         self.feature_map, self.rope = None, None
         if attention == "softmax":
             self.placement = None
@@ -396,6 +405,9 @@ class MultiheadAttention(nn.Module):
         where = dict(q_offset=first_position, k_offset=first_position, q_lengths=lengths,
                      k_lengths=key_lengths)
         if self.attention == "softmax":
+            if self.sequence_parallel:
+                raise ValueError("MultiheadAttention: sequence_parallel needs attention='linear' "
+                                 "(softmax attention needs every earlier key, not a state)")
             out = softmax_attention(q, k, v, causal=self.causal, rope=self.rope, **where)
         else:
             if self.training and self.redraw_interval:
@@ -405,14 +417,30 @@ class MultiheadAttention(nn.Module):
                 self.training_forwards.fill_(done + 1)
             if self.feature_map.seed != int(self.feature_seed):  # after load_state_dict
                 self.feature_map = _core.FeatureMap(seed=int(self.feature_seed), **self._map_args)
-            result = linear_attention(q, k, v, self.feature_map, causal=self.causal,
-                                      placement=self.placement, rope=self.rope, eps=self.eps,
-                                      method=self.method, chunk_size=self.chunk_size,
-                                      return_stats=self.track_stats,
-                                      stats_threshold=self.stats_threshold, **where)
+            attend = linear_attention
+            if self.sequence_parallel:
+                self._check_sequence_parallel(key is query, lengths, key_lengths)
+                from linrope.torch import distributed  # imports torch.distributed only when used
+                attend = functools.partial(distributed.linear_attention, group=self.sequence_group)
+                where = dict(q_offset=first_position, k_offset=first_position)
+            result = attend(q, k, v, self.feature_map, causal=self.causal,
+                            placement=self.placement, rope=self.rope, eps=self.eps,
+                            method=self.method, chunk_size=self.chunk_size,
+                            return_stats=self.track_stats, stats_threshold=self.stats_threshold,
+                            **where)
             out, self.last_stats = result if self.track_stats else (result, None)
         out = out.transpose(1, 2).reshape(batch, n, self.embed_dim)
         return self.out_proj(out)
+
+    def _check_sequence_parallel(self, self_attention, lengths, key_lengths):
+        if not self.causal:
+            raise ValueError("MultiheadAttention: sequence_parallel needs causal=True")
+        if not self_attention:
+            raise ValueError("MultiheadAttention: sequence_parallel needs self-attention (key and "
+                             "value None)")
+        if lengths is not None or key_lengths is not None:
+            raise ValueError("MultiheadAttention: sequence_parallel takes no lengths (a split "
+                             "sequence has no padding)")
 
     def extra_repr(self):
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, attention={self.attention!r}"
