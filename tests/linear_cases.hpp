@@ -52,7 +52,8 @@ inline reference::LinearSpec reference_spec(const LinearOptions& options,
           .rope = rope,
           .eps = options.eps,
           .q_offset = options.q_offset,
-          .k_offset = options.k_offset};
+          .k_offset = options.k_offset,
+          .denominator = options.denominator};
 }
 
 }  // namespace linrope::testing

@@ -94,6 +94,7 @@ struct Problem {
   double scale = 0.7;    // standard deviation of q and k
   double v_mean = 0;     // added to every v entry
   std::uint64_t seed = 1;
+  bool denominator = true;  // false: o = num (LinearOptions::denominator)
 };
 
 // Everything a comparison needs: the map, the rope, the options, and inputs (double matrices
@@ -117,6 +118,7 @@ struct Setup {
     d_out = as_float(gaussian(p.n, p.d_v, p.seed + 3));
     options = linear_options(p.causal, p.placement, rope ? &*rope : nullptr, p.eps, p.q_offset,
                              p.k_offset);
+    options.denominator = p.denominator;
     phi = ref::feature_formula(*map);
   }
   Setup(const Setup&) = delete;  // options.rope points into this object
@@ -182,7 +184,8 @@ inline Gradients finite_differences(const Setup& s) {
     if (r.admissible[std::size_t(i)] == 0 || den == 0) continue;
     const double o = r.out.cols() > 0 ? r.out.row(i).cwiseAbs().maxCoeff() : 0.0;
     size += s.d_out.row(i).cwiseAbs().sum() *
-            (r.num_magnitude(i) + o * (r.den_magnitude(i) + s.p.eps)) / den;
+            (s.p.denominator ? (r.num_magnitude(i) + o * (r.den_magnitude(i) + s.p.eps)) / den
+                             : r.num_magnitude(i));
   }
   const double rounding = 4 * double(s.m + s.p.d + s.k.rows() + 16) * kUnitDouble * size / h;
   for (MatrixD* e : {&g.error_q, &g.error_k, &g.error_v}) e->array() += rounding;
@@ -294,8 +297,9 @@ inline Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want) {
   VectorD a_weight = VectorD::Zero(n), b_weight = VectorD::Zero(n), amp = VectorD::Zero(n);
   for (Index i = 0; i < n; ++i) {
     if (want.admissible[std::size_t(i)] == 0) continue;
-    const double den = std::abs(want.den(i) + p.eps);
-    const double den_mag = want.den_magnitude(i) + p.eps;
+    // Without a denominator o_i = num_i: D_i = 1 exactly, and no term through den.
+    const double den = p.denominator ? std::abs(want.den(i) + p.eps) : 1.0;
+    const double den_mag = p.denominator ? want.den_magnitude(i) + p.eps : 1.0;
     b.row_den(i) = den;
     b.row_den_magnitude(i) = den_mag;
     if (den == 0) continue;
@@ -308,7 +312,8 @@ inline Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want) {
     // the dB factor's), (2 + cond_i) on dv's A_ij / D_i.
     amp(i) = (2 + cond) / den;
     a_weight(i) = d_sum * amp(i);
-    b_weight(i) = d_sum * (want.num_magnitude(i) / den + (2 + 2 * cond) * o) / den;
+    b_weight(i) =
+        p.denominator ? d_sum * (want.num_magnitude(i) / den + (2 + 2 * cond) * o) / den : 0.0;
   }
   MatrixD mask = MatrixD::Zero(n, n_k);
   for (Index i = 0; i < n; ++i)
@@ -421,8 +426,46 @@ inline std::string describe(const Problem& p) {
                   " d_v=" + std::to_string(p.d_v) + " q_offset=" + std::to_string(p.q_offset) +
                   " k_offset=" + std::to_string(p.k_offset) + " eps=" + std::to_string(p.eps) +
                   (p.layout == RopeLayout::Half ? " half" : " interleaved") +
-                  (p.partial ? " partial" : "") + (p.yarn ? " yarn" : "");
+                  (p.partial ? " partial" : "") + (p.yarn ? " yarn" : "") +
+                  (p.denominator ? "" : " no-denominator");
   return s;
+}
+
+// Counts of comparisons run and skipped as ill-conditioned, per precision.
+struct Tally {
+  int run_float = 0, skipped_float = 0, run_double = 0, skipped_double = 0;
+};
+
+// One problem: finite differences once, then every method in float and double against them.
+inline void check_problem(const Problem& p, Tally& tally) {
+  const std::string name = describe(p);
+  CAPTURE(name);
+  const Setup s(p);
+  const ref::LinearResult want = s.reference();
+  const Gradients fd = finite_differences(s);
+  const Bounds b = gradient_bounds(s, want);
+  const double gamma_f = rounding_gamma_of<float>(s), gamma_d = rounding_gamma_of<double>(s);
+  const bool ok_f = b.conditioned(gamma_f), ok_d = b.conditioned(gamma_d);
+  const std::vector<Method> methods =
+      p.causal ? kGradientMethods : std::vector<Method>{{CausalMethod::Scan, 64}};
+  for (const Method& method : methods) {
+    CAPTURE(int(method.method));
+    CAPTURE(method.chunk);
+    if (ok_d) {
+      INFO("double");
+      check_gradients(s.run<double>(method), fd, b, gamma_d);
+      ++tally.run_double;
+    } else {
+      ++tally.skipped_double;
+    }
+    if (ok_f) {
+      INFO("float");
+      check_gradients(s.run<float>(method), fd, b, gamma_f);
+      ++tally.run_float;
+    } else {
+      ++tally.skipped_float;
+    }
+  }
 }
 
 }  // namespace linrope::testing

@@ -34,42 +34,6 @@ namespace {
 using namespace linrope;
 using namespace linrope::testing;
 
-// Counts of comparisons run and skipped as ill-conditioned, per precision.
-struct Tally {
-  int run_float = 0, skipped_float = 0, run_double = 0, skipped_double = 0;
-};
-
-// One problem: finite differences once, then every method in float and double against them.
-void check_problem(const Problem& p, Tally& tally) {
-  const std::string name = describe(p);
-  CAPTURE(name);
-  const Setup s(p);
-  const ref::LinearResult want = s.reference();
-  const Gradients fd = finite_differences(s);
-  const Bounds b = gradient_bounds(s, want);
-  const double gamma_f = rounding_gamma_of<float>(s), gamma_d = rounding_gamma_of<double>(s);
-  const bool ok_f = b.conditioned(gamma_f), ok_d = b.conditioned(gamma_d);
-  const std::vector<Method> methods =
-      p.causal ? kGradientMethods : std::vector<Method>{{CausalMethod::Scan, 64}};
-  for (const Method& method : methods) {
-    CAPTURE(int(method.method));
-    CAPTURE(method.chunk);
-    if (ok_d) {
-      INFO("double");
-      check_gradients(s.run<double>(method), fd, b, gamma_d);
-      ++tally.run_double;
-    } else {
-      ++tally.skipped_double;
-    }
-    if (ok_f) {
-      INFO("float");
-      check_gradients(s.run<float>(method), fd, b, gamma_f);
-      ++tally.run_float;
-    } else {
-      ++tally.skipped_float;
-    }
-  }
-}
 
 // The shapes every (map, placement, causal) combination runs.
 std::vector<Problem> shapes(FeatureMapKind kind, RopePlacement placement, bool causal,

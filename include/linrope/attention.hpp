@@ -45,6 +45,8 @@ MatrixD softmax_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
 //                  den sum_j <phi_i, psi_j>: unrotated, so positive for non-negative maps
 //   Full           num <R_i phi_i, R_j psi_j>                  den sum_j <R_i phi_i, R_j psi_j>
 //                  (may reach zero or go negative)
+// With LinearOptions::denominator false, o_i = sum_j num_ij v_j (no den): None, BeforeMap and
+// NumeratorOnly (= Full) remain.
 enum class RopePlacement { None, BeforeMap, NumeratorOnly, Full };
 
 // How a causal linear attention is computed; all agree to rounding.
@@ -64,6 +66,11 @@ struct LinearOptions {
   Index q_offset = 0, k_offset = 0;
   CausalMethod method = CausalMethod::Scan;
   Index chunk_size = 64;  // Chunked only
+  // false: no denominator, o_i = num_i, as most linear models in use now compute it (TransNormer's
+  // NormAttention, RetNet, GLA; they normalise the output instead, e.g. an RMSNorm per head, which
+  // linrope.torch.MultiheadAttention adds). eps is then unused. NumeratorOnly and Full are then
+  // one function: NumeratorOnly is the one kept, Full is refused.
+  bool denominator = true;
 };
 
 // Statistics of den_i over the query rows, on the unstabilised scale and without eps.
@@ -72,7 +79,8 @@ struct LinearOptions {
 // denominator: its output is zero, and it is counted in count and no_keys only. A row that does
 // attend but whose divisor den_i + eps is exactly 0 or not finite (0 / 0 with eps = 0, a `full`
 // denominator that cancels to 0, an overflow) is also written as a zero row: it is counted in
-// zero_divisor as well as in min, nonpositive and below_threshold as its den_i says.
+// zero_divisor as well as in min, nonpositive and below_threshold as its den_i says. A call without
+// a denominator (LinearOptions::denominator false) counts rows in count and no_keys only.
 struct DenominatorStats {
   double min = 0;  // smallest den_i over the rows that attend to a key (0 if none does)
   Index nonpositive = 0;

@@ -103,7 +103,8 @@ void bind_options(py::module_& m) {
       .field("k_offset", &LinearOptions::k_offset)
       .name(
           "method", [](LinearOptions* o) { return &o->method; }, causal_method_from_string)
-      .field("chunk_size", &LinearOptions::chunk_size);
+      .field("chunk_size", &LinearOptions::chunk_size)
+      .field("denominator", &LinearOptions::denominator);
 
   StructBinding<DenominatorStats>(
       m, "DenominatorStats",

@@ -21,7 +21,7 @@ SoftmaxOptions softmax_options(std::string_view function, bool causal, std::opti
 
 LinearOptions linear_options(std::string_view function, bool causal, const std::string& placement,
                              const Rope* rope, double eps, Index q_offset, Index k_offset,
-                             const std::string& method, Index chunk_size) {
+                             const std::string& method, Index chunk_size, bool denominator) {
   return {.causal = causal,
           .placement = parse_name(function, rope_placement_from_string, placement),
           .rope = rope,
@@ -29,7 +29,8 @@ LinearOptions linear_options(std::string_view function, bool causal, const std::
           .q_offset = q_offset,
           .k_offset = k_offset,
           .method = parse_name(function, causal_method_from_string, method),
-          .chunk_size = chunk_size};
+          .chunk_size = chunk_size,
+          .denominator = denominator};
 }
 
 py::dict stats_dict(const DenominatorStats& s) {

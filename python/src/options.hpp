@@ -44,7 +44,7 @@ SoftmaxOptions softmax_options(std::string_view function, bool causal, std::opti
 
 LinearOptions linear_options(std::string_view function, bool causal, const std::string& placement,
                              const Rope* rope, double eps, Index q_offset, Index k_offset,
-                             const std::string& method, Index chunk_size);
+                             const std::string& method, Index chunk_size, bool denominator);
 
 py::dict stats_dict(const DenominatorStats& s);
 

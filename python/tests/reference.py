@@ -93,9 +93,9 @@ def softmax_attention(q, k, v, causal=False, scale=None, rope=None, q_offset=0, 
 
 
 def linear_attention(q, k, v, kind, W=None, causal=False, placement="numerator_only", rope=None,
-                     eps=1e-6, q_offset=0, k_offset=0):
+                     eps=1e-6, q_offset=0, k_offset=0, denominator=True):
     """The explicit n x n linear attention of docs/DESIGN.md's placement table ("Placements").
-    Returns (out, den)."""
+    Returns (out, den); denominator=False: out = num."""
     if placement == "before_map":
         q, k = rotate(q, q_offset, **rope), rotate(k, k_offset, **rope)
     phi, psi = feature_map(q, kind, W), feature_map(k, kind, W)
@@ -107,4 +107,4 @@ def linear_attention(q, k, v, kind, W=None, causal=False, placement="numerator_o
     mask = _mask(q.shape[-2], k.shape[-2], causal, q_offset, k_offset).to(D)
     num = (rotated * mask) @ v
     den = ((rotated if placement == "full" else plain) * mask).sum(-1, keepdim=True)
-    return num / (den + eps), den.squeeze(-1)
+    return (num / (den + eps) if denominator else num), den.squeeze(-1)

@@ -28,6 +28,10 @@ void check_linear_setup(std::string_view fn, const FeatureMap& map, const Linear
   if (options.method != CausalMethod::Chunked && options.method != CausalMethod::Scan)
     throw_invalid(fn, "options.method is ", method,
                   " but expected a CausalMethod (0 Chunked, 1 Scan)");
+  if (!options.denominator && options.placement == RopePlacement::Full)
+    throw_invalid(fn,
+                  "options.placement is full with options.denominator false; without a "
+                  "denominator full and numerator_only are one function: use numerator_only");
   if (options.placement == RopePlacement::None) return;
   const bool before_map = options.placement == RopePlacement::BeforeMap;
   const Index width = before_map ? d : map.output_dim();
@@ -40,12 +44,13 @@ void check_linear_setup(std::string_view fn, const FeatureMap& map, const Linear
                   to_string(options.placement), " needs width ", what, " = ", width);
 }
 
-PlacementPlan plan_placement(RopePlacement placement) {
+PlacementPlan plan_placement(const LinearOptions& options) {
+  const RopePlacement placement = options.placement;
   PlacementPlan plan;
   plan.rotate_input = placement == RopePlacement::BeforeMap;
   plan.rotate_features =
       placement == RopePlacement::NumeratorOnly || placement == RopePlacement::Full;
-  plan.separate_denominator = placement == RopePlacement::NumeratorOnly;
+  plan.separate_denominator = placement == RopePlacement::NumeratorOnly && options.denominator;
   return plan;
 }
 

@@ -251,26 +251,34 @@ void absorb_through(LinearState<T>& state, FeatureBlock<T>& keys, const T* k, co
   }
 }
 
-// den~_i + eps exp(-(a_i + M_i)), the stabilised divisor of output row i, given den~_i and its
-// log scale a_i + M_i; or 0 when the row's output is zero: nothing attended to (log_scale kEmpty),
-// 0 / 0 (eps = 0), or num / inf. Maps without a stabiliser (elu+1, relu, 1+cos) have log_scale 0
-// on every row: exp(-0) = 1 exactly, without the libm call.
-inline double stabilized_divisor(double den, double log_scale, double eps) {
+// The stabilised divisor D~_i of output row i, o_i = num~_i / D~_i, given den~_i and its log
+// scale a_i + M_i:
+//   with a denominator:    den~_i + eps exp(-(a_i + M_i))   (o_i = num_i / (den_i + eps))
+//   without (denominator false): exp(-(a_i + M_i))          (o_i = num_i: the shifts undone)
+// or 0 when the row's output is zero: nothing attended to (log_scale kEmpty), 0 / 0 (eps = 0),
+// num / inf, or, without a denominator, a scale outside double's range. Maps without a stabiliser
+// (elu+1, relu, 1+cos) have log_scale 0 on every row: exp(-0) = 1 exactly, without the libm call.
+inline double output_divisor(double den, double log_scale, const LinearOptions& options) {
   if (log_scale == kEmpty) return 0.0;
-  const double total = den + (eps > 0 ? eps * (log_scale == 0 ? 1.0 : std::exp(-log_scale)) : 0.0);
+  const auto shift = [&] { return log_scale == 0 ? 1.0 : std::exp(-log_scale); };
+  const double total = !options.denominator ? shift()
+                       : options.eps > 0    ? den + options.eps * shift()
+                                            : den;
   return total == 0 || !std::isfinite(total) ? 0.0 : total;
 }
 
-// o_i = num~_i / (den~_i + eps exp(-(a_i + M_i))); a zero row when nothing is attended to.
+// o_i = num~_i / D~_i (output_divisor); a zero row when nothing is attended to.
 // numerator: d_v contiguous values. Multiplying by the reciprocal in double (one rounding more
 // than dividing, far below float's) lets the loop vectorise.
 template <class T>
-void write_output(T* out, const T* numerator, Index d_v, double den, double log_scale, double eps,
-                  DenominatorTally* tally) {
-  const double total = stabilized_divisor(den, log_scale, eps);
+void write_output(T* out, const T* numerator, Index d_v, double den, double log_scale,
+                  const LinearOptions& options, DenominatorTally* tally) {
+  const double total = output_divisor(den, log_scale, options);
   if (tally) {
     if (log_scale == kEmpty)
       tally->add_no_keys();
+    else if (!options.denominator)
+      tally->add_without_denominator();
     else
       tally->add(den, log_scale, total == 0);
   }

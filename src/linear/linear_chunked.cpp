@@ -109,7 +109,7 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
     }
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * d_v, numerator.data() + r * d_v, d_v, den[r],
-                   queries.log_scale(r) + query_max[r], setup.options.eps, tally);
+                   queries.log_scale(r) + query_max[r], setup.options, tally);
     if (kb > 0 && (final_state == FinalState::EveryKey || next_rows > 0)) {
       absorb(
           state, keys, v + js * d_v, weighted, weights,

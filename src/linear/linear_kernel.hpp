@@ -69,6 +69,7 @@ class DenominatorTally {
   // or not finite).
   void add(double den_stabilized, double log_scale, bool zero_divisor);
   void add_no_keys() { ++count_, ++no_keys_; }  // a row that attends to no key
+  void add_without_denominator() { ++count_; }  // a row of a call without a denominator
   DenominatorTally empty() const { return DenominatorTally(threshold_); }
   void merge(const DenominatorTally& other);
   void merge_into(DenominatorStats& stats) const;  // accumulate (min, counts)
@@ -86,12 +87,14 @@ class DenominatorTally {
 //   BeforeMap:     num = den = phi(R_p x)                 (rotate_input)
 //   NumeratorOnly: num = R_p phi(x), den = phi(x)         (rotate_features, separate_denominator)
 //   Full:          num = den = R_p phi(x)                 (rotate_features)
+// Without a denominator (options.denominator false) nothing reads the denominator side, so it is
+// never made separate (and Full, which then equals NumeratorOnly, is refused by the checks).
 struct PlacementPlan {
   bool rotate_input = false;          // the map reads R_p x (BeforeMap)
   bool rotate_features = false;       // the numerator side is R_p phi(x)
   bool separate_denominator = false;  // the denominator side is other rows: the unrotated phi(x)
 };
-PlacementPlan plan_placement(RopePlacement placement);
+PlacementPlan plan_placement(const LinearOptions& options);
 
 // Everything a head needs besides its buffers. Options must already be checked
 // (check_linear_setup).
@@ -100,7 +103,7 @@ struct LinearSetup {
               Index d_v, NonFiniteFlag* flag = nullptr)
       : map(&feature_map),
         options(linear_options),
-        plan(plan_placement(linear_options.placement)),
+        plan(plan_placement(linear_options)),
         d(d_in),
         d_v(d_v),
         m(feature_map.output_dim()),

@@ -25,7 +25,7 @@ void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_
     den.noalias() = queries.den() * state.z;
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * setup.d_v, numerator.data() + r * setup.d_v, setup.d_v,
-                   double(den[r]), queries.log_scale(r) + state.M, setup.options.eps, tally);
+                   double(den[r]), queries.log_scale(r) + state.M, setup.options, tally);
   }
 }
 

@@ -32,7 +32,7 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
     std::vector<double> divisor(rows);
     for (Index r = 0; r < rows; ++r) {
       const double log_scale = queries.log_scale(r) + keys_state.M;
-      divisor[r] = stabilized_divisor(double(den[r]), log_scale, setup.options.eps);
+      divisor[r] = output_divisor(double(den[r]), log_scale, setup.options);
       scale[r] = divisor[r] == 0 ? kEmpty : keys_state.M;
       scaled_gradient(d_out + (qs + r) * d_v, g.data() + r * d_v, d_v, divisor[r]);
     }
@@ -40,7 +40,9 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
     RowMap<T>& den_side = separate ? gb : ga;
     if (separate) gb.setZero();
     for (Index r = 0; r < rows; ++r) {
-      delta[r] = divisor[r] == 0 ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / divisor[r];
+      delta[r] = divisor[r] == 0 || !setup.options.denominator
+                     ? 0.0
+                     : -double(queries.num().row(r).dot(ga.row(r))) / divisor[r];
       den_side.row(r) += T(delta[r]) * keys_state.z.transpose();
     }
     absorb_queries(queries_state, queries.all(),

@@ -64,7 +64,7 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
     scan_steps(state.S.data(), m, d_v, steps);
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * d_v, numerator.data() + r * d_v, d_v, den[r],
-                   queries.log_scale(r) + scale[r], setup.options.eps, tally);
+                   queries.log_scale(r) + scale[r], setup.options, tally);
     next = last;
   }
   if (final_state == FinalState::EveryKey) absorb_until(n_k);

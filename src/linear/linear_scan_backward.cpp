@@ -65,8 +65,8 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       }
       z.row(r) = state.z.transpose();
       const double den = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
-      divisor[r] = stabilized_divisor(
-          den, state.M == kEmpty ? kEmpty : queries.log_scale(r) + state.M, s.options.eps);
+      divisor[r] = output_divisor(den, state.M == kEmpty ? kEmpty : queries.log_scale(r) + state.M,
+                                  s.options);
       c.scale[i] = divisor[r] == 0 ? kEmpty : state.M;
       scaled_gradient(h.d_out + i * d_v, c.g + i * d_v, d_v, divisor[r]);
       steps.read[r] = c.g + i * d_v;
@@ -78,7 +78,8 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
     if (separate) gb.setZero();
     for (Index r = 0; r < rows; ++r) {
       const double D = divisor[r];
-      const double delta = D == 0 ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / D;
+      const double delta =
+          D == 0 || !s.options.denominator ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / D;
       c.delta[qs + r] = delta;
       den_side.row(r) += T(delta) * z.row(r);
     }

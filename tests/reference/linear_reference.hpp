@@ -151,6 +151,7 @@ struct LinearSpec {
   std::optional<RopeSpec> rope = std::nullopt;  // required for every placement but None
   double eps = 1e-6;
   Index q_offset = 0, k_offset = 0;
+  bool denominator = true;  // false: o_i = num_i
 };
 
 struct LinearResult {
@@ -164,6 +165,7 @@ struct LinearResult {
   VectorD den_magnitude;          // D_i = sum_j (bound for B_ij)
   std::vector<Index> admissible;  // keys each query attends to
   MatrixD out;                    // [n x d_v]
+  bool denominator = true;        // the spec's: false, out = num
 };
 
 // Row-wise magnitudes for the error bound of inner products of (possibly rotated) features:
@@ -261,7 +263,9 @@ inline LinearResult linear_attention(const MatrixD& q, const MatrixD& k, const M
   r.num_magnitude = mag * vmax;
   r.den_magnitude = mag_den.rowwise().sum();
   r.out.resize(n, v.cols());
-  for (Index i = 0; i < n; ++i) {
+  r.denominator = spec.denominator;
+  if (!spec.denominator) r.out = r.num;
+  for (Index i = 0; i < n && spec.denominator; ++i) {
     const double denominator = r.den(i) + spec.eps;
     for (Index c = 0; c < v.cols(); ++c)
       r.out(i, c) = (denominator == 0 && r.num(i, c) == 0) ? 0.0 : r.num(i, c) / denominator;
@@ -337,6 +341,7 @@ double rounding_gamma(Index m, Index d, Index n_k, double z_size) {
 
 // Per-row bound on |o_i error|_inf:
 //   gamma (N_i + |o_i|_inf (D_i + eps)) / (|den_i + eps| - gamma (D_i + eps)) + absolute;
+// without a denominator (o_i = num_i), gamma N_i + absolute;
 // +inf marks an ill-conditioned row (|den_i + eps| <= 2 gamma (D_i + eps)), 0 a row with no
 // admissible key (its output must be exactly zero). `absolute` is the output type's smallest
 // normal number: an exact output below it cannot be represented (it underflows to 0 or a
@@ -348,6 +353,10 @@ inline VectorD row_tolerances(const LinearResult& want, double gamma, double eps
   for (Index i = 0; i < n; ++i) {
     if (want.admissible[std::size_t(i)] == 0) {
       tol(i) = 0;
+      continue;
+    }
+    if (!want.denominator) {  // o_i = num_i: the numerator's own bound
+      tol(i) = gamma * want.num_magnitude(i) + absolute;
       continue;
     }
     const double big_d = want.den_magnitude(i) + eps;

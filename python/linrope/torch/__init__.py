@@ -237,10 +237,11 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
                      k_offset=_LINEAR.k_offset, return_stats=False,
                      stats_threshold=_STATS.threshold, method=_LINEAR.method,
                      chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
-                     initial_state=None, return_state=False):
+                     initial_state=None, return_state=False, denominator=_LINEAR.denominator):
     """Linear attention, differentiable in q, k and v (W held fixed); see
     linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
-    forward; both give the same gradients. With return_stats=True returns (out, stats), stats a
+    forward; both give the same gradients. denominator=False computes o = num (no
+    normalisation; placement full is then numerator_only and is refused). With return_stats=True returns (out, stats), stats a
     dict of the denominator statistics (min, nonpositive, below_threshold, threshold, count,
     no_keys, zero_divisor; include/linrope/attention.hpp says what each counts).
 
@@ -252,7 +253,8 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
     gradients of one call on the whole (to rounding)."""
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
                    k_offset=k_offset, method=method, chunk_size=chunk_size,
-                   q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
+                   q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths),
+                   denominator=denominator)
     stats = {} if return_stats else None
     S0, z0, log_scale0 = (None, None, None) if initial_state is None else tuple(initial_state)
     result = _LinearAttention.apply(q, k, v, S0, z0, log_scale0, feature_map, options, stats,
@@ -312,7 +314,10 @@ class MultiheadAttention(nn.Module):
         4 * head_dim, the m = 256 at d = 64 that linrope's benchmarks use) and RoPE placement
         ("none", "before_map", "numerator_only", "full"; default "numerator_only" when rope=True,
         else "none"), eps as in the C++ API, method ("scan" or "chunked") and chunk_size for the
-        causal forward. redraw_interval=k > 0 draws a new W every k forward
+        causal forward. denominator=False drops the denominator (o = num) and normalises
+        each head's output instead, an RMSNorm over its head_dim channels with a learned gain
+        (norm_eps inside the root), as TransNormer, RetNet and GLA do; placement "full" is then
+        refused (it equals "numerator_only"). redraw_interval=k > 0 draws a new W every k forward
         calls in training mode (Performer's feature redrawing); the current seed and the count of
         training forwards are the buffers feature_seed and training_forwards, so a state_dict
         restores W and the redraw schedule.
@@ -330,7 +335,8 @@ class MultiheadAttention(nn.Module):
     def __init__(self, embed_dim, num_heads, attention="softmax", *, causal=False, rope=True,
                  rope_base=_ROPE.base, rope_layout=_ROPE.layout, feature_map="favor+",
                  num_features=None, orthogonal=_MAP.orthogonal, placement=None, eps=_LINEAR.eps,
-                 method=_LINEAR.method, chunk_size=_LINEAR.chunk_size, redraw_interval=0,
+                 method=_LINEAR.method, chunk_size=_LINEAR.chunk_size,
+                 denominator=_LINEAR.denominator, norm_eps=1e-5, redraw_interval=0,
                  seed=_MAP.seed, bias=True, track_stats=False, stats_threshold=_STATS.threshold,
                  device=None, dtype=None):
         super().__init__()
@@ -348,6 +354,11 @@ class MultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.attention, self.causal, self.eps = attention, causal, eps
         self.method, self.chunk_size = method, chunk_size
+        self.denominator, self.norm_eps = denominator, norm_eps
+        if not denominator:
+            if attention != "linear":
+                raise ValueError("MultiheadAttention: denominator=False needs attention='linear'")
+            self.head_norm = nn.Parameter(torch.ones(embed_dim, **factory))
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -427,8 +438,11 @@ class MultiheadAttention(nn.Module):
                             placement=self.placement, rope=self.rope, eps=self.eps,
                             method=self.method, chunk_size=self.chunk_size,
                             return_stats=self.track_stats, stats_threshold=self.stats_threshold,
-                            **where)
+                            denominator=self.denominator, **where)
             out, self.last_stats = result if self.track_stats else (result, None)
+            if not self.denominator:  # RMSNorm over each head's channels, then the gain
+                rms = torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+                out = out * rms * self.head_norm.view(self.num_heads, 1, self.head_dim)
         out = out.transpose(1, 2).reshape(batch, n, self.embed_dim)
         return self.out_proj(out)
 
@@ -447,4 +461,6 @@ class MultiheadAttention(nn.Module):
         if self.feature_map is not None:
             s += (f", feature_map={self.feature_map.kind!r}, "
                   f"num_features={self.feature_map.num_features}, placement={self.placement!r}")
+            if not self.denominator:
+                s += ", denominator=False"
         return s + f", causal={self.causal}"

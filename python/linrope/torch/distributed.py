@@ -167,7 +167,7 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
                      q_offset=_LINEAR.q_offset, k_offset=_LINEAR.k_offset, return_stats=False,
                      stats_threshold=_STATS.threshold, method=_LINEAR.method,
                      chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
-                     initial_state=None, return_state=False):
+                     initial_state=None, return_state=False, denominator=_LINEAR.denominator):
     """Causal linear attention over a sequence split across the ranks of `group` (default: the
     whole world), each holding a contiguous slice [B, H, n_local, d] of q, k, v; returns this
     rank's outputs [B, H, n_local, d_v], equal (to rounding) to the matching rows of
@@ -180,7 +180,7 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, method=method,
-                   chunk_size=chunk_size)
+                   chunk_size=chunk_size, denominator=denominator)
     mine = _describe(q, k, v, feature_map, options, (q_offset, k_offset),
                      q_lengths is not None or k_lengths is not None, initial_state is not None)
     rows = [torch.empty(len(_FIELDS), dtype=torch.int64) for _ in range(world)]
