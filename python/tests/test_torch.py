@@ -379,3 +379,32 @@ def test_defaults_are_the_cpp_structs():
     # The layer's placement when rope=True is the C++ default placement.
     layer = lt.MultiheadAttention(8, 2, "linear", feature_map="elu+1")
     assert layer.placement == linear.placement
+
+
+@pytest.mark.parametrize("options", [
+    dict(attention="softmax"), dict(attention="softmax", rope=False),
+    dict(attention="linear", feature_map="favor+", placement="numerator_only"),
+    dict(attention="linear", feature_map="elu+1", placement="full"),
+    dict(attention="linear", feature_map="favor+", placement="before_map"),
+    dict(attention="linear", feature_map="elu+1", placement="numerator_only", denominator=False),
+], ids=str)
+def test_decoding_token_by_token_equals_the_parallel_forward(options):
+    # A prompt of 5 tokens at once, then 7 tokens one at a time through the cache (a key-value
+    # cache for softmax, the linear state otherwise): the outputs of the parallel forward on all
+    # 12, to rounding (float64: the same sums in another order).
+    torch.manual_seed(3)
+    layer = lt.MultiheadAttention(16, 2, causal=True, **options).double().eval()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    whole = layer(x)
+    out, cache = layer(x[:, :5], return_cache=True)
+    outs = [out]
+    for t in range(5, 12):
+        out, cache = layer(x[:, t:t + 1], first_position=t, cache=cache)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-10, atol=1e-12)
+    if options["attention"] == "linear":  # O(1) memory: the state's size never grew
+        assert cache.S.shape == (2, 2, layer.feature_map.output_dim, 8)
+    else:
+        assert cache[0].shape == (2, 2, 12, 8)
+    with pytest.raises(ValueError, match="take no lengths"):
+        layer(x[:, :2], return_cache=True, lengths=[2, 1])

@@ -400,7 +400,17 @@ class MultiheadAttention(nn.Module):
         return x.view(x.shape[0], n, self.num_heads, self.head_dim).transpose(1, 2).contiguous()
 
     def forward(self, query, key=None, value=None, *, first_position=0, lengths=None,
-                key_lengths=None):
+                key_lengths=None, cache=None, return_cache=False):
+        """[B, n, embed_dim] -> [B, n, embed_dim] (see the class). Decoding (causal
+        self-attention, no lengths): with return_cache=True or a cache given, returns (out,
+        cache), the cache after these tokens; cache= continues from one, these tokens then sitting
+        at first_position = the number of tokens before them. The cache of linear attention is the
+        LinearState of the tokens so far: O(m d_v) per head, whatever their number, so each new
+        token costs the same. That of softmax attention is their keys and values before RoPE, a
+        tuple (k, v) of [B, H, n_past, head_dim] that grows by a row per token."""
+        decoding = cache is not None or return_cache
+        if decoding:
+            self._check_decoding(key, value, lengths, key_lengths)
         if key is None and key_lengths is None:
             key_lengths = lengths
         key = query if key is None else key
@@ -416,35 +426,64 @@ class MultiheadAttention(nn.Module):
         where = dict(q_offset=first_position, k_offset=first_position, q_lengths=lengths,
                      k_lengths=key_lengths)
         if self.attention == "softmax":
-            if self.sequence_parallel:
-                raise ValueError("MultiheadAttention: sequence_parallel needs attention='linear' "
-                                 "(softmax attention needs every earlier key, not a state)")
-            out = softmax_attention(q, k, v, causal=self.causal, rope=self.rope, **where)
+            out, cache = self._softmax(q, k, v, where, cache, decoding)
         else:
-            if self.training and self.redraw_interval:
-                done = int(self.training_forwards)
-                if done and done % self.redraw_interval == 0:
-                    self.redraw_features()
-                self.training_forwards.fill_(done + 1)
-            if self.feature_map.seed != int(self.feature_seed):  # after load_state_dict
-                self.feature_map = _core.FeatureMap(seed=int(self.feature_seed), **self._map_args)
-            attend = linear_attention
-            if self.sequence_parallel:
-                self._check_sequence_parallel(key is query, lengths, key_lengths)
-                from linrope.torch import distributed  # imports torch.distributed only when used
-                attend = functools.partial(distributed.linear_attention, group=self.sequence_group)
-                where = dict(q_offset=first_position, k_offset=first_position)
-            result = attend(q, k, v, self.feature_map, causal=self.causal,
-                            placement=self.placement, rope=self.rope, eps=self.eps,
-                            method=self.method, chunk_size=self.chunk_size,
-                            return_stats=self.track_stats, stats_threshold=self.stats_threshold,
-                            denominator=self.denominator, **where)
-            out, self.last_stats = result if self.track_stats else (result, None)
-            if not self.denominator:  # RMSNorm over each head's channels, then the gain
-                rms = torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-                out = out * rms * self.head_norm.view(self.num_heads, 1, self.head_dim)
-        out = out.transpose(1, 2).reshape(batch, n, self.embed_dim)
-        return self.out_proj(out)
+            out, cache = self._linear(q, k, v, where, key is query, cache, decoding)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, n, self.embed_dim))
+        return (out, cache) if decoding else out
+
+    def _softmax(self, q, k, v, where, cache, decoding):
+        if self.sequence_parallel:
+            raise ValueError("MultiheadAttention: sequence_parallel needs attention='linear' "
+                             "(softmax attention needs every earlier key, not a state)")
+        if decoding:
+            if cache is not None:  # the earlier keys sit just before these tokens
+                k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+            where = dict(q_offset=where["q_offset"], k_offset=where["q_offset"] - k.shape[2]
+                         + q.shape[2])
+        out = softmax_attention(q, k, v, causal=self.causal, rope=self.rope, **where)
+        return out, ((k, v) if decoding else None)
+
+    def _linear(self, q, k, v, where, self_attention, cache, decoding):
+        if self.training and self.redraw_interval:
+            done = int(self.training_forwards)
+            if done and done % self.redraw_interval == 0:
+                self.redraw_features()
+            self.training_forwards.fill_(done + 1)
+        if self.feature_map.seed != int(self.feature_seed):  # after load_state_dict
+            self.feature_map = _core.FeatureMap(seed=int(self.feature_seed), **self._map_args)
+        attend = linear_attention
+        if self.sequence_parallel:
+            self._check_sequence_parallel(self_attention, where["q_lengths"], where["k_lengths"])
+            from linrope.torch import distributed  # imports torch.distributed only when used
+            attend = functools.partial(distributed.linear_attention, group=self.sequence_group)
+            where = dict(q_offset=where["q_offset"], k_offset=where["k_offset"])
+        if decoding:
+            where = dict(where, initial_state=cache, return_state=True)
+        result = attend(q, k, v, self.feature_map, causal=self.causal, placement=self.placement,
+                        rope=self.rope, eps=self.eps, method=self.method,
+                        chunk_size=self.chunk_size, return_stats=self.track_stats,
+                        stats_threshold=self.stats_threshold, denominator=self.denominator,
+                        **where)
+        if not isinstance(result, tuple):
+            result = (result,)
+        out = result[0]
+        self.last_stats = result[1] if self.track_stats else None
+        cache = result[-1] if decoding else None
+        if not self.denominator:  # RMSNorm over each head's channels, then the gain
+            rms = torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+            out = out * rms * self.head_norm.view(self.num_heads, 1, self.head_dim)
+        return out, cache
+
+    def _check_decoding(self, key, value, lengths, key_lengths):
+        if not self.causal or key is not None or value is not None:
+            raise ValueError("MultiheadAttention: cache and return_cache need causal "
+                             "self-attention (causal=True, key and value None)")
+        if lengths is not None or key_lengths is not None:
+            raise ValueError("MultiheadAttention: cache and return_cache take no lengths")
+        if self.sequence_parallel:
+            raise ValueError("MultiheadAttention: cache and return_cache are for one process; "
+                             "set sequence_parallel False to decode")
 
     def _check_sequence_parallel(self, self_attention, lengths, key_lengths):
         if not self.causal:
