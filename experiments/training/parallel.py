@@ -17,10 +17,12 @@ numbers are bitwise those the trainer gave before data parallelism existed.
 sequence-parallel mode would replace it (each sequence split along its length, attention through
 linrope.torch.distributed.linear_attention with the slice's first position); the loss weighting in
 train.py (the share's scored tokens against the batch's) holds for any split."""
+import math
 import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 # torchrun sets these in every worker; all four, so that one stray variable is not taken for it.
 TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
@@ -29,6 +31,41 @@ TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
 def under_torchrun(environ=None):
     environ = os.environ if environ is None else environ
     return all(name in environ for name in TORCHRUN_VARIABLES)
+
+
+def _all_reduce(sent, bucket):
+    """DDP's default averaging all-reduce of a gradient bucket, noting that it was sent."""
+    sent.add(bucket.index())
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+class _DataParallel(torch.nn.parallel.DistributedDataParallel):
+    """DistributedDataParallel that remembers which gradient buckets the current backward has sent
+    to the all-reduce (through the default averaging hook), so that a rank whose backward raises
+    can send the rest itself: the other ranks wait for them, bucket after bucket in index order
+    (the order in which the reducer sends them), and would wait for ever."""
+
+    def __init__(self, model):
+        # broadcast_buffers=False: the only buffers, the attention's feature_seed and
+        # training_forwards, are equal on every rank by construction (same seed, one training
+        # forward per step everywhere), so the per-step traffic is the gradients' all-reduce
+        # alone. The construction itself copies rank 0's parameters and buffers to every rank.
+        super().__init__(model, broadcast_buffers=False)
+        self.sent = set()
+        # The set as the hook's state, not a bound method: the reducer holds the hook, and a
+        # hook holding this module would make a cycle through C++ that Python never frees.
+        self.register_comm_hook(self.sent, _all_reduce)
+
+    def backward(self, loss):
+        self.sent.clear()
+        try:
+            loss.backward()
+        except Exception:
+            # DDP's join hook matches a whole backward the same way (reducer's buckets, in order).
+            for bucket in self.reducer._get_zeros_like_grad_buckets():
+                if bucket.index() not in self.sent:
+                    dist.all_reduce(bucket.buffer().fill_(math.nan))
+            raise
 
 
 class Ranks:
@@ -56,13 +93,18 @@ class Ranks:
     def wrap(self, model):
         """The module to train: DistributedDataParallel over model when distributed (a collective:
         every rank constructs it at the same point), model itself otherwise."""
-        if not self.distributed:
-            return model
-        # broadcast_buffers=False: the only buffers, the attention's feature_seed and
-        # training_forwards, are equal on every rank by construction (same seed, one training
-        # forward per step everywhere), so the per-step traffic is the gradients' all-reduce alone.
-        # The construction itself copies rank 0's parameters and buffers to every rank.
-        return torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        return _DataParallel(model) if self.distributed else model
+
+    def backward(self, trained, loss):
+        """loss.backward() -- with the gradients' all-reduce when distributed. If it raises on
+        this rank (a kernel refusing a non-finite gradient), the buckets this rank had not sent
+        yet are sent filled with NaN before the error is raised again: the other ranks finish
+        their backward with NaN gradients and end the run at the same step ("gradient norm nan"),
+        where they would otherwise wait for this rank for ever."""
+        if self.distributed:
+            trained.backward(loss)
+        else:
+            loss.backward()
 
     def gather(self, value):
         """Every rank's value (any picklable object), in rank order, on every rank."""

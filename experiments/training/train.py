@@ -264,13 +264,12 @@ class Run:
     def _backward(self, loss, logged):
         """Gradients (all-reduced between ranks during the backward), the attention blocks'
         gradient norms when logged, clipping: (norm, layer norms or None, divergence reason).
-
-        A kernel that refuses a non-finite gradient on one rank only leaves the other ranks in
-        the gradients' all-reduce: gloo then fails on every rank (or its timeout expires) and
-        torchrun stops them all -- an error, where the single process records a divergence."""
+        A kernel refusing a non-finite gradient on one rank only gives the others NaN gradients
+        (Ranks.backward): every rank ends the run at this step, the others' reason being
+        "gradient norm nan"."""
         self.optimiser.zero_grad(set_to_none=True)
         try:
-            loss.backward()
+            self.ranks.backward(self.trained, loss)
         except ValueError as e:
             return math.nan, None, _refused(e)
         layer_norms = None

@@ -342,6 +342,41 @@ def test_resume_under_two_processes(two_ranks, tmp_path):
     assert sorted(lines(stdout, "STATE")) == sorted(lines(two_ranks["stdout"], "STATE"))
 
 
+def test_a_backward_refused_on_one_rank_ends_the_run_on_both(two_ranks, tmp_path):
+    """A kernel refusing a non-finite gradient on one rank only, mid-backward (8 small gradient
+    buckets, some already sent): that rank sends the rest filled with NaN, so the other finishes
+    its backward with NaN gradients and both end the run at that step, as diverged -- rank 0's
+    reason is the refusal when it refused, "gradient norm nan" when rank 1 did. Nobody waits
+    for ever, and the next runs train in step: equal to the uninterrupted 2-process run's."""
+    out = str(tmp_path / "out")
+    # char_lm seed 0 then 1, then the MQAR runs; one layer: one attention forward per step.
+    # Rank 0 refuses at step 3 of the first run (forward 3), rank 1 at step 5 of the second (3 +
+    # 5 = 8); the MQAR runs follow untouched.
+    status, stdout, stderr = train_in_torchrun(
+        tmp_path, two_ranks["text"], out, "--seeds", "0,1",
+        env=dict(TRAINING_TEST_REFUSE="0:3,1:8", TRAINING_TEST_BUCKET="1024"))
+    assert status == 0, stderr[-3000:]
+    refused = sorted(lines(stdout, "REFUSED"))
+    assert [r[1] for r in refused] == ["rank=0", "rank=1"]
+    for r in refused:
+        sent, buckets = int(r[2].split("=")[1]), int(r[3].split("=")[1])
+        assert 0 < sent < buckets, r  # refused in the middle of the backward
+    results = {}
+    for name in os.listdir(os.path.join(out, "runs")):
+        with open(os.path.join(out, "runs", name)) as f:
+            results[name[:-len(".json")]] = json.load(f)
+    first, second = (results["char_lm-%s-s%d" % (VARIANT, seed)]["summary"] for seed in (0, 1))
+    assert (first["status"], first["diverged_step"], first["steps"]) == ("diverged", 3, 2)
+    assert first["diverged_reason"].startswith("non-finite values in a kernel's input")
+    assert (second["status"], second["diverged_step"], second["steps"]) == ("diverged", 5, 4)
+    assert second["diverged_reason"] == "gradient norm nan"
+    mqar_key = "mqar-%s-s0" % VARIANT
+    assert results[mqar_key]["summary"]["status"] == "complete"
+    assert {k: v for k, v in results[mqar_key]["records"].items() if k != "train_seconds"} == \
+        {k: v for k, v in two_ranks["results"][mqar_key]["records"].items()
+         if k != "train_seconds"}
+
+
 def test_a_batch_that_does_not_split_is_refused_on_every_rank(tmp_path, word_text):
     """`-m training` itself on 3 processes: the --quick plan's batch of 16 does not split in 3,
     so every rank says so in one line and exits 1 (torchrun then fails) -- no rank is left

@@ -8,7 +8,14 @@
                            hooks) is counted, printed at exit as "WRITES rank=R count=N", and
                            refused on ranks other than 0;
   TRAINING_TEST_INTERRUPT  k: a KeyboardInterrupt at the start of step k of every run, on every
-                           rank (as Ctrl-C would), before that step computes anything.
+                           rank (as Ctrl-C would), before that step computes anything;
+  TRAINING_TEST_REFUSE     "rank:k,...": on that rank, the backward of the k-th training forward
+                           of an attention layer (counted over the whole process) raises the
+                           ValueError linrope's kernels raise for a non-finite gradient, in the
+                           middle of the backward; the rank prints "REFUSED rank=R sent=S
+                           buckets=B" (S of B gradient buckets sent before it);
+  TRAINING_TEST_BUCKET     bytes: DistributedDataParallel's bucket size (first bucket included),
+                           small to have several buckets in a tiny model.
 
 After each run every rank prints "STATE rank=R key=K <sha256 of its parameters and buffers>", so
 the test can check that the ranks hold the same model (FAVOR+'s W is fixed by its buffer
@@ -20,9 +27,13 @@ import json
 import os
 import sys
 
+import torch
+import torch.distributed as dist
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from training import model, plans, train  # noqa: E402
+from linrope.torch import MultiheadAttention  # noqa: E402
+from training import model, parallel, plans, train  # noqa: E402
 from training.__main__ import main  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -71,6 +82,47 @@ def interrupt_at(k):
     train.learning_rate = learning_rate
 
 
+class Refuse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("linear_attention backward: non-finite values in grad_out (a test's)")
+
+
+def refuse(calls):
+    count = [0]
+
+    def hook(module, inputs, output):
+        if not (isinstance(module, MultiheadAttention) and module.training):
+            return output
+        count[0] += 1
+        return Refuse.apply(output) if count[0] in calls else output
+    torch.nn.modules.module.register_module_forward_hook(hook)
+
+    real = parallel._DataParallel.backward
+
+    def backward(ddp, loss):
+        try:
+            real(ddp, loss)
+        except ValueError:
+            print("REFUSED rank=%d sent=%d buckets=%d" % (
+                RANK, len(ddp.sent), len(ddp.reducer._get_zeros_like_grad_buckets())), flush=True)
+            raise
+    parallel._DataParallel.backward = backward
+
+
+def small_buckets(size):
+    dist._DEFAULT_FIRST_BUCKET_BYTES = size
+    real = torch.nn.parallel.DistributedDataParallel.__init__
+
+    def init(ddp, module, **kwargs):
+        real(ddp, module, bucket_cap_mb=size / 2 ** 20, **kwargs)
+    torch.nn.parallel.DistributedDataParallel.__init__ = init
+
+
 def print_states():
     real_forward, real_train = model.Decoder.forward, train.Run.train
     inputs = {}  # id(Decoder) -> sha256 of the tokens of its training forwards
@@ -100,5 +152,10 @@ if __name__ == "__main__":
         use_plan(json.loads(os.environ["TRAINING_TEST_PLAN"]))
     if "TRAINING_TEST_INTERRUPT" in os.environ:
         interrupt_at(int(os.environ["TRAINING_TEST_INTERRUPT"]))
+    if "TRAINING_TEST_REFUSE" in os.environ:
+        pairs = [item.split(":") for item in os.environ["TRAINING_TEST_REFUSE"].split(",")]
+        refuse({int(k) for rank, k in pairs if int(rank) == RANK})
+    if "TRAINING_TEST_BUCKET" in os.environ:
+        small_buckets(int(os.environ["TRAINING_TEST_BUCKET"]))
     print_states()
     sys.exit(main())
