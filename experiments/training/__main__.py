@@ -9,7 +9,10 @@ summary.json, the plots and the report section from them. See __init__.py for th
 
 Data parallel, on one machine or several (see experiments/README.md):
 
-    /usr/bin/python3 -m torch.distributed.run --nproc_per_node 2 -m training [options]
+    /usr/bin/python3 -m torch.distributed.run --redirects 1 --tee 1 --nproc_per_node 2 \
+        -m training [options]
+
+(--redirects 1 --tee 1: without them torch 1.13's torchrun fails at start under Python 3.11.)
 
 Every process takes its share of each global batch (a plan's batch must divide by the process
 count) and DistributedDataParallel on gloo averages the gradients: the numbers are the single
@@ -53,8 +56,11 @@ def _names(allowed):
 def parse(argv):
     p = argparse.ArgumentParser(prog="python3 -m training", description=__doc__.split("\n\n")[0],
                                 epilog="Under torchrun (python3 -m torch.distributed.run "
-                                "--nproc_per_node N -m training ...) each run is trained by all "
-                                "N processes together, data parallel, one run after another.")
+                                "--redirects 1 --tee 1 --nproc_per_node N -m training ...; the "
+                                "two flags work around torch 1.13 on Python 3.11) each run is "
+                                "trained by all N processes together, data parallel, one run "
+                                "after another; N must divide the plans' batches and rank 0 "
+                                "alone writes. See experiments/README.md.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="a few variants, few steps: the pipeline end to end (default)")
