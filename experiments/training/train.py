@@ -208,8 +208,8 @@ class Run:
         self.records["evaluations"].extend(rows)
         return rows
 
-    def _record_denominators(self, step, layer_norms, stats):
-        for layer, (stats, norm) in enumerate(zip(stats, layer_norms)):
+    def _record_denominators(self, step, layer_norms, per_layer):
+        for layer, (stats, norm) in enumerate(zip(per_layer, layer_norms)):
             row = dict(step=step, layer=layer, grad_norm=norm, den_min=None,
                        nonpositive_share=None, tiny_share=None)
             if stats is not None:
@@ -239,10 +239,10 @@ class Run:
         inputs, targets = self.ranks.share(inputs, targets)
         # DistributedDataParallel averages the W ranks' gradients, so the losses the ranks
         # differentiate must average to the batch's mean, sum / scored: rank r's must be
-        # W sum_r / scored = mean_r x W scored_r / scored, scored_r its share's scored tokens
-        # (they differ between ranks where MQAR leaves positions unscored; every MQAR sequence
-        # has scored queries, every char_lm position is scored, so scored_r > 0). One rank: x 1.0,
-        # exactly the mean.
+        # W sum_r / scored = mean_r x W scored_r / scored, scored_r its share's scored tokens.
+        # Split by sequences the weight is exactly 1 (every char_lm position is scored, every
+        # MQAR sequence scores exactly `pairs` queries); it is not for shares with unevenly
+        # many IGNOREs (a split along the length, padding). scored_r > 0: no share is empty.
         weight = self.ranks.world_size * int((targets != mqar.IGNORE).sum()) / scored
         try:
             return loss_of(self.trained, inputs, targets) * weight, None
