@@ -5,7 +5,19 @@ on character-level English and on associative recall, and writes the measurement
 DIR/runs.csv, curves.csv, layers.csv, evaluations.csv and step_time.csv hold the measurements and
 training.json their metadata; DIR/runs/ keeps each finished run and DIR/checkpoints/ the
 unfinished ones (--resume continues them). The analysis, experiments/analysis/report.py, writes
-summary.json, the plots and the report section from them. See __init__.py for the pieces."""
+summary.json, the plots and the report section from them. See __init__.py for the pieces.
+
+Data parallel, on one machine or several (see experiments/README.md):
+
+    /usr/bin/python3 -m torch.distributed.run --redirects 1 --tee 1 --nproc_per_node 2 \
+        -m training [options]
+
+(--redirects 1 --tee 1: without them torch 1.13's torchrun fails at start under Python 3.11.)
+
+Every process takes its share of each global batch (a plan's batch must divide by the process
+count) and DistributedDataParallel on gloo averages the gradients: the numbers are the single
+process's, to float32 rounding. The runs are then trained one after another, all processes
+together (no --jobs); rank 0 alone writes. Threads per process: --threads (default 1)."""
 import argparse
 import dataclasses
 import os
@@ -14,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from . import plans, step_time, sweep
+from . import parallel, plans, step_time, sweep
 from .model import VARIANTS, describe
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +54,13 @@ def _names(allowed):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python3 -m training", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m training", description=__doc__.split("\n\n")[0],
+                                epilog="Under torchrun (python3 -m torch.distributed.run "
+                                "--redirects 1 --tee 1 --nproc_per_node N -m training ...; the "
+                                "two flags work around torch 1.13 on Python 3.11) each run is "
+                                "trained by all N processes together, data parallel, one run "
+                                "after another; N must divide the plans' batches and rank 0 "
+                                "alone writes. See experiments/README.md.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="a few variants, few steps: the pipeline end to end (default)")
@@ -56,9 +74,11 @@ def parse(argv):
     p.add_argument("--steps", type=int, help="optimiser steps per run (overrides the mode's)")
     p.add_argument("--redraw-interval", type=int, default=0,
                    help="FAVOR+: draw a new W every k training steps (0: never)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="runs trained at once, in separate processes (default: the core count)")
-    p.add_argument("--threads", type=int, default=1, help="threads per run (default 1)")
+    p.add_argument("--jobs", type=int,
+                   help="runs trained at once, in separate processes (default: the core count; "
+                   "not under torchrun)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per run, per process under torchrun (default 1)")
     p.add_argument("--resume", action="store_true",
                    help="keep finished runs and continue unfinished ones from their checkpoints")
     p.add_argument("--no-step-time", action="store_true", help="skip the one-layer step times")
@@ -72,6 +92,12 @@ def parse(argv):
             p.error("--%s is %d but expected >= 1" % (name, value))
     if args.redraw_interval < 0:
         p.error("--redraw-interval is %d but expected >= 0" % args.redraw_interval)
+    if parallel.under_torchrun():
+        if args.jobs is not None:
+            p.error("--jobs does not apply under torchrun: its processes train each run "
+                    "together, one run after another")
+        args.jobs = 1
+    args.jobs = args.jobs or os.cpu_count() or 1
     return args
 
 
@@ -105,22 +131,61 @@ def source_state():
                 git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")))
 
 
-def metadata(args, argv, started, source, corpus_info):
+def metadata(args, argv, started, source, corpus_info, processes=1):
     import torch
     import linrope
+    launcher = "python3 -m torch.distributed.run (%d processes) " % processes if processes > 1 \
+        else ""
     return dict(
         experiment="training", mode=args.mode,
-        command="python3 -m training " + " ".join(_inside_repo(a) for a in argv),
+        command=launcher + "python3 -m training " + " ".join(_inside_repo(a) for a in argv),
         **source,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         duration_s=time.time() - started, machine=dict(cpu=_cpu(), cores=os.cpu_count()),
         torch=torch.__version__, linrope=linrope.__version__,
         # The installed linrope's commit, -march=native or not, instruction sets, OpenMP, threads.
         linrope_build=linrope.build_info(),
-        jobs=args.jobs, threads=args.threads, redraw_interval=args.redraw_interval,
+        jobs=args.jobs, threads=args.threads, processes=processes,
+        redraw_interval=args.redraw_interval,
         corpus=corpus_info, model=plans.MODEL,
         plan={k: v for k, v in plans.MODES[args.mode].items() if k != "variants"},
         variants={v: describe(v) for v in (args.variants or plans.MODES[args.mode]["variants"])})
+
+
+def _make_out(out):
+    """None if the output directory exists or could be made, else the one-line complaint."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        return "--out %s: %s" % (out, e.strerror or e)
+    return None
+
+
+def _load(args):
+    """The corpus (None without char_lm) and its description for training.json."""
+    if "char_lm" not in args.tasks:
+        return None, None
+    from .data import load_corpus
+    corpus = load_corpus(args.text)  # extracted into the cache once, before the workers
+    return corpus, dict(name=corpus.name, characters=len(corpus.train) + len(corpus.validation),
+                        vocabulary=corpus.vocab_size, sha256_16=corpus.digest,
+                        validation_characters=len(corpus.validation))
+
+
+def _check(configs, corpus, args, processes):
+    """None if every run can be trained, else the one-line complaint (the same on every rank,
+    which all stop on it: no rank is left waiting for another)."""
+    for config in configs:
+        if config.batch_size % processes:
+            return ("the %s batch of %d sequences does not split over %d processes: use a process "
+                    "count that divides it" % (config.task, config.batch_size, processes))
+        if config.task == "char_lm":
+            try:  # the final evaluation's longest window must fit in the validation split
+                corpus.validation_windows(max(config.extrapolation) * config.context, 1)
+                corpus.batch(0, 0, 1, config.context)
+            except ValueError as e:
+                return "%s: %s" % (args.text or "the text", e)
+    return None
 
 
 def main(argv=None):
@@ -130,37 +195,41 @@ def main(argv=None):
         for name in VARIANTS:
             print("%-22s %s" % (name, describe(name)))
         return 0
-    started, source = time.time(), source_state()
     try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        sys.stderr.write("training: --out %s: %s\n" % (args.out, e.strerror or e))
+        ranks = parallel.from_environment()
+    except (RuntimeError, ValueError) as e:
+        sys.stderr.write("training: could not join torchrun's process group: %s\n" %
+                         str(e).splitlines()[0])
         return 1
-    corpus_info = None
-    if "char_lm" in args.tasks:
-        from .data import load_corpus
-        try:
-            corpus = load_corpus(args.text)  # extracted into the cache once, before the workers
-        except RuntimeError as e:
-            sys.stderr.write("training: %s\n" % e)
-            return 1
-        corpus_info = dict(name=corpus.name, characters=len(corpus.train) + len(corpus.validation),
-                           vocabulary=corpus.vocab_size, sha256_16=corpus.digest,
-                           validation_characters=len(corpus.validation))
-    configs = plans.configs(args.mode, args.tasks, args.variants, args.seeds, args.steps,
-                            args.redraw_interval, args.threads)
-    configs = [dataclasses.replace(c, text_digest=corpus.digest) if c.task == "char_lm" else c
-               for c in configs]
-    for config in configs:
-        if config.task == "char_lm":
-            try:  # the final evaluation's longest window must fit in the validation split
-                corpus.validation_windows(max(config.extrapolation) * config.context, 1)
-                corpus.batch(0, 0, 1, config.context)
-            except ValueError as e:
-                sys.stderr.write("training: %s: %s\n" % (args.text or "the text", e))
-                return 1
     try:
-        results = sweep.run_all(configs, args.out, args.jobs, args.text, args.resume, args.quiet)
+        return _train(args, argv, ranks)
+    finally:
+        ranks.close()
+
+
+def _train(args, argv, ranks):
+    started, source = time.time(), source_state()
+    # Rank 0 alone writes; its verdict on --out reaches every rank, which all stop on a bad one.
+    problem = ranks.broadcast(_make_out(args.out) if ranks.main else None)
+    if problem is None:
+        try:
+            corpus, corpus_info = _load(args)
+        except RuntimeError as e:
+            problem = str(e)
+    if problem is None:
+        configs = plans.configs(args.mode, args.tasks, args.variants, args.seeds, args.steps,
+                                args.redraw_interval, args.threads)
+        configs = [dataclasses.replace(c, text_digest=corpus.digest) if c.task == "char_lm"
+                   else c for c in configs]
+        problem = _check(configs, corpus, args, ranks.world_size)
+    if problem is not None:
+        sys.stderr.write("training: %s\n" % problem)
+        return 1
+    try:
+        results = sweep.run_all(configs, args.out, args.jobs, args.text, args.resume, args.quiet,
+                                ranks)
+        if not ranks.main:
+            return 0
         sweep.write_tables(results, args.out)
         if not args.no_step_time:
             step_time.run(args.out, args.mode, plans.MODEL, args.resume, args.quiet)
@@ -176,7 +245,7 @@ def main(argv=None):
         return 130
     # Written last: its presence tells the analysis that the CSVs are those of a finished sweep.
     sweep.write_json(os.path.join(args.out, "training.json"),
-                     metadata(args, argv, started, source, corpus_info))
+                     metadata(args, argv, started, source, corpus_info, ranks.world_size))
     return 0
 
 

@@ -455,12 +455,15 @@ def section(out, plot_note=None, link_prefix="training/"):
     figures = plot(out, summary) if plot_note is None else []
     md = "## Training: numerator-only against full normalisation\n\n"
     if meta:
-        md += ("_Run %s, --%s, commit %s%s, %s (%s cores; %s runs at once, %s thread each), "
+        processes = meta.get("processes", 1)  # data parallel under torchrun
+        at_once = ("each run on %d processes (torchrun)" % processes if processes > 1 else
+                   "%s runs at once" % meta["jobs"])
+        md += ("_Run %s, --%s, commit %s%s, %s (%s cores; %s, %s thread each), "
                "%.0f min; command: `%s`._ Data: %s; derived numbers: [`summary.json`]"
                "(%ssummary.json).\n\n" % (
                    meta["date"], meta["mode"], (meta["git_commit"] or "unknown")[:12],
                    " with local changes" if meta["git_dirty"] else "", meta["machine"]["cpu"],
-                   meta["machine"]["cores"], meta["jobs"], meta["threads"],
+                   meta["machine"]["cores"], at_once, meta["threads"],
                    meta["duration_s"] / 60, meta["command"], ", ".join(
                        "[`{0}`]({1}{0})".format(name, link_prefix) for name in (
                            "runs.csv", "curves.csv", "layers.csv", "evaluations.csv",

@@ -1,7 +1,11 @@
 """Every run of a plan, `jobs` at a time in separate processes (one thread each by default), then
 the tables. Each finished run is kept as runs/<key>.json; an unfinished one as
 checkpoints/<key>.pt. With resume=True a run whose file exists with the same configuration is not
-run again and an unfinished one continues from its checkpoint; otherwise both are discarded."""
+run again and an unfinished one continues from its checkpoint; otherwise both are discarded.
+
+Under torchrun (ranks distributed, see parallel.py) there is no process pool: the runs are
+trained one after another, each by all the ranks together; rank 0 alone decides which runs are
+left (it alone reads and writes the files), and a run that fails stops every rank."""
 import concurrent.futures
 import csv
 import dataclasses
@@ -15,6 +19,7 @@ import time
 
 from analysis.common import clean, write_atomic, write_json  # experiments/analysis
 
+from .parallel import SINGLE
 from .train import Run
 
 _corpora = {}
@@ -43,8 +48,9 @@ def finished(out, config):
     return result if result["config"] == clean(_normal(config)) else None
 
 
-def _run_one(config, out, text, quiet):
-    """In a worker process: trains one run (from its checkpoint if there is one) and saves it."""
+def _run_one(config, out, text, quiet, ranks=SINGLE):
+    """In a worker process, or in every rank together: trains one run (from its checkpoint if
+    there is one) and saves it (rank 0)."""
     corpus = None
     if config.task == "char_lm":
         if text not in _corpora:
@@ -52,17 +58,21 @@ def _run_one(config, out, text, quiet):
             _corpora[text] = load_corpus(text)
         corpus = _corpora[text]
     result_path, checkpoint = _paths(out, config)
-    run = Run(config, corpus)
-    resumed = os.path.exists(checkpoint) and run.load(checkpoint)
+    run = Run(config, corpus, ranks)
+    resumed = run.load(checkpoint)
     started = run.step
 
     def progress(r):
-        if quiet or r.step % max(1, config.steps // 4) and r.step != config.steps:
+        if quiet or not ranks.main:
+            return
+        if r.step % max(1, config.steps // 4) and r.step != config.steps:
             return
         sys.stderr.write("  %s: step %d/%d, train loss %.3f\n" % (
             config.key(), r.step, config.steps, r.records["curves"][-1]["train_loss"]))
 
     summary = run.train(checkpoint=checkpoint, progress=progress)
+    if not ranks.main:
+        return summary
     write_json(result_path, dict(config=_normal(config), summary=summary,
                                  records={k: v for k, v in run.records.items()
                                           if k not in ("den_totals", "window")},
@@ -72,8 +82,8 @@ def _run_one(config, out, text, quiet):
     return summary
 
 
-def run_all(configs, out, jobs, text=None, resume=False, quiet=False):
-    """Runs what is not finished; returns the results of every config, in order."""
+def _todo(configs, out, resume):
+    """The configs to run; without resume, their earlier results and checkpoints are removed."""
     for sub in ("runs", "checkpoints"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
     todo = []
@@ -86,31 +96,66 @@ def run_all(configs, out, jobs, text=None, resume=False, quiet=False):
                 if os.path.exists(path):
                     os.remove(path)
         todo.append(config)
-    done = len(configs) - len(todo)
-    sys.stderr.write("training: %d runs, %d already finished, %d to run in %d processes\n" % (
-        len(configs), done, len(todo), jobs))
-    started, failed = time.time(), []
+    return todo
+
+
+def _in_pool(todo, out, jobs, text, quiet):
+    """(config, its summary or the exception it raised), as the worker processes finish them."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         futures = {pool.submit(_run_one, c, out, text, quiet): c for c in todo}
-        for count, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            config = futures[future]
-            try:
-                summary = future.result()
-            except Exception as e:  # one line, and the other runs go on
-                failed.append(config.key())
-                sys.stderr.write("training: %s failed: %s: %s\n" % (
-                    config.key(), type(e).__name__, str(e).splitlines()[0] if str(e) else ""))
-                continue
-            elapsed = time.time() - started
-            left = elapsed / count * (len(todo) - count)
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.exception() or future.result()
+
+
+def _in_turn(todo, out, text, quiet, ranks):
+    """(config, its summary), each run trained by every rank together, one after another. A run
+    that raises stops them all: a rank cannot go on to the next run alone."""
+    for config in todo:
+        try:
+            yield config, _run_one(config, out, text, quiet, ranks)
+        except Exception as e:
+            raise RunsFailed("%s failed: %s: %s; under torchrun every process stops: mend the "
+                             "cause and run again with --resume" % (
+                                 config.key(), type(e).__name__, _first_line(e))) from e
+
+
+def _first_line(error):
+    return str(error).splitlines()[0] if str(error) else ""
+
+
+def run_all(configs, out, jobs, text=None, resume=False, quiet=False, ranks=SINGLE):
+    """Runs what is not finished; returns the results of every config, in order (on rank 0;
+    None on the other ranks)."""
+    todo = _todo(configs, out, resume) if ranks.main else None
+    todo = ranks.broadcast(todo)
+    done = len(configs) - len(todo)
+    if ranks.distributed:
+        how = "one after another, each on %d processes (torchrun)" % ranks.world_size
+        runs = _in_turn(todo, out, text, quiet, ranks)
+    else:
+        how = "in %d processes" % jobs
+        runs = _in_pool(todo, out, jobs, text, quiet)
+    if ranks.main:
+        sys.stderr.write("training: %d runs, %d already finished, %d to run %s\n" % (
+            len(configs), done, len(todo), how))
+    started, failed = time.time(), []
+    for count, (config, summary) in enumerate(runs, 1):
+        if isinstance(summary, Exception):  # one line, and the other runs go on
+            failed.append(config.key())
+            sys.stderr.write("training: %s failed: %s: %s\n" % (
+                config.key(), type(summary).__name__, _first_line(summary)))
+            continue
+        elapsed = time.time() - started
+        left = elapsed / count * (len(todo) - count)
+        if ranks.main:
             sys.stderr.write("training: [%d/%d] %s %s in %.0f s; %.0f s elapsed, ~%.0f s left\n"
                              % (done + count, len(configs), config.key(), summary["status"],
                                 summary["train_seconds"], elapsed, left))
     if failed:
         raise RunsFailed("%d run(s) failed (%s); the finished ones are kept: mend the cause and "
                          "run again with --resume" % (len(failed), ", ".join(failed)))
-    return [finished(out, c) for c in configs]
+    return [finished(out, c) for c in configs] if ranks.main else None
 
 
 def _csv(rows, columns):

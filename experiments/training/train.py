@@ -4,10 +4,15 @@ AdamW with linear warm-up and cosine decay to a tenth, gradient clipping (how of
 recorded), batches drawn from (seed, step). A NaN or infinite loss or gradient norm ends the run
 as diverged, at that step, before the optimiser could apply it. Every `checkpoint_every` steps the
 whole state (model, optimiser, records) is written atomically; a run started again with the same
-configuration continues from it and gives the same numbers as an uninterrupted one."""
+configuration continues from it and gives the same numbers as an uninterrupted one.
+
+Under torchrun (parallel.py) each rank trains on its share of the same global batch through
+DistributedDataParallel; the loss curve is the single process's to float32 rounding, rank 0 alone
+evaluates and writes, and a checkpoint written by either continues under the other."""
 import dataclasses
 import io
 import math
+import os
 import time
 
 import torch
@@ -18,6 +23,7 @@ from analysis.common import write_atomic  # experiments/analysis
 
 from . import mqar
 from .model import Decoder
+from .parallel import SINGLE, combine_stats
 
 LN2 = math.log(2.0)
 
@@ -111,11 +117,21 @@ def gradient_norm(parameters):
     return float(torch.linalg.vector_norm(torch.cat(grads))) if grads else 0.0
 
 
-class Run:
-    """The state of one run; `records` holds what it measured so far (saved in checkpoints)."""
+def _refused(error):
+    """The divergence reason for a kernel's ValueError; any other ValueError is raised again."""
+    # linrope's kernels refuse non-finite inputs (weights that overflowed, a NaN gradient
+    # reaching a backward): the same divergence, found one call earlier.
+    if "non-finite" not in str(error):
+        raise error
+    return "non-finite values in a kernel's input: %s" % str(error).splitlines()[0]
 
-    def __init__(self, config, corpus=None):
-        self.config, self.corpus = config, corpus
+
+class Run:
+    """The state of one run; `records` holds what it measured so far (saved in checkpoints).
+    ranks (parallel.Ranks): the processes training it together, SINGLE by default."""
+
+    def __init__(self, config, corpus=None, ranks=SINGLE):
+        self.config, self.corpus, self.ranks = config, corpus, ranks
         vocab = corpus.vocab_size if config.task == "char_lm" else config.mqar_vocab
         if config.task == "char_lm":
             if config.text_digest and config.text_digest != corpus.digest:
@@ -125,6 +141,9 @@ class Run:
             corpus.validation_windows(max(config.extrapolation) * config.context, 1)
         self.model = Decoder(vocab, config.variant, config.d_model, config.layers, config.heads,
                              config.seed, config.redraw_interval, config.stats_threshold)
+        # What the training forward runs through (DistributedDataParallel under torchrun); the
+        # model itself is what is evaluated and saved, so checkpoints are the same either way.
+        self.trained = ranks.wrap(self.model)
         self.optimiser = optimiser(self.model, config)
         self.step = 0
         self.records = dict(curves=[], layers=[], evaluations=[], clipped=0, train_seconds=0.0,
@@ -133,6 +152,9 @@ class Run:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, path):
+        """Writes the checkpoint (rank 0 only: the other ranks hold the same state)."""
+        if not self.ranks.main:
+            return
         state = io.BytesIO()
         torch.save(dict(config=dataclasses.asdict(self.config), step=self.step,
                         model=self.model.state_dict(), optimiser=self.optimiser.state_dict(),
@@ -140,8 +162,17 @@ class Run:
         write_atomic(path, state.getvalue())
 
     def load(self, path):
-        """Continues from the checkpoint at path if it was written by this configuration."""
-        state = torch.load(path)
+        """Continues from the checkpoint at path if there is one and this configuration wrote it
+        (returns whether it did). Rank 0 reads the file and sends its bytes to the other ranks:
+        every rank continues from the same state, and only rank 0 needs to see the file."""
+        data = None
+        if self.ranks.main and os.path.exists(path):
+            with open(path, "rb") as f:
+                data = f.read()
+        data = self.ranks.broadcast(data)
+        if data is None:
+            return False
+        state = torch.load(io.BytesIO(data))
         if state["config"] != dataclasses.asdict(self.config):
             return False
         self.model.load_state_dict(state["model"])
@@ -177,8 +208,8 @@ class Run:
         self.records["evaluations"].extend(rows)
         return rows
 
-    def _record_denominators(self, step, layer_norms):
-        for layer, (stats, norm) in enumerate(zip(self.model.denominator_stats(), layer_norms)):
+    def _record_denominators(self, step, layer_norms, per_layer):
+        for layer, (stats, norm) in enumerate(zip(per_layer, layer_norms)):
             row = dict(step=step, layer=layer, grad_norm=norm, den_min=None,
                        nonpositive_share=None, tiny_share=None)
             if stats is not None:
@@ -187,9 +218,8 @@ class Run:
                            tiny_share=stats["below_threshold"] / stats["count"])
             self.records["layers"].append(row)
 
-    def _accumulate_denominators(self):
+    def _accumulate_denominators(self, stats):
         # Over every training step, per layer: smallest denominator and counts.
-        stats = self.model.denominator_stats()
         if stats[0] is None:
             return
         totals = self.records["den_totals"]
@@ -201,45 +231,78 @@ class Run:
             for key in ("nonpositive", "below_threshold", "count"):
                 total[key] += s[key]
 
+    def _forward(self, step):
+        """This rank's loss on its share of the step's batch and, if a kernel refused its input,
+        the reason (the loss is then None)."""
+        inputs, targets = self.batch(step)
+        scored = int((targets != mqar.IGNORE).sum())
+        inputs, targets = self.ranks.share(inputs, targets)
+        # DistributedDataParallel averages the W ranks' gradients, so the losses the ranks
+        # differentiate must average to the batch's mean, sum / scored: rank r's must be
+        # W sum_r / scored = mean_r x W scored_r / scored, scored_r its share's scored tokens.
+        # Split by sequences the weight is exactly 1 (every char_lm position is scored, every
+        # MQAR sequence scores exactly `pairs` queries); it is not for shares with unevenly
+        # many IGNOREs (a split along the length, padding). scored_r > 0: no share is empty.
+        weight = self.ranks.world_size * int((targets != mqar.IGNORE).sum()) / scored
+        try:
+            return loss_of(self.trained, inputs, targets) * weight, None
+        except ValueError as e:
+            return None, _refused(e)
+
+    def _exchange(self, loss, reason):
+        """The step's one exchange between ranks: the mean loss over the whole batch, the first
+        rank's failure (None if none failed) and the whole batch's denominator statistics, the
+        same on every rank, and so are the decisions taken on them (a rank that stopped alone
+        would leave the others waiting in the next collective)."""
+        mine = (math.nan if loss is None else float(loss) / self.ranks.world_size, reason,
+                self.model.denominator_stats())
+        everyone = self.ranks.gather(mine)
+        reasons = [r for _, r, _ in everyone if r is not None]
+        return (sum(part for part, _, _ in everyone), reasons[0] if reasons else None,
+                combine_stats([stats for _, _, stats in everyone]))
+
+    def _backward(self, loss, logged):
+        """Gradients (all-reduced between ranks during the backward), the attention blocks'
+        gradient norms when logged, clipping: (norm, layer norms or None, divergence reason).
+        A kernel refusing a non-finite gradient on one rank only gives the others NaN gradients
+        (Ranks.backward): every rank ends the run at this step, the others' reason being
+        "gradient norm nan"."""
+        self.optimiser.zero_grad(set_to_none=True)
+        try:
+            self.ranks.backward(self.trained, loss)
+        except ValueError as e:
+            return math.nan, None, _refused(e)
+        layer_norms = None
+        if logged:  # before clipping rescales the gradients in place
+            layer_norms = [gradient_norm(b.attention.parameters()) for b in self.model.blocks]
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip))
+        return norm, layer_norms, None if math.isfinite(norm) else "gradient norm %s" % norm
+
     def train(self, checkpoint=None, progress=None):
         c, model = self.config, self.model
         torch.set_num_threads(c.threads)
         linrope.set_num_threads(c.threads)
         model.train()
-        parameters = list(model.parameters())
         while self.step < c.steps and self.records["diverged_step"] is None:
             step = self.step
             started = time.perf_counter()
             for group in self.optimiser.param_groups:
                 group["lr"] = learning_rate(c, step)
-            inputs, targets = self.batch(step)
-            reason, layer_norms = None, None
             logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
-            try:
-                loss = loss_of(model, inputs, targets)
-                self._accumulate_denominators()
-                if not torch.isfinite(loss):
-                    reason = "loss %s" % float(loss)
-                else:
-                    self.optimiser.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if logged:  # before clipping rescales the gradients in place
-                        layer_norms = [gradient_norm(b.attention.parameters())
-                                       for b in model.blocks]
-                    norm = float(torch.nn.utils.clip_grad_norm_(parameters, c.clip))
-                    if not math.isfinite(norm):
-                        reason = "gradient norm %s" % norm
-            except ValueError as e:
-                # linrope's kernels refuse non-finite inputs (weights that overflowed, a NaN
-                # gradient reaching a backward): the same divergence, found one call earlier.
-                if "non-finite" not in str(e):
-                    raise
-                reason = "non-finite values in a kernel's input: %s" % str(e).splitlines()[0]
+            loss, reason = self._forward(step)
+            mean_loss, reason, stats = self._exchange(loss, reason)
+            norm, layer_norms = math.nan, None
+            if reason is None:
+                self._accumulate_denominators(stats)
+                if not math.isfinite(mean_loss):
+                    reason = "loss %s" % mean_loss
+            if reason is None:
+                norm, layer_norms, reason = self._backward(loss, logged)
             logged = logged or reason is not None
             if logged:
                 if layer_norms is None:  # the step failed before its backward
                     layer_norms = [math.nan] * len(model.blocks)
-                self._record_denominators(step + 1, layer_norms)
+                self._record_denominators(step + 1, layer_norms, stats)
             if reason is not None:
                 # Steps are counted from 1, as in the curves: step k is the k-th update.
                 self.records["diverged_step"], self.records["diverged_reason"] = step + 1, reason
@@ -249,14 +312,14 @@ class Run:
             self.step += 1
             self.records["train_seconds"] += time.perf_counter() - started
             window = self.records["window"]  # losses since the last curve row, checkpointed
-            window.append(float(loss))
+            window.append(mean_loss)
             if logged:
                 self.records["curves"].append(dict(
                     step=self.step, train_loss=sum(window) / len(window), lr=learning_rate(c, step),
                     grad_norm=norm, clipped_so_far=self.records["clipped"]))
                 window.clear()
-            if self.step % c.eval_every == 0 or self.step == c.steps:
-                self.evaluate(final=self.step == c.steps)
+            if self.ranks.main and (self.step % c.eval_every == 0 or self.step == c.steps):
+                self.evaluate(final=self.step == c.steps)  # rank 0 alone: no collective inside
             if progress and logged:
                 progress(self)
             if checkpoint and (self.step % c.checkpoint_every == 0):

@@ -84,6 +84,7 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
     md = report.section(str(out))
     assert md.startswith("## Training: numerator-only against full normalisation\n")
     assert "commit 0123456789ab" in md and "10 min" in md
+    assert "(2 cores; 2 runs at once, 1 thread each)" in md
     assert "| softmax, RoPE | 2.100 (2.000-2.200, 2 seeds) |" in md
     assert "FAVOR+: full diverged in 1 of 2 seeds (at step 5)" in md
     assert "ended +0.900 bpc from numerator_only" in md  # 3.5 - 2.6
@@ -95,6 +96,18 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
         assert "training/" + name in md
     assert not math.isnan(json.loads((out / "summary.json").read_text())["step_time"]
                           ["crossover"]["elu-numerator_only"])
+
+
+def test_section_names_the_processes_of_a_data_parallel_sweep(out):
+    """training.json of a torchrun sweep (processes 2, jobs 1): the runs were trained one at a
+    time, each on 2 processes, and the section says so."""
+    (out / "training.json").write_text(json.dumps(dict(
+        date="2026-11-26 08:00 UTC", mode="quick", git_commit=None, git_dirty=True,
+        machine=dict(cpu="test CPU", cores=2), jobs=1, processes=2, threads=1, duration_s=60.0,
+        command="python3 -m torch.distributed.run (2 processes) python3 -m training",
+        corpus=dict(name="a test text"))))
+    md = report.section(str(out), plot_note="a test")
+    assert "(2 cores; each run on 2 processes (torchrun), 1 thread each)" in md
 
 
 def test_section_without_plots_says_why_and_links_from_its_own_directory(out):

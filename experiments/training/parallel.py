@@ -1,0 +1,155 @@
+"""Data parallelism: the processes that train one run together.
+
+Under torchrun (`/usr/bin/python3 -m torch.distributed.run --nproc_per_node N -m training ...`)
+every process (a rank) builds the same model from the same seed (FAVOR+'s W included: it is drawn
+from the seed and redrawn after the same count of training forwards on every rank), draws the
+same global batch from (seed, step) and computes on its share of it; DistributedDataParallel on
+gloo averages the gradients during backward, so every rank applies the same update and the
+parameters stay the same everywhere. The training loop (train.py) adds one small exchange per
+step -- the ranks' losses, failures and denominator statistics -- so that the records and every
+decision (a divergence ends the run) are the same on every rank. Rank 0 alone evaluates and
+writes; a checkpoint reaches the other ranks through rank 0 (no shared file system is needed).
+
+Outside torchrun, SINGLE stands for the one process: no torch.distributed call is made and the
+numbers are bitwise those the trainer gave before data parallelism existed.
+
+`Ranks.share` is the one place that decides which part of the global batch a rank computes. A
+sequence-parallel mode would replace it (each sequence split along its length, attention through
+linrope.torch.distributed.linear_attention with the slice's first position); the loss weighting in
+train.py (the share's scored tokens against the batch's) holds for any split."""
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+# torchrun sets these in every worker; all four, so that one stray variable is not taken for it.
+TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
+
+
+def under_torchrun(environ=None):
+    environ = os.environ if environ is None else environ
+    return all(name in environ for name in TORCHRUN_VARIABLES)
+
+
+def _all_reduce(sent, bucket):
+    """DDP's default averaging all-reduce of a gradient bucket, noting that it was sent."""
+    sent.add(bucket.index())
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+class _DataParallel(torch.nn.parallel.DistributedDataParallel):
+    """DistributedDataParallel that remembers which gradient buckets the current backward has sent
+    to the all-reduce (through the default averaging hook), so that a rank whose backward raises
+    can send the rest itself: the other ranks wait for them, bucket after bucket in index order
+    (the order in which the reducer sends them), and would wait for ever."""
+
+    def __init__(self, model):
+        # broadcast_buffers=False: the only buffers, the attention's feature_seed and
+        # training_forwards, are equal on every rank by construction (same seed, one training
+        # forward per step everywhere), so the per-step traffic is the gradients' all-reduce
+        # alone. The construction itself copies rank 0's parameters and buffers to every rank.
+        super().__init__(model, broadcast_buffers=False)
+        self.sent = set()
+        # The set as the hook's state, not a bound method: the reducer holds the hook, and a
+        # hook holding this module would make a cycle through C++ that Python never frees.
+        self.register_comm_hook(self.sent, _all_reduce)
+
+    def backward(self, loss):
+        self.sent.clear()
+        try:
+            loss.backward()
+        except Exception:
+            # DDP's join hook matches a whole backward the same way (reducer's buckets, in order).
+            for bucket in self.reducer._get_zeros_like_grad_buckets():
+                if bucket.index() not in self.sent:
+                    dist.all_reduce(bucket.buffer().fill_(math.nan))
+            raise
+
+
+class Ranks:
+    """rank of world_size processes; distributed when a gloo process group joins them (under
+    torchrun, even with one process: the runs are then trained in this process, in turn)."""
+
+    def __init__(self, rank=0, world_size=1, distributed=False):
+        self.rank, self.world_size, self.distributed = rank, world_size, distributed
+
+    @property
+    def main(self):
+        """Rank 0: the one that evaluates, prints progress and writes files."""
+        return self.rank == 0
+
+    def share(self, inputs, targets):
+        """This rank's contiguous share of a global batch [B, n]: rows rank * B/W to
+        (rank + 1) * B/W, so that the ranks together compute exactly the single process's batch."""
+        if len(inputs) % self.world_size:
+            raise ValueError("a batch of %d sequences does not split over %d processes" %
+                             (len(inputs), self.world_size))
+        size = len(inputs) // self.world_size
+        rows = slice(self.rank * size, (self.rank + 1) * size)
+        return inputs[rows], targets[rows]
+
+    def wrap(self, model):
+        """The module to train: DistributedDataParallel over model when distributed (a collective:
+        every rank constructs it at the same point), model itself otherwise."""
+        return _DataParallel(model) if self.distributed else model
+
+    def backward(self, trained, loss):
+        """loss.backward() -- with the gradients' all-reduce when distributed. If it raises on
+        this rank (a kernel refusing a non-finite gradient), the buckets this rank had not sent
+        yet are sent filled with NaN before the error is raised again: the other ranks finish
+        their backward with NaN gradients and end the run at the same step ("gradient norm nan"),
+        where they would otherwise wait for this rank for ever."""
+        if self.distributed:
+            trained.backward(loss)
+        else:
+            loss.backward()
+
+    def gather(self, value):
+        """Every rank's value (any picklable object), in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def broadcast(self, value):
+        """Rank 0's value on every rank (what the other ranks pass is ignored)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self):
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+SINGLE = Ranks()
+
+
+def from_environment():
+    """The ranks of this process: joins torchrun's gloo process group when launched by torchrun
+    (it waits until every rank has arrived), SINGLE otherwise."""
+    if not under_torchrun():
+        return SINGLE
+    dist.init_process_group("gloo")
+    return Ranks(dist.get_rank(), dist.get_world_size(), distributed=True)
+
+
+def combine_stats(per_rank):
+    """The denominator statistics of the whole batch from each rank's, per layer: the smallest
+    minimum and the summed counts (None for softmax layers). One rank's are returned as they are."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    combined = []
+    for layer in zip(*per_rank):
+        if layer[0] is None:
+            combined.append(None)
+            continue
+        combined.append(dict(min=min(s["min"] for s in layer),
+                             **{key: sum(s[key] for s in layer)
+                                for key in ("nonpositive", "below_threshold", "count")}))
+    return combined
