@@ -287,9 +287,10 @@ TEST_CASE("d_initial and d_final at the state's own scale: the state's gradient 
   // dL/dz_0 (at l_0), dk and dv against central differences of an explicit formula that builds
   // the state from the reference's features. One map with a scale (favor+) and one without
   // (elu+1), numerator-only (S and z from different features).
-  // Also with no queries (keys only: the state alone, as linrope.torch.distributed sums a rank's).
+  // Also with fewer queries than keys (the last keys read by the final state alone) and with none
+  // (keys only: the state alone, as linrope.torch.distributed sums a rank's).
   for (const FeatureMapKind kind : {FeatureMapKind::FavorPositive, FeatureMapKind::EluPlusOne})
-    for (const Index queries : {Index(6), Index(0)}) {
+    for (const Index queries : {Index(6), Index(4), Index(0)}) {
       const std::string kind_name = to_string(kind);
       CAPTURE(kind_name);
       CAPTURE(queries);

@@ -165,6 +165,15 @@ void key_terms_from_state(const QueryState<T>& state, const FeatureRows<T>& keys
   }
 }
 
+// Keys [first, first + count) of the head: dk and dv (every row written) from a query state that
+// holds everything that reads them, and their kept features, by blocks of GEMMs
+// (key_terms_from_state, then input_gradient): the non-causal backward's key pass, and the causal
+// one's for keys past the last query, which only the final state's gradient reads.
+template <class T>
+void keys_from_state(const QueryState<T>& state, const KeptFeatures<T>& features,
+                     const LinearGradientHead<T>& head, Index first, Index count,
+                     const LinearSetup& setup);
+
 // dx [rows x d], the gradient of the input rows x [rows x d] whose features are `block`, from the
 // gradients of their numerator-side features g_num [rows x m] (overwritten) and of their
 // denominator-side ones g_den (null when the caller has already added them into g_num: placements

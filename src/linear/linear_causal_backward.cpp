@@ -55,23 +55,29 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
                             Threads threading, const StatePorts<T>& ports) {
   CausalGradients<T> c(head, setup);
   const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v, m = setup.m;
-  // Keys [swept, n_k) are seen by no query; the final state holds them, so with its gradient
-  // every key is swept.
+  // Keys [horizon, n_k) are seen by no query. Without the final state's gradient nothing reads
+  // them; with it, it alone does: a GEMM pass at the end (keys_from_state), not the sweeps (a
+  // keys-only call, as linrope.torch.distributed makes, is all such keys).
   const bool final_gradient = ports.d_final_S != nullptr;
-  const Index swept = final_gradient ? n_k : n > 0 ? c.first_key(n) : 0;
-  std::fill(head.dk + swept * d, head.dk + n_k * d, T(0));
-  std::fill(head.dv + swept * d_v, head.dv + n_k * d_v, T(0));
-  check_input(setup, head.k + swept * d, n_k - swept, d);  // read by nothing else
-  check_input(setup, head.v + swept * d_v, n_k - swept, d_v);
+  const Index horizon = n > 0 ? c.first_key(n) : 0;
+  const int threads = usable_threads(threading);
+  check_input(setup, head.v + horizon * d_v, n_k - horizon, d_v);  // read by no sweep
+  if (!final_gradient) {
+    std::fill(head.dk + horizon * d, head.dk + n_k * d, T(0));
+    std::fill(head.dv + horizon * d_v, head.dv + n_k * d_v, T(0));
+    check_input(setup, head.k + horizon * d, n_k - horizon, d);  // (else their features check)
+  }
   const LinearState<T> initial =
       load_state(ports.initial_S, ports.initial_z, ports.initial_log_scale, m, d_v);
-  CausalPlan plan =
-      plan_causal(n, n_k, head.q_offset, head.k_offset, kScanBlock, usable_threads(threading));
-  plan.key_start.back() = swept;
+  const CausalPlan plan = plan_causal(n, n_k, head.q_offset, head.k_offset, kScanBlock, threads);
   const Index segments = plan.segments;
   const std::vector<Index>&query_start = plan.query_start, &key_start = plan.key_start;
   std::vector<LinearState<T>> start =
       prefix_states<T>(plan, initial, head.k, head.v, head.k_offset, setup, &c.keys);
+  if (final_gradient) {  // the keys past the horizon too, for their own pass and the final scale
+    keep_features(c.keys, head.k, horizon, n_k, head.k_offset, setup);
+    c.keys.fill(n_k);
+  }
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     scan_queries_backward(c, query_start[t], query_start[t + 1], start[t]);
   });
@@ -86,6 +92,15 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   for (Index t = 0; t + 1 < segments; ++t) end[t] = std::move(end[t + 1]);
   const double final_scale = std::max(initial.M, c.keys.all().max_log_scale());
   end[segments - 1] = final_state_gradient(ports, final_scale, m, d_v);
+  if (final_gradient) {
+    const QueryState<T>& final_only = end[segments - 1];
+    const Index tail = n_k - horizon, parts = part_count(tail, kPartRows);
+    parallel_for(parts, threads, Schedule::Static, [&](Index t) {
+      const Index begin = horizon + split_point(tail, parts, t, kPartRows);
+      const Index end_key = horizon + split_point(tail, parts, t + 1, kPartRows);
+      keys_from_state(final_only, c.keys, head, begin, end_key - begin, setup);
+    });
+  }
   for (Index t = segments - 2; t >= 0; --t) merge(end[t], end[t + 1]);
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
     scan_keys_backward(c, key_start[t], key_start[t + 1], query_start[t + 1], end[t]);

@@ -52,10 +52,10 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
   }
 }
 
-// Keys [first, first + count) of the head: dk and dv from the complete query state and the kept
-// key features.
+}  // namespace
+
 template <class T>
-void key_pass(const QueryState<T>& queries_state, const KeptFeatures<T>& features,
+void keys_from_state(const QueryState<T>& queries_state, const KeptFeatures<T>& features,
               const LinearGradientHead<T>& head, Index first, Index count,
               const LinearSetup& setup) {
   const Index m = setup.m, d = setup.d, d_v = setup.d_v;
@@ -75,8 +75,6 @@ void key_pass(const QueryState<T>& queries_state, const KeptFeatures<T>& feature
                    separate ? ge.data() : nullptr, head.dk + js * d);
   }
 }
-
-}  // namespace
 
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
@@ -106,10 +104,16 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
   parallel_for(key_parts, threads, Schedule::Static, [&](Index t) {
     const Index begin = split_point(n_k, key_parts, t, kPartRows);
     const Index end = split_point(n_k, key_parts, t + 1, kPartRows);
-    key_pass(queries_state, key_features, head, begin, end - begin, setup);
+    keys_from_state(queries_state, key_features, head, begin, end - begin, setup);
   });
 }
 
+template void keys_from_state<float>(const QueryState<float>&, const KeptFeatures<float>&,
+                                     const LinearGradientHead<float>&, Index, Index,
+                                     const LinearSetup&);
+template void keys_from_state<double>(const QueryState<double>&, const KeptFeatures<double>&,
+                                      const LinearGradientHead<double>&, Index, Index,
+                                      const LinearSetup&);
 template void linear_noncausal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
                                                Threads);
 template void linear_noncausal_backward<double>(const LinearGradientHead<double>&,

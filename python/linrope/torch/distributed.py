@@ -29,10 +29,10 @@ bytes per element (4 for float32, 8 for float64), whatever the sequence length:
   state bytes    s = B H (m (d_v + 1) w + 8)        (S and z, plus the float64 log scale)
   forward        all_gather of s from every rank: each rank receives (P - 1) s
                  + all_gather of 19 int64 (the call's description): 152 (P - 1) bytes
-  backward       all_reduce of P s (the gradients of every gathered S and z, without the scales)
+  backward       all_reduce of P (s - 8 B H) (the gradients of every gathered S and z; no scales)
 
-Three collectives per forward and backward (two in the forward, one in the backward), each of
-O(P s) bytes: for B = 1, H = 8, m = 256, d_v = 64, float32, s = 532 kB. Exact softmax attention
+Four collectives per call and layer (three all_gathers in the forward: the description, the
+states, the scales; one all_reduce in the backward), each of O(P s) bytes or less: for B = 1, H = 8, m = 256, d_v = 64, float32, s = 532 kB. Exact softmax attention
 would need every earlier rank's keys and values instead: O(n) bytes.
 """
 import zlib
