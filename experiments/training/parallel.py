@@ -1,4 +1,4 @@
-"""Data parallelism: the processes that train one run together.
+"""Data and sequence parallelism: the processes that train one run together.
 
 Under torchrun (`/usr/bin/python3 -m torch.distributed.run --nproc_per_node N -m training ...`)
 every process (a rank) builds the same model from the same seed (FAVOR+'s W included: it is drawn
@@ -10,13 +10,19 @@ step -- the ranks' losses, failures and denominator statistics -- so that the re
 decision (a divergence ends the run) are the same on every rank. Rank 0 alone evaluates and
 writes; a checkpoint reaches the other ranks through rank 0 (no shared file system is needed).
 
-Outside torchrun, SINGLE stands for the one process: no torch.distributed call is made and the
-numbers are bitwise those the trainer gave before data parallelism existed.
+`Ranks.share` is the one place that decides which part of the global batch a rank computes:
 
-`Ranks.share` is the one place that decides which part of the global batch a rank computes. A
-sequence-parallel mode would replace it (each sequence split along its length, attention through
-linrope.torch.distributed.linear_attention with the slice's first position); the loss weighting in
-train.py (the share's scored tokens against the batch's) holds for any split."""
+  * data parallel (the default): a contiguous block of the batch's sequences, whole;
+  * sequence parallel (`--sequence-parallel`, Ranks.sequence): every sequence of the batch, each
+    cut along its length into contiguous slices, one per rank. The attention layers then run
+    with sequence_parallel on (linrope.torch.MultiheadAttention), over `sequence_group`: each
+    layer's causal linear attention continues from the states of the earlier ranks' slices
+    (linrope.torch.distributed), so the ranks together compute the whole sequences.
+
+The loss weighting in train.py (the share's scored tokens against the batch's) holds for either.
+
+Outside torchrun, SINGLE stands for the one process: no torch.distributed call is made and the
+numbers are bitwise those the trainer gave before data parallelism existed."""
 import math
 import os
 
@@ -70,19 +76,42 @@ class _DataParallel(torch.nn.parallel.DistributedDataParallel):
 
 class Ranks:
     """rank of world_size processes; distributed when a gloo process group joins them (under
-    torchrun, even with one process: the runs are then trained in this process, in turn)."""
+    torchrun, even with one process: the runs are then trained in this process, in turn).
+    sequence: sequence parallel (each rank a slice of every sequence) instead of data parallel;
+    sequence_group: the process group of the attention layers' exchanges then (all the ranks, a
+    group of their own: see from_environment)."""
 
-    def __init__(self, rank=0, world_size=1, distributed=False):
+    def __init__(self, rank=0, world_size=1, distributed=False, sequence=False,
+                 sequence_group=None):
         self.rank, self.world_size, self.distributed = rank, world_size, distributed
+        self.sequence, self.sequence_group = sequence, sequence_group
 
     @property
     def main(self):
         """Rank 0: the one that evaluates, prints progress and writes files."""
         return self.rank == 0
 
+    @property
+    def mode(self):
+        """"sequence" or "data" parallel when distributed, else None (as recorded)."""
+        if not self.distributed:
+            return None
+        return "sequence" if self.sequence else "data"
+
     def share(self, inputs, targets):
-        """This rank's contiguous share of a global batch [B, n]: rows rank * B/W to
-        (rank + 1) * B/W, so that the ranks together compute exactly the single process's batch."""
+        """This rank's contiguous share of a global batch [B, n], such that the ranks' shares
+        together are exactly the single process's batch. Data parallel: rows rank * B/W to
+        (rank + 1) * B/W (B must divide by W). Sequence parallel: every row, positions
+        floor(rank * n / W) to floor((rank + 1) * n / W) -- n/W each, rounded down or up when W
+        does not divide n (n >= W: no slice is empty)."""
+        if self.sequence:
+            length = inputs.shape[1]
+            if length < self.world_size:
+                raise ValueError("a sequence of %d positions does not split over %d processes" %
+                                 (length, self.world_size))
+            columns = slice(self.rank * length // self.world_size,
+                            (self.rank + 1) * length // self.world_size)
+            return inputs[:, columns], targets[:, columns]
         if len(inputs) % self.world_size:
             raise ValueError("a batch of %d sequences does not split over %d processes" %
                              (len(inputs), self.world_size))
@@ -92,7 +121,11 @@ class Ranks:
 
     def wrap(self, model):
         """The module to train: DistributedDataParallel over model when distributed (a collective:
-        every rank constructs it at the same point), model itself otherwise."""
+        every rank constructs it at the same point), model itself otherwise. Sequence parallel,
+        model's attention layers are also switched to it, over sequence_group (model.Decoder.
+        sequence_parallel; an attribute, not state: checkpoints are the same in every mode)."""
+        if self.sequence:
+            model.sequence_parallel(self.sequence_group)
         return _DataParallel(model) if self.distributed else model
 
     def backward(self, trained, loss):
@@ -130,13 +163,23 @@ class Ranks:
 SINGLE = Ranks()
 
 
-def from_environment():
+def from_environment(sequence=False):
     """The ranks of this process: joins torchrun's gloo process group when launched by torchrun
-    (it waits until every rank has arrived), SINGLE otherwise."""
+    (it waits until every rank has arrived), SINGLE otherwise. sequence: sequence parallel, with
+    a second group of all the ranks for the attention layers' state exchanges. A group of their
+    own, so that those blocking all_gathers and all_reduces never queue among DDP's bucket
+    all-reduces (asynchronous, launched from autograd hooks as the gradients become ready) on
+    one group, whose operations every rank must issue in one order: how the two interleave is
+    then of no consequence. Made once, right after joining, on every rank in the same order
+    (dist.new_group is itself a collective)."""
     if not under_torchrun():
+        if sequence:
+            raise ValueError("sequence parallelism needs torchrun")
         return SINGLE
     dist.init_process_group("gloo")
-    return Ranks(dist.get_rank(), dist.get_world_size(), distributed=True)
+    group = dist.new_group(list(range(dist.get_world_size()))) if sequence else None
+    return Ranks(dist.get_rank(), dist.get_world_size(), distributed=True, sequence=sequence,
+                 sequence_group=group)
 
 
 def combine_stats(per_rank):
