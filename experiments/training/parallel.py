@@ -30,6 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from linrope.torch import MultiheadAttention
+# The autograd Function whose backward all-reduces a sequence parallel layer's state gradients.
+from linrope.torch.distributed import _GatherStates
+
 # torchrun sets these in every worker; all four, so that one stray variable is not taken for it.
 TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
 
@@ -45,13 +49,46 @@ def _all_reduce(sent, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
+def _note_exchange(calls, world):
+    """A forward hook on an attention layer: notes the elements of the all-reduce that a
+    sequence parallel call's backward will make (linrope.torch.distributed's docstring: the
+    gradients of every rank's S and z, P x B H m (d_v + 1) values of q's dtype)."""
+    def hook(layer, inputs, output):
+        if layer.training and layer.sequence_parallel:
+            calls.append((world * len(inputs[0]) * layer.num_heads *
+                          layer.feature_map.output_dim * (layer.head_dim + 1), inputs[0].dtype))
+    return hook
+
+
+def _state_exchanges(loss):
+    """The nodes of loss's autograd graph that all-reduce, in backward, the gradients of an
+    attention layer's gathered states (linrope.torch.distributed: one per sequence parallel
+    call)."""
+    found, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node) is _GatherStates._backward_cls:
+            found.append(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 class _DataParallel(torch.nn.parallel.DistributedDataParallel):
     """DistributedDataParallel that remembers which gradient buckets the current backward has sent
     to the all-reduce (through the default averaging hook), so that a rank whose backward raises
     can send the rest itself: the other ranks wait for them, bucket after bucket in index order
-    (the order in which the reducer sends them), and would wait for ever."""
+    (the order in which the reducer sends them), and would wait for ever.
 
-    def __init__(self, model):
+    Sequence parallel (sequence_group given), the attention layers' backward all-reduces on
+    that group are followed the same way: which have run (a hook on their autograd nodes), and
+    how large each is (noted in the forward), so that a rank whose backward raises before it
+    joined them all joins the rest with NaN first -- the other ranks block in them, in the
+    order of the layers from the last -- and then sends its buckets."""
+
+    def __init__(self, model, sequence_group=None):
         # broadcast_buffers=False: the only buffers, the attention's feature_seed and
         # training_forwards, are equal on every rank by construction (same seed, one training
         # forward per step everywhere), so the per-step traffic is the gradients' all-reduce
@@ -61,12 +98,35 @@ class _DataParallel(torch.nn.parallel.DistributedDataParallel):
         # The set as the hook's state, not a bound method: the reducer holds the hook, and a
         # hook holding this module would make a cycle through C++ that Python never frees.
         self.register_comm_hook(self.sent, _all_reduce)
+        self.sequence_group, self.calls, self.exchanged = sequence_group, [], []
+        if sequence_group is not None:
+            world = dist.get_world_size(sequence_group)
+            for layer in model.modules():
+                if isinstance(layer, MultiheadAttention):
+                    layer.register_forward_hook(_note_exchange(self.calls, world))
+
+    def forward(self, *inputs, **kwargs):
+        self.calls.clear()
+        return super().forward(*inputs, **kwargs)
 
     def backward(self, loss):
         self.sent.clear()
+        self.exchanged.clear()
+        if self.sequence_group is not None:
+            nodes = _state_exchanges(loss)
+            if len(nodes) != len(self.calls):  # the same graph, so the same verdict, everywhere
+                raise RuntimeError("the backward holds %d attention state exchanges for %d "
+                                   "sequence parallel calls" % (len(nodes), len(self.calls)))
+            exchanged = self.exchanged  # not self: the graph's nodes would hold this module
+            for node in nodes:  # the node's post-hook: after its all-reduce
+                node.register_hook(lambda *_: exchanged.append(None))
         try:
             loss.backward()
         except Exception:
+            if self.sequence_group is not None:
+                for count, dtype in self.calls[::-1][len(self.exchanged):]:
+                    dist.all_reduce(torch.full((count,), math.nan, dtype=dtype),
+                                    group=self.sequence_group)
             # DDP's join hook matches a whole backward the same way (reducer's buckets, in order).
             for bucket in self.reducer._get_zeros_like_grad_buckets():
                 if bucket.index() not in self.sent:
@@ -126,7 +186,9 @@ class Ranks:
         sequence_parallel; an attribute, not state: checkpoints are the same in every mode)."""
         if self.sequence:
             model.sequence_parallel(self.sequence_group)
-        return _DataParallel(model) if self.distributed else model
+        if not self.distributed:
+            return model
+        return _DataParallel(model, self.sequence_group if self.sequence else None)
 
     def backward(self, trained, loss):
         """loss.backward() -- with the gradients' all-reduce when distributed. If it raises on

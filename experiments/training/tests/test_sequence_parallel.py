@@ -336,6 +336,36 @@ def test_resume_in_either_mode(sequence_ranks, tmp_path):
         assert close(got["train_loss"], want["train_loss"]), (got, want)
 
 
+def test_a_backward_refused_on_one_rank_ends_the_run_on_both(sequence_ranks, tmp_path):
+    """A kernel refusing a non-finite gradient on one rank only, mid-backward, while the other
+    rank blocks in an attention layer's state all-reduce: the refusing rank joins the
+    all-reduces it had not (with NaN), then sends its gradient buckets (small: several), so that
+    both end the run as diverged at that step, and the next run trains in step. The two layers'
+    forwards are counted over the process, two per step: rank 0 refuses at step 3 of the first
+    run (forward 5: layer 0, after layer 1's all-reduce), rank 1 at step 5 of the second (3 x 2
+    + 4 x 2 + 2 = 16: layer 1, before either). The NaN reaching the other rank through the
+    all-reduce makes its kernels refuse too: it then joins the rest the same way."""
+    out = str(tmp_path / "out")
+    status, stdout, stderr = train_in_torchrun(
+        tmp_path, sequence_ranks["text"], out, "--variants", VARIANTS[0], "--tasks", "char_lm",
+        "--seeds", "0,1", env=dict(TRAINING_TEST_REFUSE="0:5,1:16", TRAINING_TEST_BUCKET="1024"))
+    assert status == 0, stderr[-3000:]
+    refused = [dict(field.split("=") for field in r[1:]) for r in lines(stdout, "REFUSED")]
+    # rank=, sent=, buckets=, exchanged=, calls=: the first refusal of each run on each rank.
+    assert {(r["rank"], r["exchanged"], r["calls"]) for r in refused} >= {("0", "1", "2"),
+                                                                          ("1", "0", "2")}
+    for r in refused:
+        assert int(r["sent"]) < int(r["buckets"]), r  # some buckets were left to send
+    results = results_in(out)
+    first, second = (results["char_lm-%s-s%d" % (VARIANTS[0], seed)]["summary"]
+                     for seed in (0, 1))
+    assert (first["status"], first["diverged_step"], first["steps"]) == ("diverged", 3, 2)
+    assert first["diverged_reason"] == ("non-finite values in a kernel's input: linear_attention "
+                                        "backward: non-finite values in grad_out (a test's)")
+    assert (second["status"], second["diverged_step"], second["steps"]) == ("diverged", 5, 4)
+    assert second["diverged_reason"].startswith("non-finite values in a kernel's input")
+
+
 def test_softmax_is_refused_on_every_rank(tmp_path, word_text):
     """`-m training --sequence-parallel` on 2 processes with the --quick variants (softmax-rope
     among them): both ranks print the one line and exit 2 before joining the process group, and
