@@ -65,10 +65,12 @@ def parse(argv):
                                 epilog="Under torchrun (python3 -m torch.distributed.run "
                                 "--redirects 1 --tee 1 --nproc_per_node N -m training ...; the "
                                 "two flags work around torch 1.13 on Python 3.11) each run is "
-                                "trained by all N processes together, data parallel (N must "
-                                "divide the plans' batches) or with --sequence-parallel "
-                                "sequence parallel, one run after another; rank 0 alone "
-                                "writes. See experiments/README.md.")
+                                "trained by all N processes together, one run after another: "
+                                "data parallel (N must divide the plans' batches) or, with "
+                                "--sequence-parallel, each sequence cut along its length over "
+                                "them (linear variants only); rank 0 alone writes. See "
+                                "experiments/README.md for the commands on several machines and "
+                                "what travels between the processes.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="a few variants, few steps: the pipeline end to end (default)")
