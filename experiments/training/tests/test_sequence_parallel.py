@@ -104,7 +104,7 @@ def gradients_of(run, step):
     return float(loss), [p.grad.clone() for p in run.model.parameters()]
 
 
-def test_the_decoder_switches_sequence_parallelism_and_evaluates_alone(tiny):
+def test_the_decoder_switches_sequence_parallelism_and_evaluates_alone():
     """Decoder.sequence_parallel turns every attention layer's on, over the group; alone() turns
     them off inside (rank 0 evaluating by itself) and back on after, even when the inside raises.
     The state dict is the same either way (an attribute, not state: checkpoints do not depend on
