@@ -8,6 +8,7 @@ multi-query associative recall (MQAR), one run per attention variant and seed. R
 decoder and the variant table), train.py (one run: optimiser, divergence, statistics, resume),
 sweep.py (every run, in parallel processes, resumable), step_time.py (one layer's training step
 against context length), report.py (the analysis of the CSVs: summary, plots, the REPORT.md
-section; experiments/analysis/report.py calls it), parallel.py (data parallel training under
-torchrun: each run on all processes, DistributedDataParallel on gloo; experiments/README.md) and
-ddp_cost.py (what that costs per step: time and bytes all-reduced, 1 and 2 processes)."""
+section; experiments/analysis/report.py calls it), parallel.py (training under torchrun: each run
+on all processes, DistributedDataParallel on gloo, each process a share of the batch's sequences
+or, with --sequence-parallel, a slice of every sequence; experiments/README.md) and ddp_cost.py
+(what data parallelism costs per step: time and bytes all-reduced, 1 and 2 processes)."""

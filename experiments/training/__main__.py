@@ -17,7 +17,14 @@ Data parallel, on one machine or several (see experiments/README.md):
 Every process takes its share of each global batch (a plan's batch must divide by the process
 count) and DistributedDataParallel on gloo averages the gradients: the numbers are the single
 process's, to float32 rounding. The runs are then trained one after another, all processes
-together (no --jobs); rank 0 alone writes. Threads per process: --threads (default 1)."""
+together (no --jobs); rank 0 alone writes. Threads per process: --threads (default 1).
+
+Sequence parallel: the same command with --sequence-parallel. Every process then holds the whole
+global batch, each sequence cut along its length into one contiguous slice per process (n/W
+positions, rounded either way), and each attention layer's causal linear attention continues
+across the processes from the earlier slices' states (linrope.torch.distributed): the numbers
+are again the single process's, to float32 rounding. Linear attention variants only (softmax
+needs every earlier key), and under torchrun only."""
 import argparse
 import dataclasses
 import os
@@ -58,9 +65,12 @@ def parse(argv):
                                 epilog="Under torchrun (python3 -m torch.distributed.run "
                                 "--redirects 1 --tee 1 --nproc_per_node N -m training ...; the "
                                 "two flags work around torch 1.13 on Python 3.11) each run is "
-                                "trained by all N processes together, data parallel, one run "
-                                "after another; N must divide the plans' batches and rank 0 "
-                                "alone writes. See experiments/README.md.")
+                                "trained by all N processes together, one run after another: "
+                                "data parallel (N must divide the plans' batches) or, with "
+                                "--sequence-parallel, each sequence cut along its length over "
+                                "them (linear variants only); rank 0 alone writes. See "
+                                "experiments/README.md for the commands on several machines and "
+                                "what travels between the processes.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="a few variants, few steps: the pipeline end to end (default)")
@@ -79,6 +89,10 @@ def parse(argv):
                    "not under torchrun)")
     p.add_argument("--threads", type=int, default=1,
                    help="threads per run, per process under torchrun (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="under torchrun: split each sequence along its length over the "
+                   "processes (every process holds the whole batch; the attention layers "
+                   "exchange states) instead of splitting the batch; linear variants only")
     p.add_argument("--resume", action="store_true",
                    help="keep finished runs and continue unfinished ones from their checkpoints")
     p.add_argument("--no-step-time", action="store_true", help="skip the one-layer step times")
@@ -92,6 +106,8 @@ def parse(argv):
             p.error("--%s is %d but expected >= 1" % (name, value))
     if args.redraw_interval < 0:
         p.error("--redraw-interval is %d but expected >= 0" % args.redraw_interval)
+    if args.sequence_parallel and not args.list_variants:
+        _check_sequence_parallel(p, args)
     if parallel.under_torchrun():
         if args.jobs is not None:
             p.error("--jobs does not apply under torchrun: its processes train each run "
@@ -99,6 +115,22 @@ def parse(argv):
         args.jobs = 1
     args.jobs = args.jobs or os.cpu_count() or 1
     return args
+
+
+def _check_sequence_parallel(p, args):
+    """Exits (status 2) with one line if --sequence-parallel cannot apply: every rank parses the
+    same command line, so every rank stops here alike, before any joins the process group."""
+    def refuse(message):
+        p.exit(2, "%s: error: --sequence-parallel %s\n" % (p.prog, message))
+    if not parallel.under_torchrun():
+        refuse("splits each sequence over torchrun's processes: run it under python3 -m "
+               "torch.distributed.run (see --help)")
+    softmax = [v for v in args.variants or plans.MODES[args.mode]["variants"]
+               if VARIANTS[v]["attention"] == "softmax"]
+    if softmax:
+        refuse("needs linear attention, but %s %s softmax (every earlier key, not a state): "
+               "choose linear variants with --variants" % (
+                   ", ".join(softmax), "is" if len(softmax) == 1 else "are"))
 
 
 def _git(*command):
@@ -131,7 +163,7 @@ def source_state():
                 git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")))
 
 
-def metadata(args, argv, started, source, corpus_info, processes=1):
+def metadata(args, argv, started, source, corpus_info, processes=1, parallel_mode=None):
     import torch
     import linrope
     launcher = "python3 -m torch.distributed.run (%d processes) " % processes if processes > 1 \
@@ -146,6 +178,9 @@ def metadata(args, argv, started, source, corpus_info, processes=1):
         # The installed linrope's commit, -march=native or not, instruction sets, OpenMP, threads.
         linrope_build=linrope.build_info(),
         jobs=args.jobs, threads=args.threads, processes=processes,
+        # Under torchrun, how the processes share each batch: "data" (its sequences) or
+        # "sequence" (each sequence's positions); None in one process outside torchrun.
+        parallel=parallel_mode,
         redraw_interval=args.redraw_interval,
         corpus=corpus_info, model=plans.MODEL,
         plan={k: v for k, v in plans.MODES[args.mode].items() if k != "variants"},
@@ -176,7 +211,13 @@ def _check(configs, corpus, args, processes):
     """None if every run can be trained, else the one-line complaint (the same on every rank,
     which all stop on it: no rank is left waiting for another)."""
     for config in configs:
-        if config.batch_size % processes:
+        if args.sequence_parallel:  # each sequence over the processes, at least a token each
+            length = config.context if config.task == "char_lm" else \
+                min(n for n, _ in config.mqar_settings)
+            if length < processes:
+                return ("the %s sequences of %d positions do not split over %d processes: use "
+                        "at most %d" % (config.task, length, processes, length))
+        elif config.batch_size % processes:
             return ("the %s batch of %d sequences does not split over %d processes: use a process "
                     "count that divides it" % (config.task, config.batch_size, processes))
         if config.task == "char_lm":
@@ -196,7 +237,7 @@ def main(argv=None):
             print("%-22s %s" % (name, describe(name)))
         return 0
     try:
-        ranks = parallel.from_environment()
+        ranks = parallel.from_environment(args.sequence_parallel)
     except (RuntimeError, ValueError) as e:
         sys.stderr.write("training: could not join torchrun's process group: %s\n" %
                          str(e).splitlines()[0])
@@ -245,7 +286,8 @@ def _train(args, argv, ranks):
         return 130
     # Written last: its presence tells the analysis that the CSVs are those of a finished sweep.
     sweep.write_json(os.path.join(args.out, "training.json"),
-                     metadata(args, argv, started, source, corpus_info, ranks.world_size))
+                     metadata(args, argv, started, source, corpus_info, ranks.world_size,
+                              ranks.mode))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The model every variant shares: a small pre-norm decoder (token embedding tied to the output,
 RMSNorm, causal multi-head attention from linrope.torch, GELU MLP), with no position information
 but what the attention variant brings (RoPE or none)."""
+import contextlib
 import math
 
 import torch
@@ -102,6 +103,30 @@ class Decoder(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.final_norm(x) @ self.embedding.weight.t()
+
+    def sequence_parallel(self, group=None):
+        """Every attention layer sequence parallel over group (None: the whole world): each
+        process then holds a contiguous slice of every sequence, and the layers exchange their
+        states (parallel.py). Softmax attention cannot (it needs every earlier key): refused."""
+        if any(block.attention.attention != "linear" for block in self.blocks):
+            raise ValueError("sequence parallelism needs linear attention, not softmax (which "
+                             "needs every earlier key, not a state)")
+        for block in self.blocks:
+            block.attention.sequence_parallel, block.attention.sequence_group = True, group
+
+    @contextlib.contextmanager
+    def alone(self):
+        """Sequence parallelism off inside, restored after: for one process computing whole
+        sequences by itself (rank 0 evaluating), which would otherwise wait in the layers'
+        collectives for ranks that never join them."""
+        saved = [(b.attention.sequence_parallel, b.attention.sequence_group) for b in self.blocks]
+        for block in self.blocks:
+            block.attention.sequence_parallel, block.attention.sequence_group = False, None
+        try:
+            yield self
+        finally:
+            for block, (on, group) in zip(self.blocks, saved):
+                block.attention.sequence_parallel, block.attention.sequence_group = on, group
 
     def denominator_stats(self):
         """Per layer, the last forward's denominator statistics (None for softmax)."""

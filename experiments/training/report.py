@@ -455,8 +455,10 @@ def section(out, plot_note=None, link_prefix="training/"):
     figures = plot(out, summary) if plot_note is None else []
     md = "## Training: numerator-only against full normalisation\n\n"
     if meta:
-        processes = meta.get("processes", 1)  # data parallel under torchrun
-        at_once = ("each run on %d processes (torchrun)" % processes if processes > 1 else
+        processes = meta.get("processes", 1)  # under torchrun
+        # "data" or "sequence" parallel; training.json files older than the mode have neither.
+        how = "torchrun, %s parallel" % meta["parallel"] if meta.get("parallel") else "torchrun"
+        at_once = ("each run on %d processes (%s)" % (processes, how) if processes > 1 else
                    "%s runs at once" % meta["jobs"])
         md += ("_Run %s, --%s, commit %s%s, %s (%s cores; %s, %s thread each), "
                "%.0f min; command: `%s`._ Data: %s; derived numbers: [`summary.json`]"

@@ -131,7 +131,8 @@ def run_all(configs, out, jobs, text=None, resume=False, quiet=False, ranks=SING
     todo = ranks.broadcast(todo)
     done = len(configs) - len(todo)
     if ranks.distributed:
-        how = "one after another, each on %d processes (torchrun)" % ranks.world_size
+        how = "one after another, each on %d processes (torchrun, %s parallel)" % (
+            ranks.world_size, ranks.mode)
         runs = _in_turn(todo, out, text, quiet, ranks)
     else:
         how = "in %d processes" % jobs

@@ -7,8 +7,10 @@ whole state (model, optimiser, records) is written atomically; a run started aga
 configuration continues from it and gives the same numbers as an uninterrupted one.
 
 Under torchrun (parallel.py) each rank trains on its share of the same global batch through
-DistributedDataParallel; the loss curve is the single process's to float32 rounding, rank 0 alone
-evaluates and writes, and a checkpoint written by either continues under the other."""
+DistributedDataParallel -- a block of its sequences (data parallel), or a slice of every sequence
+along its length (sequence parallel: the attention layers exchange states between the ranks); the
+loss curve is the single process's to float32 rounding, rank 0 alone evaluates and writes, and a
+checkpoint written in any mode continues in any other."""
 import dataclasses
 import io
 import math
@@ -77,10 +79,10 @@ def optimiser(model, config):
                               {"params": rest, "weight_decay": 0.0}], lr=config.lr)
 
 
-def loss_of(model, inputs, targets):
+def loss_of(model, inputs, targets, reduction="mean"):
     logits = model(inputs)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=mqar.IGNORE)
+                           ignore_index=mqar.IGNORE, reduction=reduction)
 
 
 @torch.no_grad()
@@ -189,7 +191,12 @@ class Run:
 
     def evaluate(self, final=False):
         """Validation at the current step: char_lm bpc at the training context (and, when final,
-        at each extrapolation multiple), mqar accuracy per (length, pairs)."""
+        at each extrapolation multiple), mqar accuracy per (length, pairs). By this process
+        alone, whole sequences (sequence parallelism off meanwhile: no collective inside)."""
+        with self.model.alone():
+            return self._evaluate(final)
+
+    def _evaluate(self, final):
         c, rows = self.config, []
         if c.task == "char_lm":
             tokens = c.eval_tokens
@@ -239,13 +246,28 @@ class Run:
         inputs, targets = self.ranks.share(inputs, targets)
         # DistributedDataParallel averages the W ranks' gradients, so the losses the ranks
         # differentiate must average to the batch's mean, sum / scored: rank r's must be
-        # W sum_r / scored = mean_r x W scored_r / scored, scored_r its share's scored tokens.
-        # Split by sequences the weight is exactly 1 (every char_lm position is scored, every
-        # MQAR sequence scores exactly `pairs` queries); it is not for shares with unevenly
-        # many IGNOREs (a split along the length, padding). scored_r > 0: no share is empty.
-        weight = self.ranks.world_size * int((targets != mqar.IGNORE).sum()) / scored
+        # l_r = W sum_r / scored = mean_r x W scored_r / scored, sum_r and scored_r its share's
+        # summed token losses and scored tokens. Split by sequences the weight is exactly 1
+        # (every char_lm position is scored, every MQAR sequence scores exactly `pairs` queries).
+        # Split along the length it is not: slices hold n/W rounded either way, and MQAR's
+        # queries follow its pairs, so early slices score few or none.
+        # Sequence parallel, l_r depends on the parameters also through the earlier ranks'
+        # slices (their states, gathered in each attention layer's forward); the layer's
+        # backward all-reduces the gradients with respect to every rank's state and hands rank p
+        # the sum over r of dl_r/dstate_p. So rank p's gradient is d(sum_r l_r)/dtheta along
+        # every path through rank p's computations (its own loss's and the later ranks' through
+        # its states); summed over p, every path: d(sum_r l_r)/dtheta. DDP's average divides by
+        # W: the gradient of sum_r l_r / W = sum / scored, the batch mean's, for ANY split.
+        mine = int((targets != mqar.IGNORE).sum())
+        weight = self.ranks.world_size * mine / scored
         try:
-            return loss_of(self.trained, inputs, targets) * weight, None
+            if mine:
+                return loss_of(self.trained, inputs, targets) * weight, None
+            # No scored token in the share: its mean is 0/0, its sum, 0, is l_r. A zero still
+            # computed through the model, so that this rank's backward runs too: it joins the
+            # attention layers' all-reduces and the gradient all-reduce, and its parameters
+            # get the later slices' gradients through its states.
+            return loss_of(self.trained, inputs, targets, reduction="sum"), None
         except ValueError as e:
             return None, _refused(e)
 

@@ -98,16 +98,23 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
                           ["crossover"]["elu-numerator_only"])
 
 
-def test_section_names_the_processes_of_a_data_parallel_sweep(out):
+@pytest.mark.parametrize("parallel, said", [(None, "torchrun"),
+                                             ("data", "torchrun, data parallel"),
+                                             ("sequence", "torchrun, sequence parallel")])
+def test_section_names_the_processes_of_a_parallel_sweep(out, parallel, said):
     """training.json of a torchrun sweep (processes 2, jobs 1): the runs were trained one at a
-    time, each on 2 processes, and the section says so."""
-    (out / "training.json").write_text(json.dumps(dict(
+    time, each on 2 processes, and the section says so, and how they shared the batches when
+    training.json says (files written before sequence parallelism existed have no "parallel")."""
+    meta = dict(
         date="2026-11-26 08:00 UTC", mode="quick", git_commit=None, git_dirty=True,
         machine=dict(cpu="test CPU", cores=2), jobs=1, processes=2, threads=1, duration_s=60.0,
         command="python3 -m torch.distributed.run (2 processes) python3 -m training",
-        corpus=dict(name="a test text"))))
+        corpus=dict(name="a test text"))
+    if parallel is not None:
+        meta["parallel"] = parallel
+    (out / "training.json").write_text(json.dumps(meta))
     md = report.section(str(out), plot_note="a test")
-    assert "(2 cores; each run on 2 processes (torchrun), 1 thread each)" in md
+    assert "(2 cores; each run on 2 processes (%s), 1 thread each)" % said in md
 
 
 def test_section_without_plots_says_why_and_links_from_its_own_directory(out):

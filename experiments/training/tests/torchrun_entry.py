@@ -13,7 +13,10 @@
                            of an attention layer (counted over the whole process) raises the
                            ValueError linrope's kernels raise for a non-finite gradient, in the
                            middle of the backward; the rank prints "REFUSED rank=R sent=S
-                           buckets=B" (S of B gradient buckets sent before it);
+                           buckets=B exchanged=E calls=C" (S of B gradient buckets sent before
+                           it; sequence parallel, E of the C attention layers' state all-reduces
+                           run before it, 0 of 0 otherwise) -- and so does any other rank whose
+                           backward raises (a NaN state gradient reaching its kernels);
   TRAINING_TEST_BUCKET     bytes: DistributedDataParallel's bucket size (first bucket included),
                            small to have several buckets in a tiny model.
 
@@ -108,8 +111,9 @@ def refuse(calls):
         try:
             real(ddp, loss)
         except ValueError:
-            print("REFUSED rank=%d sent=%d buckets=%d" % (
-                RANK, len(ddp.sent), len(ddp.reducer._get_zeros_like_grad_buckets())), flush=True)
+            print("REFUSED rank=%d sent=%d buckets=%d exchanged=%d calls=%d" % (
+                RANK, len(ddp.sent), len(ddp.reducer._get_zeros_like_grad_buckets()),
+                len(ddp.exchanged), len(ddp.calls)), flush=True)
             raise
     parallel._DataParallel.backward = backward
 

@@ -1,0 +1,382 @@
+"""Sequence parallel training (--sequence-parallel): each sequence split along its length.
+
+The first tests run in this process: the slices, the loss weighting of train.Run._forward with
+slices scoring unevenly many tokens (none, for MQAR's first slice), the Decoder's switch, and the
+refusals. The others launch `python3 -m torch.distributed.run --nproc_per_node 2` on 127.0.0.1
+(gloo) through test_parallel.torchrun, each bounded by its timeout that kills the whole process
+group, and compare with a single process training the same global batch."""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from training import mqar, parallel
+from training.__main__ import _check, parse
+from training.data import load_corpus
+from training.model import Decoder
+from training.parallel import Ranks
+from training.train import Run
+
+from test_parallel import HERE, as_config, close, lines, reference, torchrun
+
+TORCHRUN_ENVIRONMENT = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+
+
+# ---- in this process ----------------------------------------------------------------------
+
+def test_slices_are_contiguous_cuts_of_every_sequence():
+    """Every rank keeps every sequence (the batch is not divided) and the positions floor(r n/W)
+    to floor((r + 1) n/W): together exactly the batch, one position more for the later ranks when
+    W does not divide n. A sequence shorter than W is refused (a slice would be empty)."""
+    inputs = torch.arange(21).reshape(3, 7)
+    targets = inputs + 100
+    for world, widths in ((2, [3, 4]), (3, [2, 2, 3]), (7, [1] * 7)):
+        shares = [Ranks(r, world, sequence=True).share(inputs, targets) for r in range(world)]
+        assert [x.shape for x, _ in shares] == [(3, w) for w in widths]
+        assert torch.equal(torch.cat([x for x, _ in shares], 1), inputs)
+        assert torch.equal(torch.cat([y for _, y in shares], 1), targets)
+    assert Ranks(1, 2, sequence=True).share(inputs, targets)[0].tolist() == \
+        [[3, 4, 5, 6], [10, 11, 12, 13], [17, 18, 19, 20]]
+    with pytest.raises(ValueError, match="a sequence of 7 positions does not split over 8"):
+        Ranks(0, 8, sequence=True).share(inputs, targets)
+    # A batch of 3 sequences over 2 ranks: refused data parallel, whole sequence parallel.
+    with pytest.raises(ValueError, match="a batch of 3 sequences does not split over 2"):
+        Ranks(0, 2).share(inputs, targets)
+
+
+def standing_in_for_the_ranks(run, rank, world):
+    """run.trained replaced by its model on the whole sequences, cut to rank's slice: rank's
+    logits as the sequence parallel layers give them, differentiable along every path (through the
+    earlier slices too, as the layers' backward all-reduce carries it)."""
+    def forward(tokens):
+        whole, _ = run.batch(forward.step)
+        n = whole.shape[1]
+        columns = slice(rank * n // world, (rank + 1) * n // world)
+        assert torch.equal(tokens, whole[:, columns])
+        with run.model.alone():  # Ranks.wrap switched it on; here one process computes it all
+            return run.model(whole)[:, columns]
+    run.trained = forward
+    return forward
+
+
+@pytest.mark.parametrize("task", ["char_lm", "mqar"])
+def test_slice_losses_average_to_the_batch_mean(task, tiny, corpus):
+    """Each rank's loss on its slice as train.Run._forward weighs it: their mean over the ranks,
+    and that of their gradients (what DDP applies, d(sum_r l_r)/dtheta / W: the derivation in
+    _forward), is the single process's mean loss and gradient over the whole batch, to float32
+    rounding (relative 1e-5, as in test_parallel). The slices score unevenly: char_lm, 17
+    positions cut 8 + 9 (weights 16/17 and 18/17); MQAR with 4 pairs in 16 tokens, the first
+    slice holds only the pairs and scores nothing (its mean would be 0/0: its loss is its sum, a
+    zero through the model) while the second scores every query (weight 2)."""
+    config = tiny(task=task, variant="favor-numerator_only", layers=2, heads=2, batch_size=3,
+                  context=17 if task == "char_lm" else 0, mqar_settings=((16, 4),))
+    data = corpus if task == "char_lm" else None
+    whole = Run(config, data)
+    step = 1
+    whole_loss, whole_grads = gradients_of(whole, step)
+    parts = []
+    for rank in range(2):
+        run = Run(config, data, Ranks(rank, 2, sequence=True))
+        standing_in_for_the_ranks(run, rank, 2).step = step
+        parts.append(gradients_of(run, step))
+    assert sum(loss for loss, _ in parts) / 2 == pytest.approx(whole_loss, rel=1e-5, abs=0)
+    for i, grad in enumerate(whole_grads):
+        mean = (parts[0][1][i] + parts[1][1][i]) / 2
+        assert torch.allclose(mean, grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()))
+    _, targets = whole.batch(step)
+    counts = [int((y != mqar.IGNORE).sum()) for y in (targets[:, :targets.shape[1] // 2],
+                                                         targets[:, targets.shape[1] // 2:])]
+    assert counts == ([24, 27] if task == "char_lm" else [0, 12]), counts
+    if task == "mqar":
+        assert parts[0][0] == 0.0  # and computed through the model: gradients_of checks it
+
+
+def gradients_of(run, step):
+    loss, reason = run._forward(step)
+    # requires_grad: a loss computed through the model, whose backward every rank must run.
+    assert reason is None and torch.isfinite(loss) and loss.requires_grad
+    run.model.zero_grad(set_to_none=True)
+    loss.backward()
+    return float(loss), [p.grad.clone() for p in run.model.parameters()]
+
+
+def test_the_decoder_switches_sequence_parallelism_and_evaluates_alone():
+    """Decoder.sequence_parallel turns every attention layer's on, over the group; alone() turns
+    them off inside (rank 0 evaluating by itself) and back on after, even when the inside raises.
+    The state dict is the same either way (an attribute, not state: checkpoints do not depend on
+    the mode). Softmax layers are refused."""
+    model = Decoder(64, "elu-full", 16, 2, 2, seed=0)
+    keys = list(model.state_dict())
+    group = object()  # any group: nothing is exchanged here
+    model.sequence_parallel(group)
+    layers = [b.attention for b in model.blocks]
+    assert all(a.sequence_parallel and a.sequence_group is group for a in layers)
+    with pytest.raises(RuntimeError, match="inside"):
+        with model.alone():
+            assert not any(a.sequence_parallel or a.sequence_group for a in layers)
+            model(torch.zeros(1, 5, dtype=torch.int64))  # no process group needed
+            raise RuntimeError("inside")
+    assert all(a.sequence_parallel and a.sequence_group is group for a in layers)
+    assert list(model.state_dict()) == keys
+    with pytest.raises(ValueError, match="needs linear attention, not softmax"):
+        Decoder(64, "softmax-rope", 16, 1, 1, seed=0).sequence_parallel()
+
+
+def test_sequence_parallel_is_refused_outside_torchrun(monkeypatch, capsys):
+    """One line, exit 2: there is nothing to split the sequences over."""
+    for name in TORCHRUN_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--sequence-parallel", "--variants", "elu-full"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "python3 -m training: error: --sequence-parallel splits each sequence over torchrun's "
+        "processes: run it under python3 -m torch.distributed.run (see --help)\n")
+    with pytest.raises(ValueError, match="sequence parallelism needs torchrun"):
+        parallel.from_environment(sequence=True)
+
+
+@pytest.mark.parametrize("variants, named", [
+    (["--variants", "elu-full,softmax-nopos"], "softmax-nopos is"),
+    ([], "softmax-rope is"),  # --quick's variants include it
+    (["--full"], "softmax-rope, softmax-nopos are")])
+def test_softmax_variants_are_refused(monkeypatch, capsys, variants, named):
+    """Under torchrun (its variables set here), softmax variants, named or in the mode's list,
+    are refused in one line (exit 2) as every rank parses the same command line."""
+    for name, value in TORCHRUN_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+    assert parse(["--sequence-parallel", "--variants", "elu-full,favor-full"]).sequence_parallel
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--sequence-parallel", *variants])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "python3 -m training: error: --sequence-parallel needs linear attention, but %s softmax "
+        "(every earlier key, not a state): choose linear variants with --variants\n" % named)
+
+
+def test_sequences_shorter_than_the_process_count_are_refused(tiny, corpus):
+    """_check's line (on every rank alike): a sequence must give every process a position, the
+    batch need not divide."""
+    args = argparse.Namespace(sequence_parallel=True, text=None)
+    char_lm = tiny(variant="elu-full", context=4, batch_size=3)
+    assert _check([char_lm], corpus, args, 4) is None
+    assert _check([char_lm], corpus, args, 5) == (
+        "the char_lm sequences of 4 positions do not split over 5 processes: use at most 4")
+    recall = tiny(task="mqar", variant="elu-full", mqar_settings=((32, 2), (16, 2)))
+    assert _check([recall], None, args, 17) == (
+        "the mqar sequences of 16 positions do not split over 17 processes: use at most 16")
+
+
+# ---- under torchrun -----------------------------------------------------------------------
+
+# Two layers (so that the second layer's input on rank 1 already depends on rank 0's slice) of
+# two heads; char_lm's 17 positions cut 8 + 9; MQAR's (16, 4) leaves rank 0 only the pairs (no
+# scored token: its gradient comes through its states alone), (32, 6) gives both ranks queries.
+PLAN = dict(model=dict(d_model=16, layers=2, heads=2),
+            char_lm=dict(steps=12, batch_size=4, context=17, lr=1e-2, warmup=2, eval_every=4,
+                         eval_tokens=64, final_eval_tokens=128, extrapolation=(1, 2), log_every=1,
+                         checkpoint_every=4),
+            mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
+                      checkpoint_every=4, mqar_settings=((16, 4), (32, 6)), mqar_vocab=64,
+                      mqar_test_size=16))
+VARIANTS = ("favor-numerator_only", "elu-full")
+KEYS = sorted("%s-%s-s0" % (task, variant) for task in ("char_lm", "mqar") for variant in VARIANTS)
+
+
+def train_in_torchrun(cwd, text, out, *extra, env=None, sequence=True):
+    argv = ["--text", text, "--variants", ",".join(VARIANTS), "--redraw-interval", "2",
+            "--no-step-time", "--out", out, *(["--sequence-parallel"] if sequence else []),
+            *extra]
+    environment = dict(TRAINING_TEST_PLAN=json.dumps(PLAN), TRAINING_TEST_OUT=out, **(env or {}))
+    return torchrun([os.path.join(HERE, "torchrun_entry.py"), *argv], str(cwd), env=environment)
+
+
+def results_in(out):
+    results = {}
+    for name in sorted(os.listdir(os.path.join(out, "runs"))):
+        with open(os.path.join(out, "runs", name)) as f:
+            results[name[:-len(".json")]] = json.load(f)
+    return results
+
+
+@pytest.fixture(scope="module")
+def sequence_ranks(tmp_path_factory, word_text):
+    """One uninterrupted sweep (char_lm and mqar, both variants) on 2 processes, sequence
+    parallel."""
+    root = tmp_path_factory.mktemp("sequence")
+    text = root / "words.txt"
+    text.write_text(word_text(), encoding="utf-8")
+    out = str(root / "out")
+    status, stdout, stderr = train_in_torchrun(root, str(text), out)
+    assert status == 0, stderr[-3000:]
+    return dict(root=root, text=str(text), out=out, stdout=stdout, stderr=stderr,
+                results=results_in(out))
+
+
+def test_two_processes_give_the_single_process_curve(sequence_ranks):
+    """Each run: the same steps, statuses and clip counts as one process training the same
+    global batch; losses, gradient norms, denominator minima and rank 0's evaluations equal to
+    float32 rounding (test_parallel.RELATIVE, 2e-5), the denominator counts exactly (summed over
+    the slices). The rounding differs from data parallel's only in where the sums are split: the
+    loss's mean (over each slice, then the ranks) and each layer's causal sums (rank 1's from the
+    gathered state of rank 0's keys plus its own, against one running sum). Measured here over
+    the 12 steps: the loss within 2e-7 relative (6e-8 at step 1), the gradient norms 5e-7, the
+    denominator minima 7e-7 -- 2e-5 is 40 times that. Attention that did not span the ranks
+    (each slice from an empty state) departs from the curve by 4e-3 to 1e-2 within these 12 steps
+    (measured on these runs), 200 times the tolerance; unweighted slice means give MQAR's empty
+    first slice's 0/0. The worst relative loss difference per run is printed (pytest -s)."""
+    assert sorted(sequence_ranks["results"]) == KEYS
+    for key, result in sequence_ranks["results"].items():
+        run = reference(result, sequence_ranks["text"])
+        records = result["records"]
+        assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 12
+        assert len(records["curves"]) == len(run.records["curves"]) == 12
+        worst = 0.0
+        for got, want in zip(records["curves"], run.records["curves"]):
+            assert got["step"] == want["step"] and got["lr"] == want["lr"]
+            assert got["clipped_so_far"] == want["clipped_so_far"]
+            assert close(got["train_loss"], want["train_loss"]), (key, got, want)
+            assert close(got["grad_norm"], want["grad_norm"]), (key, got, want)
+            worst = max(worst, abs(got["train_loss"] - want["train_loss"]) / want["train_loss"])
+        print("%s: largest relative loss difference, 2 processes (sequence parallel) against 1: "
+              "%.2e" % (key, worst))
+        assert len(records["layers"]) == len(run.records["layers"]) == 2 * 12
+        for got, want in zip(records["layers"], run.records["layers"]):
+            assert (got["step"], got["layer"]) == (want["step"], want["layer"])
+            for name in ("den_min", "grad_norm"):
+                assert close(got[name], want[name]), (key, name, got, want)
+            for name in ("nonpositive_share", "tiny_share"):
+                assert got[name] == want[name], (key, name, got, want)
+        assert [(e["step"], e["length"], e["pairs"]) for e in records["evaluations"]] == \
+            [(e["step"], e["length"], e["pairs"]) for e in run.records["evaluations"]]
+        for got, want in zip(records["evaluations"], run.records["evaluations"]):
+            if got["metric"] == "bpc":
+                assert close(got["value"], want["value"])
+            else:  # accuracy: a share of 16 x pairs queries, which rounding can tip by one
+                assert abs(got["value"] - want["value"]) <= 1 / (16 * got["pairs"])
+
+
+def test_each_rank_computes_its_slice_of_every_sequence(sequence_ranks):
+    """Rank r's training forwards saw, step after step, all 4 sequences of the batch, positions
+    r n/2 to (r + 1) n/2 (char_lm: 0-7 and 8-16 of 17), and both ranks end with bitwise the same
+    parameters and buffers."""
+    states = lines(sequence_ranks["stdout"], "STATE")
+    for key, result in sequence_ranks["results"].items():
+        config = as_config(result["config"])
+        run = Run(config, load_corpus(sequence_ranks["text"]) if config.task == "char_lm"
+                  else None)
+        seen = {s[1]: s[3] for s in lines(sequence_ranks["stdout"], "INPUTS")
+                if s[2] == "key=" + key}
+        for rank in (0, 1):
+            digest = hashlib.sha256()
+            for step in range(config.steps):
+                inputs, _ = run.batch(step)
+                n = inputs.shape[1]
+                assert len(inputs) == 4
+                digest.update(inputs[:, rank * n // 2:(rank + 1) * n // 2].numpy().tobytes())
+            assert seen["rank=%d" % rank] == digest.hexdigest(), (key, rank)
+        digests = {s[1]: s[3] for s in states if s[2] == "key=" + key}
+        assert len(digests) == 2 and digests["rank=0"] == digests["rank=1"], digests
+
+
+def test_only_rank_0_writes_and_records_the_mode(sequence_ranks):
+    """Rank 0 wrote the outputs, rank 1 nothing (any write would have been refused, failing the
+    run); training.json records the processes and the mode; no checkpoint is left."""
+    writes = {w[1]: int(w[2].split("=")[1]) for w in lines(sequence_ranks["stdout"], "WRITES")}
+    assert writes["rank=1"] == 0 and writes["rank=0"] > 10, writes
+    out = sequence_ranks["out"]
+    assert os.listdir(os.path.join(out, "checkpoints")) == []
+    with open(os.path.join(out, "training.json")) as f:
+        meta = json.load(f)
+    assert (meta["processes"], meta["parallel"], meta["jobs"]) == (2, "sequence", 1)
+    assert meta["command"].startswith("python3 -m torch.distributed.run (2 processes) ")
+    assert "--sequence-parallel" in meta["command"]
+    assert "each on 2 processes (torchrun, sequence parallel)" in sequence_ranks["stderr"]
+
+
+def test_resume_in_either_mode(sequence_ranks, tmp_path):
+    """Interrupted at step 6 (the checkpoint holds step 4), then --resume: sequence parallel
+    again, each run ends with bitwise the records and parameters of the uninterrupted sequence
+    parallel sweep (the same reductions); data parallel instead (the checkpoint is the same in
+    every mode), the first run continues from step 4 and ends on the same curve to rounding."""
+    interrupted = str(tmp_path / "interrupted")
+    status, _, stderr = train_in_torchrun(tmp_path, sequence_ranks["text"], interrupted,
+                                          env=dict(TRAINING_TEST_INTERRUPT="6"))
+    assert status != 0
+    assert stderr.count("training: interrupted; finished runs and checkpoints are kept") == 2
+    first = "char_lm-%s-s0" % VARIANTS[0]
+    assert os.listdir(os.path.join(interrupted, "checkpoints")) == [first + ".pt"]
+    data = str(tmp_path / "data")
+    shutil.copytree(interrupted, data)
+    skip = ("train_seconds",)
+
+    status, stdout, stderr = train_in_torchrun(tmp_path, sequence_ranks["text"], interrupted,
+                                               "--resume")
+    assert status == 0, stderr[-3000:]
+    for key, whole in sequence_ranks["results"].items():
+        resumed = results_in(interrupted)[key]
+        assert resumed["resumed_from_step"] == (4 if key == first else None)
+        assert {k: v for k, v in resumed["records"].items() if k not in skip} == \
+            {k: v for k, v in whole["records"].items() if k not in skip}
+    assert sorted(lines(stdout, "STATE")) == sorted(lines(sequence_ranks["stdout"], "STATE"))
+
+    status, _, stderr = train_in_torchrun(tmp_path, sequence_ranks["text"], data, "--resume",
+                                          sequence=False)
+    assert status == 0, stderr[-3000:]
+    assert "each on 2 processes (torchrun, data parallel)" in stderr
+    resumed = results_in(data)[first]
+    assert resumed["resumed_from_step"] == 4
+    whole = sequence_ranks["results"][first]["records"]["curves"]
+    assert len(resumed["records"]["curves"]) == len(whole) == 12
+    for got, want in zip(resumed["records"]["curves"], whole):
+        assert close(got["train_loss"], want["train_loss"]), (got, want)
+
+
+def test_a_backward_refused_on_one_rank_ends_the_run_on_both(sequence_ranks, tmp_path):
+    """A kernel refusing a non-finite gradient on one rank only, mid-backward, while the other
+    rank blocks in an attention layer's state all-reduce: the refusing rank joins the
+    all-reduces it had not (with NaN), then sends its gradient buckets (small: several), so that
+    both end the run as diverged at that step, and the next run trains in step. The two layers'
+    forwards are counted over the process, two per step: rank 0 refuses at step 3 of the first
+    run (forward 5: layer 0, after layer 1's all-reduce), rank 1 at step 5 of the second (3 x 2
+    + 4 x 2 + 2 = 16: layer 1, before either). The NaN reaching the other rank through the
+    all-reduce makes its kernels refuse too: it then joins the rest the same way."""
+    out = str(tmp_path / "out")
+    status, stdout, stderr = train_in_torchrun(
+        tmp_path, sequence_ranks["text"], out, "--variants", VARIANTS[0], "--tasks", "char_lm",
+        "--seeds", "0,1", env=dict(TRAINING_TEST_REFUSE="0:5,1:16", TRAINING_TEST_BUCKET="1024"))
+    assert status == 0, stderr[-3000:]
+    refused = [dict(field.split("=") for field in r[1:]) for r in lines(stdout, "REFUSED")]
+    # rank=, sent=, buckets=, exchanged=, calls=: the first refusal of each run on each rank.
+    assert {(r["rank"], r["exchanged"], r["calls"]) for r in refused} >= {("0", "1", "2"),
+                                                                          ("1", "0", "2")}
+    for r in refused:
+        assert int(r["sent"]) < int(r["buckets"]), r  # some buckets were left to send
+    results = results_in(out)
+    first, second = (results["char_lm-%s-s%d" % (VARIANTS[0], seed)]["summary"]
+                     for seed in (0, 1))
+    assert (first["status"], first["diverged_step"], first["steps"]) == ("diverged", 3, 2)
+    assert first["diverged_reason"] == ("non-finite values in a kernel's input: linear_attention "
+                                        "backward: non-finite values in grad_out (a test's)")
+    assert (second["status"], second["diverged_step"], second["steps"]) == ("diverged", 5, 4)
+    assert second["diverged_reason"].startswith("non-finite values in a kernel's input")
+
+
+def test_softmax_is_refused_on_every_rank(tmp_path, word_text):
+    """`-m training --sequence-parallel` on 2 processes with the --quick variants (softmax-rope
+    among them): both ranks print the one line and exit 2 before joining the process group, and
+    torchrun ends (within the timeout) with a failure."""
+    text = tmp_path / "words.txt"
+    text.write_text(word_text(), encoding="utf-8")
+    status, _, stderr = torchrun(["-m", "training", "--sequence-parallel", "--text", str(text),
+                                  "--out", str(tmp_path / "out")], str(tmp_path))
+    assert status != 0
+    line = ("python3 -m training: error: --sequence-parallel needs linear attention, but "
+            "softmax-rope is softmax (every earlier key, not a state): choose linear variants "
+            "with --variants\n")
+    assert stderr.count(line) == 2, stderr[-3000:]
+    assert not os.path.exists(tmp_path / "out")
