@@ -122,7 +122,9 @@ def _check_descriptions(rows):
 
 class _GatherStates(torch.autograd.Function):
     """Every rank's packed (S, z) [B, H, m (d_v + 1)] -> [P, B, H, m (d_v + 1)]; the backward sums
-    the gradients of the gathered pieces over the ranks and returns this rank's own."""
+    the gradients of the gathered pieces over the ranks and returns this rank's own.
+    (experiments/training/parallel.py finds this class's backward nodes in a graph, to join the
+    all-reduces a rank missed when its backward failed: rename it there too.)"""
 
     @staticmethod
     def forward(ctx, packed, group):
