@@ -72,7 +72,7 @@ def learning_rate(config, step):
 
 
 def optimiser(model, config):
-    # No weight decay on norms and biases (1-D); the tied embedding is decayed as a weight.
+    # No weight decay on norms and biases (1-D); the embedding and output layer are weights.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},

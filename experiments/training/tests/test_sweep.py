@@ -359,16 +359,18 @@ def test_parse_defaults_and_lists(cli):
         "full", ("softmax-rope", "cos-full"), (3, 1), 7, ("mqar",))
 
 
-def test_list_variants_prints_all_twelve(cli, capsys):
-    """--list-variants prints one line per variant (12: 2 softmax, 4 placements x elu+1 and
-    FAVOR+, 2 for 1+cos) with its description, and exits 0 without running anything."""
+def test_list_variants_prints_all_fourteen(cli, capsys):
+    """--list-variants prints one line per variant (14: 2 softmax, 4 placements x elu+1 and
+    FAVOR+, 2 for 1+cos, elu+1 and FAVOR+ without a denominator) with its description, and exits
+    0 without running anything."""
     assert cli.main(["--list-variants"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(VARIANTS) == 12
+    assert len(VARIANTS) == 14
     assert [line.split()[0] for line in lines] == list(VARIANTS)
     assert [line.split(None, 1)[1] for line in lines] == [describe(v) for v in VARIANTS]
     assert lines[0].split(None, 1)[1] == "softmax, RoPE"
     assert any(line.endswith("favor+, numerator_only") for line in lines)
+    assert any(line.startswith("favor-nodenom") and "no denominator" in line for line in lines)
 
 
 def test_missing_text_file_exits_1_naming_it(cli, capsys, tmp_path):

@@ -320,13 +320,14 @@ def test_numerator_only_denominators_stay_positive(variant, tiny, corpus):
 @pytest.mark.parametrize("variant", ["favor-full", "elu-full"])
 def test_full_placement_denominators_can_be_nonpositive(variant, tiny, corpus):
     """With RoPE on the denominator too ('full'), rotated positive features can cancel: in the
-    same training as above some denominators are <= 0 for some of seeds 0-3 (which ones depends
-    on the draws: measured, 3 of 4 for favor-full and 2 of 4 for elu-full), and a layer's share
-    is > 0 exactly when its smallest denominator is <= 0."""
+    same training as above at lr 0.1 some denominators are <= 0 (measured with the untied output
+    layer: in every layer of seeds 0-7 but one, for both; at lr 3e-2, as before the output layer
+    was untied, in none of elu-full's and one of favor-full's), and a layer's share is > 0 exactly
+    when its smallest denominator is <= 0."""
     seen = 0
     for seed in range(4):
         summary = Run(tiny(variant=variant, seed=seed, steps=20, batch_size=8, context=64,
-                           lr=3e-2, layers=2, heads=2, eval_every=100, extrapolation=(1,)),
+                           lr=1e-1, layers=2, heads=2, eval_every=100, extrapolation=(1,)),
                       corpus).train()
         for layer in (0, 1):
             share = summary["layer%d_nonpositive_share" % layer]
