@@ -1,6 +1,6 @@
 """Every run of a plan, `jobs` at a time in separate processes (one thread each by default), then
-the tables. Each finished run is kept as runs/<key>.json; an unfinished one as
-checkpoints/<key>.pt. With resume=True a run whose file exists with the same configuration is not
+the tables. Each finished run is kept as runs/<key>.json (and a char_lm run's model as
+models/<key>.pt, for training.generate); an unfinished one as checkpoints/<key>.pt. With resume=True a run whose file exists with the same configuration is not
 run again and an unfinished one continues from its checkpoint; otherwise both are discarded.
 
 Under torchrun (ranks distributed, see parallel.py) there is no process pool: the runs are
@@ -19,6 +19,7 @@ import time
 
 from analysis.common import clean, write_atomic, write_json  # experiments/analysis
 
+from .generate import save_model
 from .parallel import SINGLE
 from .train import Run
 
@@ -36,6 +37,10 @@ def _normal(config):
 def _paths(out, config):
     return (os.path.join(out, "runs", config.key() + ".json"),
             os.path.join(out, "checkpoints", config.key() + ".pt"))
+
+
+def _model_path(out, config):
+    return os.path.join(out, "models", config.key() + ".pt")
 
 
 def finished(out, config):
@@ -73,6 +78,8 @@ def _run_one(config, out, text, quiet, ranks=SINGLE):
     summary = run.train(checkpoint=checkpoint, progress=progress)
     if not ranks.main:
         return summary
+    if corpus is not None:  # char_lm: the model, for training.generate
+        save_model(_model_path(out, config), _normal(config), run.model, corpus.chars)
     write_json(result_path, dict(config=_normal(config), summary=summary,
                                  records={k: v for k, v in run.records.items()
                                           if k not in ("den_totals", "window")},
@@ -84,7 +91,7 @@ def _run_one(config, out, text, quiet, ranks=SINGLE):
 
 def _todo(configs, out, resume):
     """The configs to run; without resume, their earlier results and checkpoints are removed."""
-    for sub in ("runs", "checkpoints"):
+    for sub in ("runs", "checkpoints", "models"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
     todo = []
     for config in configs:
@@ -92,7 +99,7 @@ def _todo(configs, out, resume):
         if resume and finished(out, config):
             continue
         if not resume:
-            for path in (result_path, checkpoint):
+            for path in (result_path, checkpoint, _model_path(out, config)):
                 if os.path.exists(path):
                     os.remove(path)
         todo.append(config)

@@ -311,8 +311,13 @@ def test_only_rank_0_writes(two_ranks):
     assert writes["rank=1"] == 0 and writes["rank=0"] > 10, writes
     out = two_ranks["out"]
     assert sorted(os.listdir(out)) == ["checkpoints", "curves.csv", "evaluations.csv",
-                                       "layers.csv", "runs", "runs.csv", "training.json"]
+                                       "layers.csv", "models", "runs", "runs.csv",
+                                       "training.json"]
     assert os.listdir(os.path.join(out, "checkpoints")) == []
+    # The char_lm runs' models (training.generate), from rank 0 like the rest.
+    assert sorted(os.listdir(os.path.join(out, "models"))) == sorted(
+        name[:-len(".json")] + ".pt" for name in os.listdir(os.path.join(out, "runs"))
+        if name.startswith("char_lm"))
     with open(os.path.join(out, "training.json")) as f:
         meta = json.load(f)
     assert meta["processes"] == 2 and meta["jobs"] == 1
