@@ -34,7 +34,6 @@ namespace {
 using namespace linrope;
 using namespace linrope::testing;
 
-
 // The shapes every (map, placement, causal) combination runs.
 std::vector<Problem> shapes(FeatureMapKind kind, RopePlacement placement, bool causal,
                             std::uint64_t seed) {

@@ -56,8 +56,8 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
 
 template <class T>
 void keys_from_state(const QueryState<T>& queries_state, const KeptFeatures<T>& features,
-              const LinearGradientHead<T>& head, Index first, Index count,
-              const LinearSetup& setup) {
+                     const LinearGradientHead<T>& head, Index first, Index count,
+                     const LinearSetup& setup) {
   const Index m = setup.m, d = setup.d, d_v = setup.d_v;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(count, 1));
   Scratch<T> gc(block * m), ge(block * m), scratch_m(block * m), scratch_d_v(block * d_v);
