@@ -110,15 +110,20 @@ def run_layer(rank, world):
 
 
 def bad_input(rank, world):
-    """Rank 1 passes 3 heads where the others pass 2: every rank must raise the same error."""
+    """Rank 1 passes 3 heads where the others pass 2, then (a second call) values of width 4
+    where the others pass 3: every rank must raise the same error for each. The messages, in
+    order."""
     fm = linrope.FeatureMap("elu+1", 4)
-    heads = 3 if rank == 1 else 2
-    q = torch.randn(1, heads, 5, 4, dtype=torch.float64)
-    try:
-        ltd.linear_attention(q, q, q[..., :3], fm, placement="none")
-    except ValueError as e:
-        return str(e)
-    return None
+    messages = []
+    for heads, d_v in ((3 if rank == 1 else 2, 3), (2, 4 if rank == 1 else 3)):
+        q = torch.randn(1, heads, 5, 4, dtype=torch.float64)
+        v = torch.randn(1, heads, 5, d_v, dtype=torch.float64)
+        try:
+            ltd.linear_attention(q, q, v, fm, placement="none")
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
 
 
 def main():

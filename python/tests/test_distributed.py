@@ -115,10 +115,12 @@ def test_a_sequence_parallel_layer_equals_one_process(tmp_path):
         assert close(sum(r["grads"][name] for r in ranks), p.grad), name
 
 
-def test_mismatched_heads_raise_on_every_rank(tmp_path):
-    messages = launch(2, "bad", tmp_path)
-    assert messages[0] is not None and messages[0] == messages[1]
-    assert "rank 1: heads is 3 but rank 0's is 2" in messages[0]
+def test_mismatched_heads_or_widths_raise_on_every_rank(tmp_path):
+    # Two calls in turn: after the first error the ranks are still in step for the second.
+    ranks = launch(2, "bad", tmp_path)
+    assert ranks[0] == ranks[1] and None not in ranks[0]
+    assert "rank 1: heads is 3 but rank 0's is 2" in ranks[0][0]
+    assert "rank 1: d_v is 4 but rank 0's is 3" in ranks[0][1]
 
 
 def test_sequence_parallel_layers_refuse_what_cannot_be_split():
