@@ -164,33 +164,7 @@ struct Gradients {
 // m + d + n_k + 16 roundings of the size S = sum_i |d_out_i|_1 (N_i + |o_i|_inf (D_i^mag + eps)) /
 // |D_i| of its terms, which the difference quotient divides by 2h: 4 (m + d + n_k + 16) u_d S / h
 // (x4), the same for every entry.
-inline Gradients finite_differences(const Setup& s) {
-  constexpr double h = ref::kFiniteDifferenceStep;
-  const auto both = [&](const MatrixD& x, const auto& loss, MatrixD& gradient, MatrixD& error) {
-    gradient = ref::central_difference(x, loss, h);
-    error = (ref::central_difference(x, loss, 2 * h) - gradient).cwiseAbs();
-  };
-  Gradients g;
-  both(
-      s.q, [&](const MatrixD& x) { return s.loss(x, s.k, s.v); }, g.dq, g.error_q);
-  both(
-      s.k, [&](const MatrixD& x) { return s.loss(s.q, x, s.v); }, g.dk, g.error_k);
-  both(
-      s.v, [&](const MatrixD& x) { return s.loss(s.q, s.k, x); }, g.dv, g.error_v);
-  const ref::LinearResult r = s.reference();
-  double size = 0;
-  for (Index i = 0; i < r.den.size(); ++i) {
-    const double den = std::abs(r.den(i) + s.p.eps);
-    if (r.admissible[std::size_t(i)] == 0 || den == 0) continue;
-    const double o = r.out.cols() > 0 ? r.out.row(i).cwiseAbs().maxCoeff() : 0.0;
-    size += s.d_out.row(i).cwiseAbs().sum() *
-            (s.p.denominator ? (r.num_magnitude(i) + o * (r.den_magnitude(i) + s.p.eps)) / den
-                             : r.num_magnitude(i));
-  }
-  const double rounding = 4 * double(s.m + s.p.d + s.k.rows() + 16) * kUnitDouble * size / h;
-  for (MatrixD* e : {&g.error_q, &g.error_k, &g.error_v}) e->array() += rounding;
-  return g;
-}
+Gradients finite_differences(const Setup& s);
 
 // |J|*: [m x d], entry (l, j) bounds the terms of d phi_l / d x_j at the row x (the analytic
 // pieces of each map's derivative, in absolute value):
@@ -198,68 +172,11 @@ inline Gradients finite_differences(const Setup& s) {
 //   1+cos (delta_lj + |u_l| |u_j|) / |x| for l < d (u = x/|x|), 0 for the constant feature;
 //   favor+ and favor-hyp phi_l (|w_lj| + |x'_j|) d^(-1/4); favor-trig the envelope
 //   exp(|x'|^2/2)/sqrt(f) in place of phi_l, for the sin and the cos feature.
-inline MatrixD jacobian_magnitude(FeatureMapKind kind, const MatrixD& w, const MatrixD& x) {
-  const Index d = x.cols();
-  switch (kind) {
-    case FeatureMapKind::EluPlusOne: {
-      MatrixD j = MatrixD::Zero(d, d);
-      for (Index c = 0; c < d; ++c) j(c, c) = std::exp(std::min(x(0, c), 0.0));
-      return j;
-    }
-    case FeatureMapKind::Relu: {
-      MatrixD j = MatrixD::Zero(d, d);
-      for (Index c = 0; c < d; ++c) j(c, c) = x(0, c) > 0 ? 1.0 : 0.0;
-      return j;
-    }
-    case FeatureMapKind::OnePlusCosine: {
-      MatrixD j = MatrixD::Zero(d + 1, d);
-      const double norm = x.norm();
-      if (norm == 0) return j;
-      for (Index l = 0; l < d; ++l)
-        for (Index c = 0; c < d; ++c)
-          j(l, c) = ((l == c ? 1.0 : 0.0) + std::abs(x(0, l) * x(0, c)) / (norm * norm)) / norm;
-      return j;
-    }
-    default: {
-      const Index f = w.rows();
-      const double s = std::pow(double(d), -0.25);
-      const ref::FavorRow r = ref::favor_row(w, x, 0);
-      const bool two = kind != FeatureMapKind::FavorPositive;
-      MatrixD j = MatrixD::Zero(two ? 2 * f : f, d);
-      for (Index l = 0; l < f; ++l) {
-        double first = 0, second = 0;
-        if (kind == FeatureMapKind::FavorPositive) {
-          first = std::exp(r.u[l] - r.h) / std::sqrt(double(f));
-        } else if (kind == FeatureMapKind::FavorHyperbolic) {
-          first = std::exp(r.u[l] - r.h) / std::sqrt(2.0 * double(f));
-          second = std::exp(-r.u[l] - r.h) / std::sqrt(2.0 * double(f));
-        } else {
-          first = second = std::exp(r.h) / std::sqrt(double(f));
-        }
-        for (Index c = 0; c < d; ++c) {
-          const double piece = (std::abs(w(l, c)) + std::abs(x(0, c)) * s) * s;
-          j(l, c) = first * piece;
-          if (two) j(f + l, c) = second * piece;
-        }
-      }
-      return j;
-    }
-  }
-}
+MatrixD jacobian_magnitude(FeatureMapKind kind, const MatrixD& w, const MatrixD& x);
 
 // Per feature index: g^2 (|x_a| + |x_b|) on both entries of each rotary pair (a, b), |x_l| on the
 // pass-through ones: bounds |R_i^T R_j x| entry by entry, R_i^T R_j being g^2 times a rotation.
-inline MatrixD pair_magnitude(const MatrixD& x, const ref::RopeSpec& spec) {
-  MatrixD out = x.cwiseAbs();
-  const double g2 = spec.magnitude * spec.magnitude;
-  for (const auto& [a, b] : ref::rotary_pairs(spec))
-    for (Index i = 0; i < x.rows(); ++i) {
-      const double sum = g2 * (std::abs(x(i, a)) + std::abs(x(i, b)));
-      out(i, a) = sum;
-      out(i, b) = sum;
-    }
-  return out;
-}
+MatrixD pair_magnitude(const MatrixD& x, const ref::RopeSpec& spec);
 
 struct Bounds {
   MatrixD dq, dk, dv;  // G, the size of each gradient entry's terms (see the header)
@@ -274,84 +191,9 @@ struct Bounds {
   }
 };
 
-inline Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want) {
-  const Problem& p = s.p;
-  const Index n = s.q.rows(), n_k = s.k.rows(), d = s.q.cols();
-  const MatrixD w = s.map->projection();
-  const bool before = p.placement == RopePlacement::BeforeMap;
-  const bool rotated =
-      p.placement == RopePlacement::NumeratorOnly || p.placement == RopePlacement::Full;
-  // The map's inputs and its features.
-  const MatrixD qf = before ? ref::rotate_rows(*s.spec, s.q, p.q_offset) : s.q;
-  const MatrixD kf = before ? ref::rotate_rows(*s.spec, s.k, p.k_offset) : s.k;
-  const MatrixD pq = s.phi(qf), pk = s.phi(kf);
-  // Magnitudes of dA/dphi_i (a function of the key j) and dA/dpsi_j (of the query i), and of B's.
-  const MatrixD fa = rotated ? pair_magnitude(pk, *s.spec) : MatrixD(pk.cwiseAbs());
-  const MatrixD fb = p.placement == RopePlacement::Full ? fa : MatrixD(pk.cwiseAbs());
-  const MatrixD ga = rotated ? pair_magnitude(pq, *s.spec) : MatrixD(pq.cwiseAbs());
-  const MatrixD gb = p.placement == RopePlacement::Full ? ga : MatrixD(pq.cwiseAbs());
+Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want);
 
-  Bounds b;
-  b.row_den = VectorD::Zero(n);
-  b.row_den_magnitude = VectorD::Zero(n);
-  VectorD a_weight = VectorD::Zero(n), b_weight = VectorD::Zero(n), amp = VectorD::Zero(n);
-  for (Index i = 0; i < n; ++i) {
-    if (want.admissible[std::size_t(i)] == 0) continue;
-    // Without a denominator o_i = num_i: D_i = 1 exactly, and no term through den.
-    const double den = p.denominator ? std::abs(want.den(i) + p.eps) : 1.0;
-    const double den_mag = p.denominator ? want.den_magnitude(i) + p.eps : 1.0;
-    b.row_den(i) = den;
-    b.row_den_magnitude(i) = den_mag;
-    if (den == 0) continue;
-    const double cond = den_mag / den;
-    b.cond_max = std::max(b.cond_max, cond);
-    const double o = want.out.cols() > 0 ? want.out.row(i).cwiseAbs().maxCoeff() : 0.0;
-    const double d_sum = s.d_out.row(i).cwiseAbs().sum();
-    // The weights of the header: (2 + cond_i) on <g_i, v_j> (its own rounding, 1/D_i's, the
-    // dA factor's), N_i / |D_i| + (2 + 2 cond_i) |o_i| on c_i (o_i's error, 1/D_i's, its own and
-    // the dB factor's), (2 + cond_i) on dv's A_ij / D_i.
-    amp(i) = (2 + cond) / den;
-    a_weight(i) = d_sum * amp(i);
-    b_weight(i) =
-        p.denominator ? d_sum * (want.num_magnitude(i) / den + (2 + 2 * cond) * o) / den : 0.0;
-  }
-  MatrixD mask = MatrixD::Zero(n, n_k);
-  for (Index i = 0; i < n; ++i)
-    for (Index j = 0; j < n_k; ++j)
-      mask(i, j) = (!p.causal || p.k_offset + j <= p.q_offset + i) ? 1.0 : 0.0;
-  VectorD vmax = VectorD::Zero(n_k);
-  for (Index j = 0; j < n_k; ++j) vmax(j) = s.v.cols() > 0 ? s.v.row(j).cwiseAbs().maxCoeff() : 0.0;
-
-  // dq: row i = (a_i sum_j mask_ij vmax_j fa_j + b_i sum_j mask_ij fb_j) |J_i|.
-  const MatrixD sa = mask * vmax.asDiagonal() * fa, sb = mask * fb;
-  // dk: row j = (vmax_j sum_i mask_ij a_i ga_i + sum_i mask_ij b_i gb_i) |J_j|.
-  const MatrixD ta = mask.transpose() * a_weight.asDiagonal() * ga;
-  const MatrixD tb = mask.transpose() * b_weight.asDiagonal() * gb;
-  b.dq = MatrixD::Zero(n, d);
-  b.dk = MatrixD::Zero(n_k, d);
-  for (Index i = 0; i < n; ++i) {
-    MatrixD jac = jacobian_magnitude(p.kind, w, qf.row(i));
-    if (before) jac = jac * ref::rotation_matrix(*s.spec, p.q_offset + i).cwiseAbs();
-    b.dq.row(i) = (a_weight(i) * sa.row(i) + b_weight(i) * sb.row(i)) * jac;
-  }
-  for (Index j = 0; j < n_k; ++j) {
-    MatrixD jac = jacobian_magnitude(p.kind, w, kf.row(j));
-    if (before) jac = jac * ref::rotation_matrix(*s.spec, p.k_offset + j).cwiseAbs();
-    b.dk.row(j) = (vmax(j) * ta.row(j) + tb.row(j)) * jac;
-  }
-  // dv: sum_i M_ij |d_out_i| (2 + cond_i) / |D_i|.
-  b.dv = want.magnitude.transpose() * amp.asDiagonal() * s.d_out.cwiseAbs();
-  return b;
-}
-
-inline double rounding_gamma_of(const Setup& s, double u_kernel) {
-  const bool before = s.p.placement == RopePlacement::BeforeMap;
-  const MatrixD qf = before ? ref::rotate_rows(*s.spec, s.q, s.p.q_offset) : s.q;
-  const MatrixD kf = before ? ref::rotate_rows(*s.spec, s.k, s.p.k_offset) : s.k;
-  const double z = std::max(ref::exponent_size(*s.map, qf), ref::exponent_size(*s.map, kf));
-  // ref::rounding_gamma<T> with T's unit roundoff passed in.
-  return 8 * (u_kernel + kUnitDouble) * (double(s.m + s.p.d + s.k.rows() + 16) + 2 * z);
-}
+double rounding_gamma_of(const Setup& s, double u_kernel);
 template <class T>
 double rounding_gamma_of(const Setup& s) {
   return rounding_gamma_of(s, std::numeric_limits<T>::epsilon() / 2);
@@ -419,17 +261,7 @@ void check_gradients(const AttentionGradients<T>& got, const Gradients& want, co
   check_matrix<T>("dv", got.dv, want.dv, b.dv, gamma, want.error_v);
 }
 
-inline std::string describe(const Problem& p) {
-  std::string s = std::string(to_string(p.kind)) + " " + to_string(p.placement) +
-                  (p.causal ? " causal" : " non-causal") + " n=" + std::to_string(p.n) +
-                  " n_k=" + std::to_string(p.n_k) + " d=" + std::to_string(p.d) +
-                  " d_v=" + std::to_string(p.d_v) + " q_offset=" + std::to_string(p.q_offset) +
-                  " k_offset=" + std::to_string(p.k_offset) + " eps=" + std::to_string(p.eps) +
-                  (p.layout == RopeLayout::Half ? " half" : " interleaved") +
-                  (p.partial ? " partial" : "") + (p.yarn ? " yarn" : "") +
-                  (p.denominator ? "" : " no-denominator");
-  return s;
-}
+std::string describe(const Problem& p);
 
 // Counts of comparisons run and skipped as ill-conditioned, per precision.
 struct Tally {
@@ -437,35 +269,6 @@ struct Tally {
 };
 
 // One problem: finite differences once, then every method in float and double against them.
-inline void check_problem(const Problem& p, Tally& tally) {
-  const std::string name = describe(p);
-  CAPTURE(name);
-  const Setup s(p);
-  const ref::LinearResult want = s.reference();
-  const Gradients fd = finite_differences(s);
-  const Bounds b = gradient_bounds(s, want);
-  const double gamma_f = rounding_gamma_of<float>(s), gamma_d = rounding_gamma_of<double>(s);
-  const bool ok_f = b.conditioned(gamma_f), ok_d = b.conditioned(gamma_d);
-  const std::vector<Method> methods =
-      p.causal ? kGradientMethods : std::vector<Method>{{CausalMethod::Scan, 64}};
-  for (const Method& method : methods) {
-    CAPTURE(int(method.method));
-    CAPTURE(method.chunk);
-    if (ok_d) {
-      INFO("double");
-      check_gradients(s.run<double>(method), fd, b, gamma_d);
-      ++tally.run_double;
-    } else {
-      ++tally.skipped_double;
-    }
-    if (ok_f) {
-      INFO("float");
-      check_gradients(s.run<float>(method), fd, b, gamma_f);
-      ++tally.run_float;
-    } else {
-      ++tally.skipped_float;
-    }
-  }
-}
+void check_problem(const Problem& p, Tally& tally);
 
 }  // namespace linrope::testing
