@@ -532,19 +532,30 @@ def test_kernels_release_the_gil(rng, call):
             "map": lambda y=np.tile(xs, (7, 1, 1, 1)): fm.apply(y),
         }[call]
 
-    with one_thread():
-        run, call_time = long_call(kernel)
+    def longest_gap(run):
         done = threading.Event()
         worker = threading.Thread(target=lambda: (run(), done.set()))
         last = time.perf_counter()
-        longest_gap = 0.0
+        longest = 0.0
         worker.start()
         while not done.is_set():
             now = time.perf_counter()
-            longest_gap, last = max(longest_gap, now - last), now
+            longest, last = max(longest, now - last), now
         worker.join()
+        return longest
+
+    # Up to three tries: a kernel that holds the GIL leaves a gap of its whole call every time,
+    # while this thread being descheduled for half a call (a busy host: it happened once in CI,
+    # 146 of 185 ms) is rare and does not repeat three times running.
+    with one_thread():
+        run, call_time = long_call(kernel)
+        gaps = []
+        for _ in range(3):
+            gaps.append(longest_gap(run))
+            if gaps[-1] < call_time / 2:
+                break
     assert call_time > 0.02, f"a call of {call_time:.4f} s is too short to tell"
-    assert longest_gap < call_time / 2, (longest_gap, call_time)
+    assert min(gaps) < call_time / 2, (gaps, call_time)
 
 
 @pytest.mark.parametrize("call", ["linear", "linear_backward", "map", "stream"])
