@@ -49,6 +49,16 @@ def _ints(text):
     return values
 
 
+def _rates(text):
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected numbers separated by commas, got %r" % text)
+    if not all(0 < v < 1 for v in values):
+        raise argparse.ArgumentTypeError("expected learning rates in (0, 1), got %r" % text)
+    return values
+
+
 def _names(allowed):
     def parse(text):
         names = tuple(text.split(","))
@@ -82,6 +92,11 @@ def parse(argv):
     p.add_argument("--variants", type=_names(tuple(VARIANTS)))
     p.add_argument("--seeds", type=_ints)
     p.add_argument("--steps", type=int, help="optimiser steps per run (overrides the mode's)")
+    p.add_argument("--lrs", type=_rates,
+                   help="char_lm's learning-rate grid, e.g. 1e-3,3e-3 (overrides the mode's)")
+    p.add_argument("--stages", type=_names(plans.STAGES), default=plans.STAGES,
+                   help="which of the plan's stages to run (default all: %s)" %
+                   ",".join(plans.STAGES))
     p.add_argument("--redraw-interval", type=int, default=0,
                    help="FAVOR+: draw a new W every k training steps (0: never)")
     p.add_argument("--jobs", type=int,
@@ -125,8 +140,7 @@ def _check_sequence_parallel(p, args):
     if not parallel.under_torchrun():
         refuse("splits each sequence over torchrun's processes: run it under python3 -m "
                "torch.distributed.run (see --help)")
-    softmax = [v for v in args.variants or plans.MODES[args.mode]["variants"]
-               if VARIANTS[v]["attention"] == "softmax"]
+    softmax = [v for v in _plan(args).all_variants() if VARIANTS[v]["attention"] == "softmax"]
     if softmax:
         refuse("needs linear attention, but %s %s softmax (every earlier key, not a state): "
                "choose linear variants with --variants" % (
@@ -183,8 +197,10 @@ def metadata(args, argv, started, source, corpus_info, processes=1, parallel_mod
         parallel=parallel_mode,
         redraw_interval=args.redraw_interval,
         corpus=corpus_info, model=plans.MODEL,
-        plan={k: v for k, v in plans.MODES[args.mode].items() if k != "variants"},
-        variants={v: describe(v) for v in (args.variants or plans.MODES[args.mode]["variants"])})
+        plan=dict({k: v for k, v in plans.MODES[args.mode].items() if k != "variants"},
+                  stages=_plan(args).stage_names(), lrs=args.lrs or plans.MODES[args.mode][
+                      "char_lm"]["lrs"]),
+        variants={v: describe(v) for v in _plan(args).all_variants()})
 
 
 def _make_out(out):
@@ -248,6 +264,17 @@ def main(argv=None):
         ranks.close()
 
 
+def _plan(args):
+    return plans.Plan(args.mode, args.tasks, args.variants, args.seeds, args.steps,
+                      args.redraw_interval, args.threads, args.lrs, args.stages)
+
+
+def _with_text(configs, corpus):
+    """char_lm configs bound to the corpus (a resumed run never continues on another text)."""
+    return [dataclasses.replace(c, text_digest=corpus.digest) if c.task == "char_lm" else c
+            for c in configs]
+
+
 def _train(args, argv, ranks):
     started, source = time.time(), source_state()
     # Rank 0 alone writes; its verdict on --out reaches every rank, which all stop on a bad one.
@@ -258,17 +285,23 @@ def _train(args, argv, ranks):
         except RuntimeError as e:
             problem = str(e)
     if problem is None:
-        configs = plans.configs(args.mode, args.tasks, args.variants, args.seeds, args.steps,
-                                args.redraw_interval, args.threads)
-        configs = [dataclasses.replace(c, text_digest=corpus.digest) if c.task == "char_lm"
-                   else c for c in configs]
-        problem = _check(configs, corpus, args, ranks.world_size)
+        plan = _plan(args)
+        problem = _check(_with_text(plan.preview(), corpus), corpus, args, ranks.world_size)
     if problem is not None:
         sys.stderr.write("training: %s\n" % problem)
         return 1
     try:
-        results = sweep.run_all(configs, args.out, args.jobs, args.text, args.resume, args.quiet,
-                                ranks)
+        results = []
+        for name in plan.stage_names():
+            # Rank 0 alone holds the results the stage is chosen from: the others get its list.
+            configs = ranks.broadcast(_with_text(plan.stage(name, results), corpus)
+                                      if ranks.main else None)
+            if not configs:
+                continue
+            if ranks.main:
+                sys.stderr.write("training: stage %s\n" % name)
+            results += sweep.run_all(configs, args.out, args.jobs, args.text, args.resume,
+                                     args.quiet, ranks) or []
         if not ranks.main:
             return 0
         sweep.write_tables(results, args.out)

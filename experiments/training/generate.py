@@ -43,7 +43,8 @@ def load_model(path):
         raise SystemExit("training.generate: cannot read %s: %s" % (path, e))
     c = saved["config"]
     model = Decoder(len(saved["chars"]), c["variant"], c["d_model"], c["layers"], c["heads"],
-                    c["seed"], c["redraw_interval"], c["stats_threshold"])
+                    c["seed"], c["redraw_interval"], c["stats_threshold"],
+                    c.get("feature_factor", 2))
     model.load_state_dict(saved["model"])
     return model.eval(), saved["chars"], c
 

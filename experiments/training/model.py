@@ -83,7 +83,7 @@ class Decoder(nn.Module):
     untied), while a plain PyTorch decoder with an untied output layer did."""
 
     def __init__(self, vocab_size, variant, d_model, layers, heads, seed, redraw_interval=0,
-                 stats_threshold=1e-3):
+                 stats_threshold=1e-3, feature_factor=2):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError("unknown variant %r; the variants are %s" %
@@ -96,9 +96,10 @@ class Decoder(nn.Module):
         for layer in range(layers):
             args = dict(spec)
             if linear:
-                # FAVOR+ with m = 2 x head dim; each layer its own W, all fixed by the seed.
-                # Redraws add 1 to a layer's seed: layers are 10^6 apart so they never meet.
-                args.update(num_features=2 * (d_model // heads),
+                # FAVOR+ with m = feature_factor x head dim; each layer its own W, all fixed by
+                # the seed. Redraws add 1 to a layer's seed: layers are 10^6 apart so they never
+                # meet.
+                args.update(num_features=feature_factor * (d_model // heads),
                             seed=(1000 * seed + layer) * 1_000_000,
                             redraw_interval=redraw_interval, track_stats=True,
                             stats_threshold=stats_threshold)

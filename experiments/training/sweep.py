@@ -176,21 +176,25 @@ def _csv(rows, columns):
     return text.getvalue()
 
 
+# What tells one run from another in the tables: the cell (task, context, variant, FAVOR+'s
+# features, redraws, learning rate) and the seed.
+IDS = ("task", "context", "variant", "feature_factor", "redraw_interval", "lr", "seed")
+
+
 def write_tables(results, out):
     """runs.csv (one row per run), curves.csv, layers.csv and evaluations.csv (per step)."""
     runs, curves, layers, evaluations = [], [], [], []
     for result in results:
-        ids = {k: result["config"][k] for k in ("task", "variant", "seed")}
-        runs.append(result["summary"])
+        ids = {k: result["config"][k] for k in IDS}
+        runs.append(dict(ids, **result["summary"]))
         curves += [dict(ids, **row) for row in result["records"]["curves"]]
         layers += [dict(ids, **row) for row in result["records"]["layers"]]
         evaluations += [dict(ids, **row) for row in result["records"]["evaluations"]]
-    run_columns = list(dict.fromkeys(["task", "variant", "seed", "status"] +
-                                     [k for r in runs for k in r]))
-    ids = ["task", "variant", "seed"]
+    run_columns = list(dict.fromkeys(list(IDS) + ["status"] + [k for r in runs for k in r]))
+    ids = list(IDS)
     tables = dict(
         runs=(runs, run_columns),
-        curves=(curves, ids + ["step", "train_loss", "lr", "grad_norm", "clipped_so_far"]),
+        curves=(curves, ids + ["step", "train_loss", "scheduled_lr", "grad_norm", "clipped_so_far"]),
         layers=(layers, ids + ["step", "layer", "den_min", "nonpositive_share", "tiny_share",
                                "grad_norm"]),
         evaluations=(evaluations, ids + ["step", "final", "length", "pairs", "metric", "value"]))

@@ -54,6 +54,7 @@ class Config:
     log_every: int = 10
     checkpoint_every: int = 100
     redraw_interval: int = 0
+    feature_factor: int = 2      # FAVOR+: m = feature_factor x head dim random features
     stats_threshold: float = 1e-3
     threads: int = 1
     text_digest: str = ""        # char_lm: the corpus's (data.Corpus.digest), so that --resume
@@ -61,7 +62,17 @@ class Config:
     final_eval_tokens: int = 0   # char_lm: validation characters at the end (0: all of them)
 
     def key(self):
-        return "%s-%s-s%d" % (self.task, self.variant, self.seed)
+        """The run's name, unique within a plan: what it trains and how (file names, logs)."""
+        parts = [self.task]
+        if self.task == "char_lm":
+            parts.append("n%d" % self.context)
+        parts.append(self.variant)
+        if self.variant.startswith("favor") and self.feature_factor != 2:
+            parts.append("m%dx" % self.feature_factor)
+        if self.redraw_interval:
+            parts.append("redraw%d" % self.redraw_interval)
+        parts += ["lr%g" % self.lr, "s%d" % self.seed]
+        return "-".join(parts)
 
 
 def learning_rate(config, step):
@@ -142,7 +153,8 @@ class Run:
             # Fail now, not after training, if the final evaluation's longest window won't fit.
             corpus.validation_windows(max(config.extrapolation) * config.context, 1)
         self.model = Decoder(vocab, config.variant, config.d_model, config.layers, config.heads,
-                             config.seed, config.redraw_interval, config.stats_threshold)
+                             config.seed, config.redraw_interval, config.stats_threshold,
+                             config.feature_factor)
         # What the training forward runs through (DistributedDataParallel under torchrun); the
         # model itself is what is evaluated and saved, so checkpoints are the same either way.
         self.trained = ranks.wrap(self.model)
@@ -337,7 +349,8 @@ class Run:
             window.append(mean_loss)
             if logged:
                 self.records["curves"].append(dict(
-                    step=self.step, train_loss=sum(window) / len(window), lr=learning_rate(c, step),
+                    step=self.step, train_loss=sum(window) / len(window),
+                    scheduled_lr=learning_rate(c, step),
                     grad_norm=norm, clipped_so_far=self.records["clipped"]))
                 window.clear()
             if self.ranks.main and (self.step % c.eval_every == 0 or self.step == c.steps):

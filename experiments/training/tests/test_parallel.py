@@ -170,13 +170,20 @@ def torchrun(args, cwd, processes=2, env=None):
 # Tiny runs through the real command line (--quick with these sizes): 12 steps, checkpoints
 # every 4, FAVOR+ redrawn every 2 steps.
 PLAN = dict(model=dict(d_model=16, layers=1, heads=1),
-            char_lm=dict(steps=12, batch_size=4, context=16, lr=1e-2, warmup=2, eval_every=4,
+            char_lm=dict(steps=12, batch_size=4, context=16, lrs=(1e-2,), warmup=2, eval_every=4,
                          eval_tokens=64, final_eval_tokens=128, extrapolation=(1, 2), log_every=1,
-                         checkpoint_every=4),
+                         checkpoint_every=4, seeds=(0,), long=None),
             mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
+                      more_features=None,
                       checkpoint_every=4, mqar_settings=((16, 2), (32, 6)), mqar_vocab=64,
                       mqar_test_size=16))
 VARIANT = "favor-numerator_only"
+
+
+def run_key(task, seed=0, variant=VARIANT):
+    """The run's name (train.Config.key) under PLAN and --redraw-interval 2."""
+    context = "-n%d" % PLAN["char_lm"]["context"] if task == "char_lm" else ""
+    return "%s%s-%s-redraw2-lr0.01-s%d" % (task, context, variant, seed)
 
 
 def train_in_torchrun(tmp_path, text, out, *extra, env=None):
@@ -245,7 +252,7 @@ def test_two_processes_give_the_single_process_curve(two_ranks):
     global batch; losses, gradient norms, learning rates, denominator statistics and rank 0's
     evaluations equal to float32 rounding (RELATIVE). The worst relative loss difference is
     printed (pytest -s) for the record."""
-    assert sorted(two_ranks["results"]) == ["char_lm-%s-s0" % VARIANT, "mqar-%s-s0" % VARIANT]
+    assert sorted(two_ranks["results"]) == [run_key("char_lm"), run_key("mqar")]
     for key, result in two_ranks["results"].items():
         run = reference(result, two_ranks["text"])
         records = result["records"]
@@ -253,7 +260,7 @@ def test_two_processes_give_the_single_process_curve(two_ranks):
         assert len(records["curves"]) == len(run.records["curves"]) == 12
         worst = 0.0
         for got, want in zip(records["curves"], run.records["curves"]):
-            assert got["step"] == want["step"] and got["lr"] == want["lr"]
+            assert got["step"] == want["step"] and got["scheduled_lr"] == want["scheduled_lr"]
             assert got["clipped_so_far"] == want["clipped_so_far"]
             assert close(got["train_loss"], want["train_loss"]), (key, got, want)
             assert close(got["grad_norm"], want["grad_norm"]), (key, got, want)
@@ -334,7 +341,7 @@ def test_resume_under_two_processes(two_ranks, tmp_path):
                                           env=dict(TRAINING_TEST_INTERRUPT="6"))
     assert status != 0
     assert stderr.count("training: interrupted; finished runs and checkpoints are kept") == 2
-    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["char_lm-%s-s0.pt" % VARIANT]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [run_key("char_lm") + ".pt"]
     status, stdout, stderr = train_in_torchrun(tmp_path, two_ranks["text"], out, "--resume")
     assert status == 0, stderr[-3000:]
     skip = ("train_seconds",)
@@ -370,12 +377,12 @@ def test_a_backward_refused_on_one_rank_ends_the_run_on_both(two_ranks, tmp_path
     for name in os.listdir(os.path.join(out, "runs")):
         with open(os.path.join(out, "runs", name)) as f:
             results[name[:-len(".json")]] = json.load(f)
-    first, second = (results["char_lm-%s-s%d" % (VARIANT, seed)]["summary"] for seed in (0, 1))
+    first, second = (results[run_key("char_lm", seed)]["summary"] for seed in (0, 1))
     assert (first["status"], first["diverged_step"], first["steps"]) == ("diverged", 3, 2)
     assert first["diverged_reason"].startswith("non-finite values in a kernel's input")
     assert (second["status"], second["diverged_step"], second["steps"]) == ("diverged", 5, 4)
     assert second["diverged_reason"] == "gradient norm nan"
-    mqar_key = "mqar-%s-s0" % VARIANT
+    mqar_key = run_key("mqar")
     assert results[mqar_key]["summary"]["status"] == "complete"
     assert {k: v for k, v in results[mqar_key]["records"].items() if k != "train_seconds"} == \
         {k: v for k, v in two_ranks["results"][mqar_key]["records"].items()

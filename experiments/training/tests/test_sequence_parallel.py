@@ -177,14 +177,23 @@ def test_sequences_shorter_than_the_process_count_are_refused(tiny, corpus):
 # two heads; char_lm's 17 positions cut 8 + 9; MQAR's (16, 4) leaves rank 0 only the pairs (no
 # scored token: its gradient comes through its states alone), (32, 6) gives both ranks queries.
 PLAN = dict(model=dict(d_model=16, layers=2, heads=2),
-            char_lm=dict(steps=12, batch_size=4, context=17, lr=1e-2, warmup=2, eval_every=4,
+            char_lm=dict(steps=12, batch_size=4, context=17, lrs=(1e-2,), warmup=2, eval_every=4,
                          eval_tokens=64, final_eval_tokens=128, extrapolation=(1, 2), log_every=1,
-                         checkpoint_every=4),
+                         checkpoint_every=4, seeds=(0,), long=None),
             mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
+                      more_features=None,
                       checkpoint_every=4, mqar_settings=((16, 4), (32, 6)), mqar_vocab=64,
                       mqar_test_size=16))
 VARIANTS = ("favor-numerator_only", "elu-full")
-KEYS = sorted("%s-%s-s0" % (task, variant) for task in ("char_lm", "mqar") for variant in VARIANTS)
+
+
+def run_key(task, variant, seed=0):
+    """The run's name (train.Config.key) under PLAN and --redraw-interval 2."""
+    context = "-n%d" % PLAN["char_lm"]["context"] if task == "char_lm" else ""
+    return "%s%s-%s-redraw2-lr0.01-s%d" % (task, context, variant, seed)
+
+
+KEYS = sorted(run_key(task, variant) for task in ("char_lm", "mqar") for variant in VARIANTS)
 
 
 def train_in_torchrun(cwd, text, out, *extra, env=None, sequence=True):
@@ -237,7 +246,7 @@ def test_two_processes_give_the_single_process_curve(sequence_ranks):
         assert len(records["curves"]) == len(run.records["curves"]) == 12
         worst = 0.0
         for got, want in zip(records["curves"], run.records["curves"]):
-            assert got["step"] == want["step"] and got["lr"] == want["lr"]
+            assert got["step"] == want["step"] and got["scheduled_lr"] == want["scheduled_lr"]
             assert got["clipped_so_far"] == want["clipped_so_far"]
             assert close(got["train_loss"], want["train_loss"]), (key, got, want)
             assert close(got["grad_norm"], want["grad_norm"]), (key, got, want)
@@ -308,7 +317,7 @@ def test_resume_in_either_mode(sequence_ranks, tmp_path):
                                           env=dict(TRAINING_TEST_INTERRUPT="6"))
     assert status != 0
     assert stderr.count("training: interrupted; finished runs and checkpoints are kept") == 2
-    first = "char_lm-%s-s0" % VARIANTS[0]
+    first = run_key("char_lm", VARIANTS[0])
     assert os.listdir(os.path.join(interrupted, "checkpoints")) == [first + ".pt"]
     data = str(tmp_path / "data")
     shutil.copytree(interrupted, data)
@@ -357,7 +366,7 @@ def test_a_backward_refused_on_one_rank_ends_the_run_on_both(sequence_ranks, tmp
     for r in refused:
         assert int(r["sent"]) < int(r["buckets"]), r  # some buckets were left to send
     results = results_in(out)
-    first, second = (results["char_lm-%s-s%d" % (VARIANTS[0], seed)]["summary"]
+    first, second = (results[run_key("char_lm", VARIANTS[0], seed)]["summary"]
                      for seed in (0, 1))
     assert (first["status"], first["diverged_step"], first["steps"]) == ("diverged", 3, 2)
     assert first["diverged_reason"] == ("non-finite values in a kernel's input: linear_attention "

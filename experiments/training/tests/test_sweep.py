@@ -145,19 +145,23 @@ def test_write_tables(swept):
     ids), NaN and None written as empty cells."""
     sweep.write_tables(swept.results, swept.out)
     header, rows = read_csv(os.path.join(swept.out, "runs.csv"))
-    assert header[:4] == ["task", "variant", "seed", "status"]
-    assert set(header) == set().union(*(r["summary"] for r in swept.results))
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+    ids = list(sweep.IDS)
+    assert header[:len(ids) + 1] == ids + ["status"]
+    assert set(header) == set(ids).union(*(r["summary"] for r in swept.results))
+    column = {name: header.index(name) for name in ("task", "variant", "seed", "status", "lr",
+                                                     "context")}
+    assert [tuple(r[column[k]] for k in ("task", "variant", "seed", "status")) for r in rows] == [
         ("char_lm", "softmax-rope", "0", "complete"), ("mqar", "favor-numerator_only", "0",
                                                        "complete"),
         ("char_lm", "favor-full", "1", "diverged"), ("char_lm", "elu-numerator_only", "2",
                                                      "complete")]
+    assert [float(r[column["lr"]]) for r in rows] == [c.lr for c in swept.configs]
+    assert [int(r[column["context"]]) for r in rows] == [c.context for c in swept.configs]
     den_min = header.index("layer0_den_min")
     assert rows[0][den_min] == "" and float(rows[3][den_min]) > 0  # softmax: none
 
-    ids = ["task", "variant", "seed"]
     expected = dict(
-        curves=ids + ["step", "train_loss", "lr", "grad_norm", "clipped_so_far"],
+        curves=ids + ["step", "train_loss", "scheduled_lr", "grad_norm", "clipped_so_far"],
         layers=ids + ["step", "layer", "den_min", "nonpositive_share", "tiny_share", "grad_norm"],
         evaluations=ids + ["step", "final", "length", "pairs", "metric", "value"])
     for name, columns in expected.items():
@@ -166,8 +170,9 @@ def test_write_tables(swept):
         counts = [len(r["records"][name]) for r in swept.results]
         assert len(rows) == sum(counts)
         # Rows grouped run by run, in config order, each carrying its run's ids.
-        keys = [(c.task, c.variant, str(c.seed)) for c in swept.configs]
-        assert [tuple(r[:3]) for r in rows] == [k for k, n in zip(keys, counts) for _ in range(n)]
+        keys = [tuple(str(getattr(c, k)) for k in ids) for c in swept.configs]
+        assert [tuple(r[:len(ids)]) for r in rows] == [k for k, n in zip(keys, counts)
+                                                       for _ in range(n)]
     k = swept.results[2]["summary"]["diverged_step"]
     # Records per run: curves one per step done; layers one per step and layer (the diverged
     # run's also for its last step); evaluations as scheduled (none before the diverged end).
@@ -290,12 +295,15 @@ def test_a_config_with_an_infinite_value_is_found_again(in_process, tiny, text_f
 
 @pytest.mark.parametrize("mode", sorted(plans.MODES))
 def test_plans_make_valid_distinct_configs(mode):
-    """Every planned run has its own key (its file names), a known variant, a warm-up shorter
-    than the run, valid MQAR settings, and checkpoints at multiples of log_every (a checkpoint
-    between two curve rows would lose the losses in between on resume; see test_train)."""
-    configs = plans.configs(mode)
+    """Every run a plan may make has its own key (its file names), a known variant, a warm-up
+    shorter than the run, valid MQAR settings, and checkpoints at multiples of log_every (a
+    checkpoint between two curve rows would lose the losses in between on resume; see
+    test_train). Every stage has runs, and the grid has every learning rate for every variant."""
+    plan = plans.Plan(mode)
+    configs = plan.preview()
     assert len({c.key() for c in configs}) == len(configs) > 0
     assert {c.task for c in configs} == set(plans.TASKS)
+    assert plan.stage_names() == list(plans.STAGES)
     for c in configs:
         assert c.variant in VARIANTS
         assert 0 < c.warmup < c.steps
@@ -305,17 +313,89 @@ def test_plans_make_valid_distinct_configs(mode):
                 mqar.check(c.mqar_vocab, length, pairs)
         else:
             assert c.context > 0
+    rates = plans.MODES[mode]["char_lm"]["lrs"]
+    assert len(rates) >= 2 and list(rates) == sorted(rates)
+    grid = plan.stage("grid")
+    assert sorted((c.variant, c.lr) for c in grid) == sorted(
+        (v, lr) for v in plans.MODES[mode]["variants"] for lr in rates)
+
+
+def fake_results(configs, bpc):
+    """Finished runs of configs, each ending at bpc(config) (None: diverged)."""
+    out = []
+    for c in configs:
+        value = bpc(c)
+        out.append(dict(config=dataclasses.asdict(c),
+                        summary=dict(status="diverged" if value is None else "complete"),
+                        records=dict(evaluations=[] if value is None else [
+                            dict(final=False, length=c.context, value=value - 1.0),
+                            dict(final=True, length=2 * c.context, value=value - 2.0),
+                            dict(final=True, length=c.context, value=value)])))
+    return out
+
+
+def test_stages_follow_the_grid():
+    """The later stages take each variant at its grid's best learning rate (the lowest final bpc
+    at the training context; a diverged run never best; ties to the smaller rate): the other
+    seeds; FAVOR+'s two best placements with W redrawn; at the long context softmax + RoPE,
+    numerator_only and full of elu+1 and FAVOR+, and each map's best placement."""
+    plan = plans.Plan("full", seeds=(0, 1, 2))
+    grid = plan.stage("grid")
+    assert {c.seed for c in grid} == {0}
+    best = {"softmax-rope": 3e-3, "elu-before_map": 1e-2, "favor-before_map": 1e-3,
+            "favor-nodenom": 3e-3, "cos-full": 1e-3}
+    placement_bpc = {"favor-before_map": 2.0, "favor-nodenom": 2.1, "favor-numerator_only": 2.2,
+                     "elu-before_map": 2.0, "cos-full": 2.5}
+
+    def bpc(c):
+        if c.variant == "favor-full" and c.lr == 1e-2:
+            return None  # diverged: never the best, though it "ends" nowhere
+        if c.variant == "elu-full":
+            return 3.0  # a tie at every rate: the smallest wins
+        return placement_bpc.get(c.variant, 2.9) + (0 if c.lr == best.get(c.variant, 1e-3)
+                                                    else 0.3)
+    results = fake_results(grid, bpc)
+    assert plans.best_lr(results, "favor-full", 256) == 1e-3
+    assert plans.best_lr(results, "elu-full", 256) == 1e-3
+    seeds = plan.stage("seeds", results)
+    assert sorted((c.variant, c.seed) for c in seeds) == sorted(
+        (v, s) for v in VARIANTS for s in (1, 2))
+    for c in seeds:
+        assert c.lr == best.get(c.variant, 1e-3) and c.context == 256
+    redraw = plan.stage("redraw", results)
+    assert sorted({c.variant for c in redraw}) == ["favor-before_map", "favor-nodenom"]
+    assert {c.redraw_interval for c in redraw} == {100} and {c.seed for c in redraw} == {0, 1, 2}
+    assert all(c.lr == best[c.variant] for c in redraw)
+    long = plan.stage("long", results)
+    assert list(dict.fromkeys(c.variant for c in long)) == [
+        "softmax-rope", "elu-numerator_only", "elu-full", "favor-numerator_only", "favor-full",
+        "elu-before_map", "favor-before_map", "cos-full"]
+    assert {(c.context, c.batch_size) for c in long} == {(1024, 4)}
+    assert all(c.lr == best.get(c.variant, 1e-3) for c in long)
+    keys = [c.key() for c in grid + seeds + redraw + long + plan.stage("mqar")]
+    assert len(set(keys)) == len(keys)
 
 
 def test_plan_overrides():
     """--tasks, --variants, --seeds, --steps (which also shortens the warm-up to a tenth),
-    --redraw-interval and --threads reach every config."""
-    configs = plans.configs("quick", ("mqar",), ("cos-full", "softmax-rope"), (4, 5), 30, 7, 2)
-    assert [(c.task, c.variant, c.seed) for c in configs] == [
-        ("mqar", "cos-full", 4), ("mqar", "cos-full", 5), ("mqar", "softmax-rope", 4),
-        ("mqar", "softmax-rope", 5)]
+    --redraw-interval (no redraw stage then), --threads and --lrs reach every config; the
+    variants are those named, in their order, in every stage (FAVOR+'s extra features for those
+    of them the mode gives them to)."""
+    plan = plans.Plan("full", ("mqar",), ("favor-full", "softmax-rope", "favor-numerator_only"),
+                      (4, 5), 30, 7, 2, (1e-2, 2e-2))
+    assert plan.stage_names() == ["mqar"]
+    configs = plan.stage("mqar")
+    assert [(c.task, c.variant, c.feature_factor, c.seed) for c in configs] == [
+        ("mqar", "favor-full", 2, 4), ("mqar", "favor-full", 2, 5),
+        ("mqar", "softmax-rope", 2, 4), ("mqar", "softmax-rope", 2, 5),
+        ("mqar", "favor-numerator_only", 2, 4), ("mqar", "favor-numerator_only", 2, 5),
+        ("mqar", "favor-numerator_only", 4, 4), ("mqar", "favor-numerator_only", 4, 5)]
     for c in configs:
         assert (c.steps, c.warmup, c.redraw_interval, c.threads, c.context) == (30, 3, 7, 2, 0)
+    grid = plans.Plan("full", variants=("cos-full",), lrs=(1e-2, 2e-2)).stage("grid")
+    assert [(c.variant, c.lr, c.seed) for c in grid] == [("cos-full", 1e-2, 0),
+                                                         ("cos-full", 2e-2, 0)]
+    assert plans.Plan("full", stages=("long", "grid")).stage_names() == ["grid", "long"]
 
 
 # ---- the command line -----------------------------------------------------------------------
@@ -381,8 +461,8 @@ def test_missing_text_file_exits_1_naming_it(cli, capsys, tmp_path):
 
 
 def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
-    """python3 -m training --text FILE --tasks char_lm --variants softmax-rope --steps 4
-    --no-step-time --jobs 1: exit status 0, the run saved and complete, the tables and
+    """python3 -m training --text FILE --tasks char_lm --variants softmax-rope --stages grid
+    --lrs 3e-3 --steps 4 --no-step-time --jobs 1: exit status 0, the run saved and complete, the tables and
     training.json describing the corpus, and nothing derived from them (the analysis,
     experiments/analysis/report.py, writes that). Then the same command with --resume runs
     nothing again (the run's file is untouched)."""
@@ -390,10 +470,10 @@ def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
     text.write_text(word_text(words=3000), encoding="utf-8")  # validation >= 4 x 128 + 1
     out = tmp_path / "out"
     argv = ["--text", str(text), "--tasks", "char_lm", "--variants", "softmax-rope",
-            "--steps", "4", "--no-step-time", "--jobs", "1", "--quiet",
-            "--out", str(out)]
+            "--stages", "grid", "--lrs", "3e-3", "--steps", "4", "--no-step-time", "--jobs", "1",
+            "--quiet", "--out", str(out)]
     assert cli.main(argv) == 0
-    run_file = out / "runs" / "char_lm-softmax-rope-s0.json"
+    run_file = out / "runs" / "char_lm-n64-softmax-rope-lr0.003-s0.json"
     result = json.loads(run_file.read_text())
     assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 4
     for name in ("runs.csv", "curves.csv", "layers.csv", "evaluations.csv", "training.json"):

@@ -147,7 +147,7 @@ def test_training_uses_the_schedule(tiny, corpus):
     config = tiny(steps=6, warmup=3)
     run = Run(config, corpus)
     run.train()
-    assert [row["lr"] for row in run.records["curves"]] == [learning_rate(config, s)
+    assert [row["scheduled_lr"] for row in run.records["curves"]] == [learning_rate(config, s)
                                                             for s in range(6)]
     assert run.optimiser.param_groups[0]["lr"] == learning_rate(config, 5)
 
