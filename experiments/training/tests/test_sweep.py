@@ -338,7 +338,7 @@ def test_stages_follow_the_grid():
     """The later stages take each variant at its grid's best learning rate (the lowest final bpc
     at the training context; a diverged run never best; ties to the smaller rate): the other
     seeds; FAVOR+'s two best placements with W redrawn; at the long context softmax + RoPE,
-    numerator_only and full of elu+1 and FAVOR+, and each map's best placement."""
+    FAVOR+'s numerator_only and full, and each map's best placement."""
     plan = plans.Plan("full", seeds=(0, 1, 2))
     grid = plan.stage("grid")
     assert {c.seed for c in grid} == {0}
@@ -368,8 +368,8 @@ def test_stages_follow_the_grid():
     assert all(c.lr == best[c.variant] for c in redraw)
     long = plan.stage("long", results)
     assert list(dict.fromkeys(c.variant for c in long)) == [
-        "softmax-rope", "elu-numerator_only", "elu-full", "favor-numerator_only", "favor-full",
-        "elu-before_map", "favor-before_map", "cos-full"]
+        "softmax-rope", "favor-numerator_only", "favor-full", "elu-before_map",
+        "favor-before_map", "cos-full"]
     assert {(c.context, c.batch_size) for c in long} == {(1024, 4)}
     assert all(c.lr == best.get(c.variant, 1e-3) for c in long)
     keys = [c.key() for c in grid + seeds + redraw + long + plan.stage("mqar")]
