@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from . import parallel, plans, step_time, sweep
+from . import decoding, parallel, plans, step_time, sweep
 from .model import VARIANTS, describe
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,6 +111,8 @@ def parse(argv):
     p.add_argument("--resume", action="store_true",
                    help="keep finished runs and continue unfinished ones from their checkpoints")
     p.add_argument("--no-step-time", action="store_true", help="skip the one-layer step times")
+    p.add_argument("--no-decode", action="store_true",
+                   help="skip decoding the trained models (decode.csv, samples.json)")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     p.add_argument("--list-variants", action="store_true")
     args = p.parse_args(argv)
@@ -307,6 +309,8 @@ def _train(args, argv, ranks):
         sweep.write_tables(results, args.out)
         if not args.no_step_time:
             step_time.run(args.out, args.mode, plans.MODEL, args.resume, args.quiet)
+        if not args.no_decode:
+            decoding.run(args.out, results, args.quiet)
     except sweep.RunsFailed as e:
         sys.stderr.write("training: %s\n" % e)
         return 1
