@@ -1,14 +1,18 @@
-"""The training experiment, RoPE numerator-only against full normalisation: small decoders whose
-attention is linrope.torch's layer, trained on character-level English (Jane Austen) and on
-multi-query associative recall (MQAR), one run per attention variant and seed. Run it as
+"""The training experiment, RoPE numerator-only against full normalisation and the other
+placements, each variant at its best learning rate: small decoders whose attention is
+linrope.torch's layer, trained on character-level English (Jane Austen) at two contexts and on
+multi-query associative recall (MQAR). Run it as
 
     cd experiments && /usr/bin/python3 -m training --quick --out DIR
 
 (see `--help`). Pieces: data.py (text and batches), mqar.py (the recall task), model.py (the
 decoder and the variant table), train.py (one run: optimiser, divergence, statistics, resume),
-sweep.py (every run, in parallel processes, resumable), step_time.py (one layer's training step
-against context length), report.py (the analysis of the CSVs: summary, plots, the REPORT.md
-section; experiments/analysis/report.py calls it), parallel.py (training under torchrun: each run
-on all processes, DistributedDataParallel on gloo, each process a share of the batch's sequences
-or, with --sequence-parallel, a slice of every sequence; experiments/README.md) and ddp_cost.py
-(what data parallelism costs per step: time and bytes all-reduced, 1 and 2 processes)."""
+plans.py (what --quick and --full run, in stages: the learning-rate grid, the other seeds at the
+best rate, redraws, the long context, MQAR), sweep.py (a stage's runs, in parallel processes,
+resumable), step_time.py (one layer's training step against context length), generate.py and
+decoding.py (the trained models in use: sampling, decoding cost against position), summary.py,
+plots.py and report.py (the analysis of the CSVs: summary.json, the plots, the REPORT.md section;
+experiments/analysis/report.py calls it), parallel.py (training under torchrun: each run on all
+processes, DistributedDataParallel on gloo, each process a share of the batch's sequences or,
+with --sequence-parallel, a slice of every sequence; experiments/README.md) and ddp_cost.py (what
+data parallelism costs per step: time and bytes all-reduced, 1 and 2 processes)."""

@@ -35,7 +35,7 @@ TIMEOUT = 600  # seconds for one measurement's processes
 
 def _config(variant, steps):
     # No evaluation but the final one, which comes after the last timed step; no checkpoints.
-    config = plans.configs("full", ("char_lm",), (variant,), (0,))[0]
+    config = plans.Plan("full", ("char_lm",), (variant,), (0,)).stage("grid")[0]
     return dataclasses.replace(config, steps=steps, eval_every=10 ** 9, log_every=1,
                                extrapolation=(1,), final_eval_tokens=config.context,
                                checkpoint_every=10 ** 9)

@@ -1,9 +1,9 @@
 """The trained models in use, after the sweep: decoding cost against position and text samples.
 
 For each char_lm training context of the sweep, softmax + RoPE and the linear variant with the
-lowest mean final bpc (the first seed's model, at the learning rate the runs used) are decoded a
-token at a time from position 0 to 8 x the context (generate.measure): the time per token and the
-bytes their caches hold, to decode.csv. Every char_lm variant's first-seed model at the shortest
+lowest mean final bpc (the first seed's model, at its best learning rate, plans.best_lr) are
+decoded a token at a time from position 0 to 8 x the context (generate.measure): the time per
+token and the bytes their caches hold, to decode.csv. Every char_lm variant's first-seed model at the shortest
 context samples a short text from one prompt (generate.sample, fixed seed), to samples.json.
 Decoding runs in this process on one thread; the time per token is a median per window."""
 import csv
@@ -19,7 +19,7 @@ from analysis.common import write_atomic, write_json  # experiments/analysis
 
 from .generate import load_model, measure, sample
 from .model import VARIANTS
-from .plans import final_bpc
+from .plans import best_lr, final_bpc
 
 PROMPT = "It is a truth universally acknowledged"
 SAMPLE_TOKENS = 160
@@ -27,26 +27,21 @@ TEMPERATURE = 0.8
 
 
 def _first_seed_models(results, out, context):
-    """variant -> (its first seed's model path, mean final bpc), char_lm runs at `context` with
-    W fixed, at the rate of the variant's later seeds (its best), else its only one."""
-    cells = {}
-    for r in results:
-        c = r["config"]
-        if c["task"] != "char_lm" or c["context"] != context or c["redraw_interval"]:
-            continue
-        cells.setdefault(c["variant"], []).append(r)
+    """variant -> (the path of its first seed's model at its best learning rate, the mean final
+    bpc of its seeds there), over the char_lm runs at `context` (W never redrawn, unless every
+    run was)."""
+    runs = [r for r in results if r["config"]["task"] == "char_lm"
+            and r["config"]["context"] == context]
+    redraw = min((r["config"]["redraw_interval"] for r in runs), default=0)
+    runs = [r for r in runs if r["config"]["redraw_interval"] == redraw]
     chosen = {}
-    for variant, runs in cells.items():
-        rates = {r["config"]["lr"] for r in runs}
-        # The grid runs the first seed at every rate, the later seeds at the best: the rate
-        # with the most seeds is the variant's best (any one when every rate has one seed).
-        lr = max(sorted(rates), key=lambda x: sum(r["config"]["lr"] == x for r in runs))
-        mine = sorted((r for r in runs if r["config"]["lr"] == lr),
-                      key=lambda r: r["config"]["seed"])
+    for variant in dict.fromkeys(r["config"]["variant"] for r in runs):
+        lr = best_lr(runs, variant, context, redraw)
+        mine = sorted((r for r in runs if r["config"]["variant"] == variant
+                       and r["config"]["lr"] == lr), key=lambda r: r["config"]["seed"])
         path = os.path.join(out, "models", _key(mine[0]) + ".pt")
-        bpc = statistics.fmean(final_bpc(r) for r in mine)
         if os.path.exists(path):
-            chosen[variant] = (path, bpc)
+            chosen[variant] = (path, statistics.fmean(final_bpc(r) for r in mine))
     return chosen
 
 
@@ -58,8 +53,9 @@ def _key(result):
     return Config(**config).key()
 
 
-def run(out, results, quiet=False):
-    """Writes out/decode.csv and out/samples.json from the sweep's char_lm models."""
+def run(out, results, quiet=False, prompt=PROMPT):
+    """Writes out/decode.csv and out/samples.json from the sweep's char_lm models (results as
+    sweep.run_all returns them)."""
     torch.set_num_threads(1)
     linrope.set_num_threads(1)
     contexts = sorted({r["config"]["context"] for r in results
@@ -85,11 +81,11 @@ def run(out, results, quiet=False):
             continue
         for variant in [v for v in VARIANTS if v in models]:
             model, chars, config = load_model(models[variant][0])
-            if not set(PROMPT) <= set(chars):
+            if not set(prompt) <= set(chars):
                 continue  # another corpus without the prompt's characters
             samples.append(dict(variant=variant, context=context, lr=config["lr"],
-                                seed=config["seed"], prompt=PROMPT, temperature=TEMPERATURE,
-                                text=sample(model, chars, PROMPT, SAMPLE_TOKENS, TEMPERATURE)))
+                                seed=config["seed"], prompt=prompt, temperature=TEMPERATURE,
+                                text=sample(model, chars, prompt, SAMPLE_TOKENS, TEMPERATURE)))
     text = io.StringIO()
     writer = csv.DictWriter(text, ["variant", "context", "lr", "position", "seconds_per_token",
                                    "cache_bytes"], lineterminator="\n")

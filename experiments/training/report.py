@@ -1,40 +1,22 @@
 """The training experiment's analysis, called by experiments/analysis/report.py (which writes
 REPORT.md): from a training output directory's CSVs and training.json, summary.json (every number
-the report quotes), the plots (PNG) and the REPORT.md section, its sentences written from
-summary.json. The training run itself (python3 -m training) writes only the CSVs and the JSON."""
-import collections
+the report quotes, summary.py), the plots (plots.py) and the REPORT.md section, its sentences
+written from summary.json. The training run itself (python3 -m training) writes only the CSVs and
+the JSON."""
 import json
 import math
 import os
-import statistics
 
-from analysis.common import read_rows, write_json  # experiments/analysis
+from analysis.common import write_json  # experiments/analysis
 
 from .model import VARIANTS, describe
-from .step_time import VARIANTS_TIMED, crossover
-
-FAMILIES = (("elu+1", "elu"), ("FAVOR+", "favor"), ("1+cos", "cos"))
-
-
-def _rows(out, name):
-    """The CSV's rows, or none when the run did not write it (--no-step-time, one task)."""
-    return read_rows(out, name) if os.path.exists(os.path.join(out, name + ".csv")) else []
-
-
-def _num(text):
-    return float(text) if text not in ("", None) else math.nan
-
-
-def spread(values):
-    """mean, min, max and count of the finite values (NaN mean when there are none)."""
-    values = [v for v in values if math.isfinite(v)]
-    if not values:
-        return dict(mean=math.nan, min=math.nan, max=math.nan, n=0)
-    return dict(mean=statistics.fmean(values), min=min(values), max=max(values), n=len(values))
+from .plots import FAMILIES, plot
+from .step_time import VARIANTS_TIMED
+from .summary import paired, spread, summarise
 
 
 def fmt(s, digits=3):
-    """'2.345 (2.301-2.389, 2 seeds)' or 'diverged' when no seed finished."""
+    """'2.345 (2.301-2.389, 3 seeds)', the value alone for one seed, 'n/a' for none."""
     if not s["n"]:
         return "n/a"
     if s["n"] == 1:
@@ -43,401 +25,355 @@ def fmt(s, digits=3):
                                            s["n"])
 
 
-def _variants_in(rows):
-    present = {r["variant"] for r in rows}
-    return [v for v in VARIANTS if v in present]
-
-
-def summarise(out):
-    runs, evaluations = _rows(out, "runs"), _rows(out, "evaluations")
-    layers, curves, steps = _rows(out, "layers"), _rows(out, "curves"), _rows(out, "step_time")
-    summary = {}
-    for task in ("char_lm", "mqar"):
-        task_runs = [r for r in runs if r["task"] == task]
-        if not task_runs:
-            continue
-        per_variant = {}
-        for variant in _variants_in(task_runs):
-            mine = [r for r in task_runs if r["variant"] == variant]
-            ev = [e for e in evaluations if e["task"] == task and e["variant"] == variant]
-            s = dict(seeds=len(mine), diverged=sum(r["status"] == "diverged" for r in mine),
-                     diverged_steps=[int(r["diverged_step"]) for r in mine
-                                     if r["status"] == "diverged"],
-                     clip_share=spread(_num(r["clip_share"]) for r in mine),
-                     tokens_per_s=spread(_num(r["tokens_per_s"]) for r in mine),
-                     final_train_loss=spread(_num(r["final_train_loss"]) for r in mine))
-            finals = [e for e in ev if e["final"] == "True"]
-            if task == "char_lm":
-                context = min(int(e["length"]) for e in ev) if ev else 0
-                s["context"] = context
-                s["final_bpc"] = spread(_num(e["value"]) for e in finals
-                                        if int(e["length"]) == context)
-                best = collections.defaultdict(lambda: math.inf)
-                for e in ev:
-                    if int(e["length"]) == context:
-                        best[e["seed"]] = min(best[e["seed"]], _num(e["value"]))
-                s["best_bpc"] = spread(best.values())
-                s["extrapolation"] = {
-                    str(n): spread(_num(e["value"]) for e in finals if int(e["length"]) == n)
-                    for n in sorted({int(e["length"]) for e in finals})}
-            else:
-                s["accuracy"] = {"%s/%s" % (n, p): spread(
-                    _num(e["value"]) for e in finals if (e["length"], e["pairs"]) == (n, p))
-                    for n, p in sorted({(e["length"], e["pairs"]) for e in finals},
-                                       key=lambda x: int(x[0]))}
-                s["mean_accuracy"] = spread(statistics.fmean(
-                    _num(e["value"]) for e in finals if e["seed"] == seed)
-                    for seed in {e["seed"] for e in finals})
-            den = {}
-            for layer in sorted({r["layer"] for r in layers if r["task"] == task}):
-                key = "layer%s_" % layer
-                den[layer] = dict(
-                    den_min=min((_num(r[key + "den_min"]) for r in mine
-                                 if r.get(key + "den_min")), default=math.nan),
-                    nonpositive_share=spread(_num(r.get(key + "nonpositive_share", ""))
-                                             for r in mine),
-                    tiny_share=spread(_num(r.get(key + "tiny_share", "")) for r in mine),
-                    grad_norm=spread(_num(r["grad_norm"]) for r in layers
-                                     if (r["task"], r["variant"], r["layer"]) ==
-                                     (task, variant, layer)))
-            s["layers"] = den
-            per_variant[variant] = s
-        summary[task] = per_variant
-    if steps:
-        lengths = sorted({int(r["length"]) for r in steps})
-        times = {v: [_num(r["seconds"]) for r in steps if r["variant"] == v]
-                 for v in VARIANTS_TIMED}
-        summary["step_time"] = dict(
-            lengths=lengths, seconds=times, threads=int(steps[0]["threads"]),
-            load_average_before=_num(steps[0]["load_average_before"]),
-            crossover={v: crossover(lengths, times["softmax-rope"], times[v])
-                       for v in VARIANTS_TIMED[1:]})
-    summary["curves_rows"] = len(curves)
-    return summary
-
-
-# ---- plots ---------------------------------------------------------------------------------
-PLACEMENT_COLOURS = {"none": "tab:gray", "before_map": "tab:orange",
-                     "numerator_only": "tab:blue", "full": "tab:red"}
-FAMILY_MARKERS = {"elu+1": "s", "favor+": "o", "1+cos": "^"}
-
-
-def _colour(variant):
-    """The placement's colour (the same in every map's panel); softmax black / brown."""
-    spec = VARIANTS[variant]
-    if spec["attention"] == "softmax":
-        return "black" if spec["rope"] else "tab:brown"
-    return PLACEMENT_COLOURS[spec["placement"]]
-
-
-def _marker(variant):
-    return FAMILY_MARKERS.get(VARIANTS[variant].get("feature_map"), "*")
-
-
-def _mean_band(rows, key, variant, task):
-    by_step = collections.defaultdict(list)
-    for r in rows:
-        if (r["task"], r["variant"]) == (task, variant) and r.get(key, "") != "":
-            by_step[int(r["step"])].append(_num(r[key]))
-    steps = sorted(by_step)
-    return (steps, [statistics.fmean(by_step[s]) for s in steps],
-            [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps])
-
-
-def plot(out, summary):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    curves, evaluations, layers = (_rows(out, n) for n in ("curves", "evaluations", "layers"))
-    figures = []
-
-    def save(fig, name, caption):
-        fig.tight_layout()
-        path = os.path.join(out, name)
-        fig.savefig(path + ".tmp.png", dpi=80)
-        plt.close(fig)
-        os.replace(path + ".tmp.png", path)
-        figures.append((name, caption))
-
-    if "char_lm" in summary:
-        variants = list(summary["char_lm"])
-        context = next(iter(summary["char_lm"].values()))["context"]
-        val = [dict(e, bpc=e["value"]) for e in evaluations
-               if e["task"] == "char_lm" and int(e["length"]) == context]
-        groups = [("softmax", [v for v in variants if v.startswith("softmax")])] + [
-            (label, [v for v in variants if v.startswith(prefix + "-")] +
-             [v for v in variants if v == "softmax-rope"]) for label, prefix in FAMILIES]
-        groups = [g for g in groups if g[1]]
-        fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), sharey=True,
-                                 squeeze=False)
-        for ax, (label, names) in zip(axes[0], groups):
-            for v in names:
-                for rows, key, style in ((curves, "train_loss", ":"), (val, "bpc", "-")):
-                    steps, mean, low, high = _mean_band(rows, key, v, "char_lm")
-                    if key == "train_loss":
-                        mean, low, high = ([x / math.log(2) for x in y] for y in (mean, low, high))
-                    ax.plot(steps, mean, style, color=_colour(v),
-                            label=describe(v) if key == "bpc" else None)
-                    ax.fill_between(steps, low, high, color=_colour(v), alpha=0.2, linewidth=0)
-            ax.set_title(label)
-            ax.set_xlabel("step")
-            ax.legend(fontsize=7)
-        axes[0][0].set_ylabel("bits per character")
-        finals = [summary["char_lm"][v]["final_bpc"] for v in variants
-                  if summary["char_lm"][v]["final_bpc"]["n"]]
-        if finals:  # the finals in view; the first steps' ~6 bpc would flatten them
-            axes[0][0].set_ylim(min(f["min"] for f in finals) - 0.15,
-                                max(f["max"] for f in finals) + 0.9)
-        save(fig, "char_lm_curves.png", "Character-level Austen: validation bpc (solid) and "
-             "training bpc (dotted) against step; line: mean over seeds, band: min to max.")
-
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for v in variants:
-            ext = summary["char_lm"][v]["extrapolation"]
-            xs = [int(n) for n in ext if ext[n]["n"]]
-            ax.plot(xs, [ext[str(n)]["mean"] for n in xs], "-", marker=_marker(v),
-                    color=_colour(v), label=describe(v))
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("evaluation context (characters; trained at %d)" % context)
-        ax.set_ylabel("validation bpc")
-        ax.legend(fontsize=6, ncol=2)
-        save(fig, "char_lm_extrapolation.png", "Length extrapolation: validation bpc of the "
-             "final models at 1x, 2x and 4x the training context (mean over seeds).")
-
-    task = "char_lm" if "char_lm" in summary else "mqar"
-    families = [(label, prefix) for label, prefix in FAMILIES
-                if any(v.startswith(prefix + "-") for v in summary.get(task, {}))]
-    if families:
-        fig, axes = plt.subplots(len(families), 3, figsize=(12, 2.6 * len(families)),
-                                 squeeze=False)
-        layer_ids = sorted({r["layer"] for r in layers if r["task"] == task}, key=int)
-        for row, (label, prefix) in zip(axes, families):
-            for v in [v for v in summary[task] if v.startswith(prefix + "-")]:
-                for layer in layer_ids:
-                    mine = [r for r in layers if (r["task"], r["variant"], r["layer"]) ==
-                            (task, v, layer)]
-                    for ax, key in zip(row, ("den_min", "nonpositive_share", "grad_norm")):
-                        steps, mean, low, _ = _mean_band(mine, key, v, task)
-                        if key == "den_min":
-                            mean = low  # the smallest over the seeds too
-                        ax.plot(steps, mean, "-" if layer == layer_ids[0] else "--",
-                                color=_colour(v), linewidth=1,
-                                label=describe(v) if layer == layer_ids[0] else None)
-            row[0].set_yscale("symlog", linthresh=1e-3)
-            row[2].set_yscale("log")
-            row[0].set_ylabel(label)
-            row[0].legend(fontsize=6)
-        for ax, title in zip(axes[0], ("smallest denominator (symlog)",
-                                       "share of denominators <= 0",
-                                       "attention block gradient norm")):
-            ax.set_title(title, fontsize=9)
-        for ax in axes[-1]:
-            ax.set_xlabel("step")
-        save(fig, "denominators.png", "%s, per layer during training (first layer solid, second "
-             "dashed): the smallest denominator of the batch (smallest over seeds), the share of "
-             "non-positive denominators and the attention block's gradient norm (means over "
-             "seeds)." % (
-                 "Character-level Austen" if task == "char_lm" else "MQAR"))
-
-    if "mqar" in summary:
-        variants = list(summary["mqar"])
-        settings = list(next(iter(summary["mqar"].values()))["accuracy"])
-        fig, ax = plt.subplots(figsize=(8, 3.4))
-        width = 0.8 / max(1, len(settings))
-        for i, setting in enumerate(settings):
-            means = [summary["mqar"][v]["accuracy"][setting]["mean"] for v in variants]
-            lows = [m - summary["mqar"][v]["accuracy"][setting]["min"]
-                    for m, v in zip(means, variants)]
-            highs = [summary["mqar"][v]["accuracy"][setting]["max"] - m
-                     for m, v in zip(means, variants)]
-            ax.bar([j + i * width for j in range(len(variants))], means, width,
-                   yerr=[lows, highs], label="length %s, %s pairs" % tuple(setting.split("/")))
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(variants))])
-        ax.set_xticklabels(variants, rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("query accuracy")
-        ax.legend(fontsize=7)
-        save(fig, "mqar_accuracy.png", "MQAR: accuracy on held-out sequences per variant and "
-             "length (mean over seeds, bars: min to max).")
-
-    if "step_time" in summary:
-        st = summary["step_time"]
-        fig, ax = plt.subplots(figsize=(5, 3.4))
-        for v in VARIANTS_TIMED:
-            ax.plot(st["lengths"], [1e3 * s for s in st["seconds"][v]], "o-", color=_colour(v),
-                    label=describe(v))
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length")
-        ax.set_ylabel("ms per step (forward + backward)")
-        ax.legend(fontsize=7)
-        save(fig, "step_time.png", "One decoder layer's training step (batch 1) against "
-             "context length, %d threads, median." % st["threads"])
-    return figures
-
-
-# ---- the section ---------------------------------------------------------------------------
-def _placement_ranking(task_summary, prefix, key):
-    names = [v for v in task_summary if v.startswith(prefix + "-") and
-             task_summary[v][key]["n"]]
-    return sorted(names, key=lambda v: task_summary[v][key]["mean"])
-
-
 def _separated(a, b):
     """Whether the seed ranges of a and b do not overlap (the difference exceeds the spread)."""
     return a["n"] > 1 and b["n"] > 1 and (a["max"] < b["min"] or b["max"] < a["min"])
 
 
+def compare(a, b, key="final_bpc"):
+    """'+0.021 (per seed +0.018, +0.025, +0.020; beyond the seed ranges)': cell a minus cell b,
+    paired by seed, and whether their ranges overlap."""
+    diffs = paired(a[key + "_per_seed"], b[key + "_per_seed"])
+    if not diffs:
+        return "not comparable (no seed finished both)"
+    mean = sum(diffs.values()) / len(diffs)
+    if len(diffs) == 1:
+        return "%+.3f (one seed, so of unknown significance)" % mean
+    signs = {d > 0 for d in diffs.values()}
+    return "%+.3f (per seed %s; %s%s)" % (
+        mean, ", ".join("%+.3f" % d for d in diffs.values()),
+        "beyond the seed ranges" if _separated(a[key], b[key]) else "within the seed ranges",
+        "" if len(signs) == 1 else ", the sign changes between seeds")
+
+
+def _placement(v):
+    spec = VARIANTS[v]
+    if spec["attention"] == "softmax":
+        return describe(v)
+    return "no denominator" if not spec.get("denominator", True) else spec["placement"]
+
+
 def _denominator_cell(s):
     """The worst layer's shares of non-positive and of tiny denominators over every training
-    step (mean over seeds), or a dash for softmax."""
+    step (mean over seeds), or a dash (softmax, no denominator)."""
     if not s["layers"] or not any(d["nonpositive_share"]["n"] for d in s["layers"].values()):
         return "-"
     worst = lambda key: max(d[key]["mean"] for d in s["layers"].values() if d[key]["n"])
     return "%.1f%% / %.1f%%" % (100 * worst("nonpositive_share"), 100 * worst("tiny_share"))
 
 
-def _gap_words(a, b):
-    if a["n"] < 2 or b["n"] < 2:
-        return "from one seed, so of unknown significance"
-    return ("larger than the seed spread (the ranges do not overlap)" if _separated(a, b) else
-            "within the seed spread (the ranges overlap)")
+def _ranked(cells, prefix):
+    names = [v for v in cells if v.startswith(prefix + "-") and cells[v]["final_bpc"]["n"]]
+    return sorted(names, key=lambda v: cells[v]["final_bpc"]["mean"])
+
+
+def _table(cells, context):
+    ref = cells.get("softmax-rope")
+    lines = ["| variant | best lr | final val bpc | vs softmax + RoPE (paired) | diverged | "
+             "den <= 0 / tiny (worst layer) | bpc at %d / %d | tokens/s |" % (
+                 2 * context, 4 * context), "|---|---|---|---|---|---|---|---|"]
+    for v, s in cells.items():
+        ext = s["extrapolation"]
+        lines.append("| %s | %g | %s | %s | %d of %d | %s | %s / %s | %.0f |" % (
+            describe(v), s["lr"], fmt(s["final_bpc"]),
+            "-" if v == "softmax-rope" or not ref else compare(s, ref), s["diverged"],
+            s["seeds"], _denominator_cell(s), fmt(ext.get(str(2 * context), spread([]))),
+            fmt(ext.get(str(4 * context), spread([]))), s["tokens_per_s"]["mean"]))
+    return "\n".join(lines)
+
+
+def _placements(cells):
+    sentences = []
+    for label, prefix in FAMILIES:
+        ranking = _ranked(cells, prefix)
+        if len(ranking) < 2:
+            continue
+        first = cells[ranking[0]]
+        sentences.append("for %s, **%s** (%.3f), then %s" % (
+            label, _placement(ranking[0]), first["final_bpc"]["mean"], "; ".join(
+                "%s %s" % (_placement(v), compare(cells[v], first)) for v in ranking[1:])))
+    return sentences
+
+
+def _full(cells, threshold):
+    out = []
+    for label, prefix in FAMILIES:
+        f, n = cells.get(prefix + "-full"), cells.get(prefix + "-numerator_only")
+        if not f or not n:
+            continue
+        text = "%s: full %s" % (label, "diverged in %d of %d seeds (at step %s)" % (
+            f["diverged"], f["seeds"], ", ".join(map(str, f["diverged_steps"])))
+            if f["diverged"] else "never diverged")
+        text += ", ended %s bpc from numerator_only" % compare(f, n)
+        if f["layers"]:
+            text += "; its denominators: " + ", ".join(
+                "layer %s smallest %.3g, %.2f%% non-positive, %.2f%% tiny" % (
+                    layer, d["den_min"], 100 * d["nonpositive_share"]["mean"],
+                    100 * d["tiny_share"]["mean"]) for layer, d in f["layers"].items())
+            text += " (numerator_only's smallest: %s)" % ", ".join(
+                "%.3g" % d["den_min"] for d in n["layers"].values())
+        nodenom = cells.get(prefix + "-nodenom")
+        if nodenom and nodenom["final_bpc"]["n"]:
+            text += ". Without a denominator (RoPE on the features, an RMSNorm per head): %s " \
+                    "bpc from full, %s from numerator_only" % (compare(nodenom, f),
+                                                              compare(nodenom, n))
+        out.append(text)
+    if not out:
+        return None
+    return ("**Full normalisation, and dropping the denominator.** " + ". ".join(out) +
+            ". Shares are over every denominator of every training step; tiny means |den| < %g."
+            % threshold)
+
+
+def _softmax_gap(cells):
+    if "softmax-rope" not in cells or not cells["softmax-rope"]["final_bpc"]["n"]:
+        return None
+    ref = cells["softmax-rope"]
+    parts = []
+    for label, prefix in FAMILIES:
+        ranking = _ranked(cells, prefix)
+        if ranking:
+            parts.append("%s at its best (%s) %s" % (label, _placement(ranking[0]),
+                                                     compare(cells[ranking[0]], ref)))
+    nopos = cells.get("softmax-nopos")
+    if nopos and nopos["final_bpc"]["n"]:
+        parts.append("softmax without positions %s" % compare(nopos, ref))
+    return "**Against softmax + RoPE** (%.3f bpc), paired by seed: %s." % (
+        ref["final_bpc"]["mean"], "; ".join(parts))
+
+
+def _sensitivity(lm):
+    grid, best = lm["grid"], lm["best_lr"]
+    if not any(len(g) > 1 for g in grid.values()):
+        return None
+    rates = sorted({float(r) for g in grid.values() for r in g})
+    edge = [v for v in best if best[v] in (rates[0], rates[-1])]
+    diverged = ["%s at %s" % (describe(v), ", ".join(r for r, x in g.items() if x is None))
+                for v, g in grid.items() if any(x is None for x in g.values())]
+    spreads = sorted(((max(x for x in g.values() if x is not None) -
+                       min(x for x in g.values() if x is not None), v)
+                      for v, g in grid.items() if any(x is not None for x in g.values())),
+                     reverse=True)
+    text = ("**Learning rate.** The grid (%s, the first seed) picked: %s. Final bpc across the "
+            "grid varies most for %s and least for %s." % (
+                ", ".join("%g" % r for r in rates),
+                ", ".join("%s %g" % (describe(v), best[v]) for v in best),
+                ", ".join("%s (%.3f)" % (describe(v), d) for d, v in spreads[:2]),
+                ", ".join("%s (%.3f)" % (describe(v), d) for d, v in spreads[-2:])))
+    if edge:
+        text += (" At the grid's edge (the best may lie beyond it): %s." %
+                 ", ".join(describe(v) for v in edge))
+    if diverged:
+        text += " Diverged in the grid: %s." % "; ".join(diverged)
+    return text
+
+
+def _long_context(char_lm):
+    contexts = sorted(char_lm, key=int)
+    if len(contexts) < 2:
+        return None
+    short, long = char_lm[contexts[0]]["cells"], char_lm[contexts[-1]]["cells"]
+    changes = []
+    for label, prefix in FAMILIES:
+        a, b = _ranked(short, prefix), _ranked(long, prefix)
+        b_in_a = [v for v in a if v in b]
+        if len(b) >= 2 and b_in_a:
+            order = [v for v in b]
+            changed = [v for v in order if v in b_in_a][:1] != b_in_a[:1]
+            changes.append("%s: %s at %s against %s at %s%s" % (
+                label, " < ".join(_placement(v) for v in order), contexts[-1],
+                " < ".join(_placement(v) for v in b_in_a), contexts[0],
+                " -- **the order changes**" if changed else ""))
+    ref_s, ref_l = short.get("softmax-rope"), long.get("softmax-rope")
+    gaps = []
+    if ref_s and ref_l:
+        for v in long:
+            if v != "softmax-rope" and v in short:
+                gaps.append("%s %s -> %s" % (describe(v), compare(short[v], ref_s).split(" ")[0],
+                                              compare(long[v], ref_l).split(" ")[0]))
+    text = "**Long context** (%s against %s; the same tokens per step, the learning rate of %s): " \
+           "placements from best to worst, %s." % (
+               contexts[-1], contexts[0], contexts[0], "; ".join(changes) or "n/a")
+    if gaps:
+        text += " The gap to softmax + RoPE (paired mean) from %s to %s: %s." % (
+            contexts[0], contexts[-1], ", ".join(gaps))
+    return text
+
+
+def _extrapolation(cells, context):
+    ext = []
+    for v, s in cells.items():
+        e = s["extrapolation"]
+        if all(str(m * context) in e and e[str(m * context)]["n"] for m in (1, 4)):
+            ext.append((e[str(4 * context)]["mean"], e[str(context)]["mean"], v))
+    if not ext:
+        return None
+    ext.sort()
+    return ("**Extrapolation from %d** (validation bpc at the training context -> at 4x it, best "
+            "at 4x first): " % context + ", ".join(
+                "%s %.3f -> %.3f (%+.3f)" % (describe(v), one, four, four - one)
+                for four, one, v in ext) + ".")
+
+
+def _redraws(lm):
+    if not lm["redrawn"]:
+        return None
+    parts = []
+    for v, r in lm["redrawn"].items():
+        fixed = lm["cells"].get(v)
+        if fixed:
+            parts.append("%s: redrawn every %d steps %s, %s bpc against W fixed (%s)" % (
+                describe(v), r["redraw_interval"], fmt(r["final_bpc"]), compare(r, fixed),
+                fmt(fixed["final_bpc"])))
+    return "**Feature redraws** (FAVOR+'s two best placements, at their best rate): " + \
+        "; ".join(parts) + "."
+
+
+def _state_floats(name, meta):
+    """Floats of one head's attention state at inference (S and z): m (d_v + 1)."""
+    model = meta.get("model", {})
+    head = model.get("d_model", 64) // model.get("heads", 2)
+    spec = VARIANTS[name.split("-m")[0]] if name.split("-m")[0] in VARIANTS else None
+    if spec is None or spec["attention"] == "softmax":
+        return None
+    m = head
+    if spec["feature_map"] == "favor+":
+        m = (int(name.rsplit("-m", 1)[1][:-1]) if "-m" in name and name.endswith("x") else 2) * \
+            head
+    return m * (head + 1)
+
+
+def _mqar(mq, meta):
+    settings = list(next(iter(mq.values()))["accuracy"])
+    lines = ["| variant | state floats per head | " + " | ".join(
+        "length %s, %s pairs" % tuple(s.split("/")) for s in settings) + " | diverged |",
+        "|---|---|" + "---|" * (len(settings) + 1)]
+    for name, s in mq.items():
+        floats = _state_floats(name, meta)
+        lines.append("| %s%s | %s | %s | %d of %d |" % (
+            describe(name.split("-m4x")[0]) if name.split("-m4x")[0] in VARIANTS else name,
+            ", m = 4 x head dim" if name.endswith("-m4x") else "",
+            floats if floats else "all keys and values", " | ".join(
+                fmt(s["accuracy"][k]) for k in settings), s["diverged"], s["seeds"]))
+    out = ["MQAR (Zoology's multi-query associative recall; the (length, pairs) settings "
+           "trained in turn, step by step), query accuracy on held-out sequences, mean over "
+           "seeds (range):\n\n" + "\n".join(lines)]
+    words = []
+    soft = mq.get("softmax-rope")
+    if soft:
+        reached = [k for k in settings if soft["accuracy"][k]["n"] and
+                   soft["accuracy"][k]["min"] >= 0.95]
+        words.append("softmax + RoPE reaches >= 0.95 in every seed at %s" % (
+            ", ".join("(%s)" % k.replace("/", ", ") for k in reached) if reached else
+            "no setting"))
+    linear = [n for n in mq if n != "softmax-rope" and n != "softmax-nopos"]
+    if linear and len(settings) > 1:
+        best = max(linear, key=lambda n: mq[n]["accuracy"][settings[0]]["mean"])
+        words.append("the best linear cell, %s, %s" % (best, ", ".join(
+            "%.3f at (%s)" % (mq[best]["accuracy"][k]["mean"], k.replace("/", ", "))
+            for k in settings)))
+    for name in [n for n in mq if n.endswith("-m4x")]:
+        base = mq.get(name[:-len("-m4x")])
+        if base:
+            words.append("%s with 4x the features against 2x: %s" % (
+                name[:-len("-m4x")], ", ".join("%+.3f at (%s)" % (
+                    mq[name]["accuracy"][k]["mean"] - base["accuracy"][k]["mean"],
+                    k.replace("/", ", ")) for k in settings)))
+    out.append("**Recall.** " + "; ".join(words) + ". Guessing among the sequence's values "
+               "would score 1/pairs.")
+    return out
+
+
+def _decoding(summary):
+    decoding = summary.get("decoding")
+    if not decoding:
+        return None
+    parts = []
+    for context, per in decoding.items():
+        for v, d in per.items():
+            if not d["positions"]:
+                continue
+            parts.append("%s (trained at %s): %.2f ms per token at position %d, %.2f ms at %d; "
+                         "caches %.1f KiB -> %.1f KiB" % (
+                             describe(v), context, 1e3 * d["seconds_per_token"][0],
+                             d["positions"][0], 1e3 * d["seconds_per_token"][-1],
+                             d["positions"][-1], d["cache_bytes"][0] / 1024,
+                             d["cache_bytes"][-1] / 1024))
+    return ("**Decoding** (`python3 -m training.generate`, a character at a time through the "
+            "caches, batch 1, one thread): " + "; ".join(parts) + ".")
+
+
+def _samples(summary):
+    samples = summary.get("samples")
+    if not samples:
+        return None
+    rows = ["| variant | sample (prompt, then %d characters at temperature %g) |" % (
+        len(samples[0]["text"]) - len(samples[0]["prompt"]), samples[0]["temperature"]),
+        "|---|---|"]
+    for s in samples:
+        text = s["text"].replace("|", "\\|").replace("\n", " / ")
+        rows.append("| %s | %s |" % (describe(s["variant"]), text))
+    return ("Samples from the first seed's model of each variant (context %d, its best rate; "
+            "one prompt, one sampling seed):\n\n" % samples[0]["context"] + "\n".join(rows))
+
+
+def _step_time(st):
+    ratio = {v: st["seconds"]["softmax-rope"][-1] / st["seconds"][v][-1]
+             for v in VARIANTS_TIMED[1:]}
+
+    def crossing(c):
+        if c is None:
+            return "not within the lengths measured"
+        if c == st["lengths"][0]:
+            return "already at n = %d, the shortest length measured" % c
+        return "from n = %.0f" % c
+
+    return ("**Step time of one layer** (the training's layer shape, forward + backward, batch 1, "
+            "%d threads; the 1-minute load average was %.2f when it began): at n = %d, %s. In "
+            "this one-layer timing linear attention is faster than softmax: %s. (The whole "
+            "model's training throughput is the tokens/s columns above, two runs at once.)" % (
+                st["threads"], st["load_average_before"], st["lengths"][-1], ", ".join(
+                    "%s takes %.2fx softmax + RoPE's time" % (describe(v), 1 / r)
+                    for v, r in ratio.items()),
+                "; ".join("%s %s" % (describe(v), crossing(c))
+                          for v, c in st["crossover"].items())))
+
+
+def corpus_name(meta):
+    """How the captions name the text: Austen's novels, or the file given with --text."""
+    return (meta.get("corpus") or {}).get("name") or "text (training.json missing)"
 
 
 def findings(summary, meta):
     out = []
-    lm = summary.get("char_lm", {})
-    if lm:
-        context = next(iter(lm.values()))["context"]
-        lines = ["| variant | final val bpc | best val bpc | diverged | clipped steps | "
-                 "den <= 0 / tiny (worst layer) | bpc at 2x / 4x context | tokens/s |",
-                 "|---|---|---|---|---|---|---|---|"]
-        for v, s in lm.items():
-            ext = s["extrapolation"]
-            lines.append("| %s | %s | %s | %d of %d | %.0f%% | %s | %s / %s | %.0f |" % (
-                describe(v), fmt(s["final_bpc"]), fmt(s["best_bpc"]), s["diverged"], s["seeds"],
-                100 * s["clip_share"]["mean"], _denominator_cell(s),
-                fmt(ext.get(str(2 * context), spread([]))),
-                fmt(ext.get(str(4 * context), spread([]))), s["tokens_per_s"]["mean"]))
-        out.append("Character-level language modelling on %s (training context %d; "
-                   "validation: mean bpc over every position of consecutive held-out windows). "
-                   "Mean over seeds, with the range in brackets:\n\n%s" % (
-                       (meta.get("corpus") or {}).get("name", "the text"), context,
-                       "\n".join(lines)))
-        sentences = []
-        for label, prefix in FAMILIES:
-            ranking = _placement_ranking(lm, prefix, "final_bpc")
-            if len(ranking) < 2:
-                continue
-            best, second = lm[ranking[0]]["final_bpc"], lm[ranking[1]]["final_bpc"]
-            sentences.append(
-                "for %s, %s trains best (%.3f bpc), then %s; the gap to the next, %.3f bpc, is %s"
-                % (label, VARIANTS[ranking[0]]["placement"], best["mean"],
-                   ", ".join("%s %.3f" % (VARIANTS[v]["placement"], lm[v]["final_bpc"]["mean"])
-                             for v in ranking[1:]),
-                   second["mean"] - best["mean"],
-                   _gap_words(best, second)))
-        if sentences:
-            out.append("**Which placement trains best.** By final validation bpc: " +
-                       "; ".join(sentences) + ".")
-        full = []
-        for label, prefix in FAMILIES:
-            f, n = lm.get(prefix + "-full"), lm.get(prefix + "-numerator_only")
-            if not f or not n:
-                continue
-            text = "%s: full %s" % (label, "diverged in %d of %d seeds (at step %s)" % (
-                f["diverged"], f["seeds"], ", ".join(map(str, f["diverged_steps"])))
-                if f["diverged"] else "never diverged")
-            if f["final_bpc"]["n"] and n["final_bpc"]["n"]:
-                text += " and ended %+.3f bpc from numerator_only" % (
-                    f["final_bpc"]["mean"] - n["final_bpc"]["mean"])
-            worst = [(layer, d) for layer, d in f["layers"].items()]
-            if worst:
-                text += "; its denominators: " + ", ".join(
-                    "layer %s smallest %.3g, %.2f%% non-positive, %.2f%% tiny" % (
-                        layer, d["den_min"], 100 * d["nonpositive_share"]["mean"],
-                        100 * d["tiny_share"]["mean"]) for layer, d in worst)
-                text += " (numerator_only: smallest %s)" % ", ".join(
-                    "%.3g" % d["den_min"] for d in n["layers"].values())
-            full.append(text)
-        if full:
-            out.append("**Full normalisation.** " + ". ".join(full) + ". Shares are over every "
-                       "denominator of every training step; tiny means |den| < %g." %
-                       meta.get("stats_threshold", 1e-3))
-        if "softmax-rope" in lm and lm["softmax-rope"]["final_bpc"]["n"]:
-            ref = lm["softmax-rope"]["final_bpc"]["mean"]
-            linear = [v for v in lm if VARIANTS[v]["attention"] == "linear" and
-                      lm[v]["final_bpc"]["n"]]
-            if linear:
-                best = min(linear, key=lambda v: lm[v]["final_bpc"]["mean"])
-                out.append("**Against softmax + RoPE** (%.3f bpc): the best linear variant, %s, "
-                           "is %+.3f bpc from it; softmax without positions %s." % (
-                               ref, describe(best), lm[best]["final_bpc"]["mean"] - ref,
-                               "is %+.3f" % (lm["softmax-nopos"]["final_bpc"]["mean"] - ref)
-                               if "softmax-nopos" in lm and lm["softmax-nopos"]["final_bpc"]["n"]
-                               else "was not run"))
-        ext = []
-        for v, s in lm.items():
-            e = s["extrapolation"]
-            if all(str(m * context) in e and e[str(m * context)]["n"] for m in (1, 4)):
-                ext.append((e[str(4 * context)]["mean"], e[str(context)]["mean"], v))
-        if ext:
-            ext.sort()
-            out.append("**Extrapolation** (validation bpc at the training context -> at 4x it, "
-                       "best at 4x first): " + ", ".join(
-                           "%s %.3f -> %.3f (%+.3f)" % (describe(v), one, four, four - one)
-                           for four, one, v in ext) + ".")
-    mq = summary.get("mqar", {})
-    if mq:
-        settings = list(next(iter(mq.values()))["accuracy"])
-        lines = ["| variant | " + " | ".join("length %s, %s pairs" % tuple(s.split("/"))
-                                           for s in settings) + " | diverged |",
-                 "|---|" + "---|" * (len(settings) + 1)]
-        for v, s in mq.items():
-            lines.append("| %s | %s | %d of %d |" % (
-                describe(v), " | ".join(fmt(s["accuracy"][k]) for k in settings), s["diverged"],
-                s["seeds"]))
-        chance = ", ".join("1/%s = %.3f" % (k.split("/")[1], 1 / int(k.split("/")[1]))
-                           for k in settings)
-        out.append("MQAR (Zoology's multi-query associative recall), query accuracy on "
-                   "held-out sequences of each length (choosing a value of the sequence at "
-                   "random would score %s):\n\n%s" % (chance, "\n".join(lines)))
-        above = []
-        for k in settings:
-            best = max(mq, key=lambda v: mq[v]["accuracy"][k]["mean"]
-                       if mq[v]["accuracy"][k]["n"] else -1.0)
-            above.append("length %s: best %s, %.3f against %.3f" % (
-                k.split("/")[0], describe(best), mq[best]["accuracy"][k]["mean"],
-                1 / int(k.split("/")[1])))
-        recalled = [k for k in settings if any(
-            mq[v]["accuracy"][k]["n"] and mq[v]["accuracy"][k]["mean"] > 1 / int(k.split("/")[1])
-            for v in mq)]
-        out.append("**Recall.** %s (%s)." % (
-            "Some variant beat guessing among the sequence's values at length %s" %
-            ", ".join(k.split("/")[0] for k in recalled) if recalled else
-            "No variant beat guessing among the sequence's values at any length at this budget, "
-            "so MQAR does not separate the variants here", "; ".join(above)))
-    st = summary.get("step_time")
-    if st:
-        ratio = {v: st["seconds"]["softmax-rope"][-1] / st["seconds"][v][-1]
-                 for v in VARIANTS_TIMED[1:]}
-
-        def crossing(c):
-            if c is None:
-                return "not within the lengths measured"
-            if c == st["lengths"][0]:
-                return "already at n = %d, the shortest length measured" % c
-            return "from n = %.0f" % c
-
-        out.append("**Step time of one layer** (the training's layer shape, forward + backward, "
-                   "batch 1, %d threads; the 1-minute load average was %.2f when it began): at "
-                   "n = %d, %s. In this one-layer timing linear attention is faster than softmax: "
-                   "%s. (The whole model's training throughput at the training context is the "
-                   "tokens/s column above.)" % (
-                       st["threads"], st["load_average_before"], st["lengths"][-1], ", ".join(
-                           "%s takes %.2fx softmax + RoPE's time" % (describe(v), 1 / r)
-                           for v, r in ratio.items()),
-                       "; ".join("%s %s" % (describe(v), crossing(c))
-                                 for v, c in st["crossover"].items())))
+    corpus = corpus_name(meta)
+    for context, lm in sorted(summary.get("char_lm", {}).items(), key=lambda kv: int(kv[0])):
+        context = int(context)
+        cells = lm["cells"]
+        out.append("### Character-level %s, context %d\n\nEach variant at its best learning "
+                   "rate (the grid's, or at longer contexts the shortest context's), mean over "
+                   "seeds with the range in brackets; differences are paired by seed (the same "
+                   "seed trains every variant on the same batches):\n\n%s" % (
+                       corpus, context, _table(cells, context)))
+        for paragraph in (_sensitivity(lm),
+                          ("**Which placement trains best** (final validation bpc, each at its "
+                           "best rate; the others as differences from the best): " +
+                           "; ".join(_placements(cells)) + ".") if _placements(cells) else None,
+                          _full(cells, meta.get("stats_threshold", 1e-3)),
+                          _softmax_gap(cells), _extrapolation(cells, context), _redraws(lm)):
+            if paragraph:
+                out.append(paragraph)
+    long = _long_context(summary.get("char_lm", {}))
+    if long:
+        out.append(long)
+    if summary.get("mqar"):
+        out.append("### MQAR")
+        out += _mqar(summary["mqar"], meta)
+    if summary.get("decoding") or summary.get("samples"):
+        out.append("### The models in use")
+        out += [p for p in (_decoding(summary), _samples(summary)) if p]
+    if summary.get("step_time"):
+        out.append(_step_time(summary["step_time"]))
     return out
 
 
@@ -452,7 +388,7 @@ def section(out, plot_note=None, link_prefix="training/"):
             meta = json.load(f)
     summary = summarise(out)
     write_json(os.path.join(out, "summary.json"), summary)
-    figures = plot(out, summary) if plot_note is None else []
+    figures = plot(out, summary, corpus_name(meta)) if plot_note is None else []
     md = "## Training: numerator-only against full normalisation\n\n"
     if meta:
         processes = meta.get("processes", 1)  # under torchrun
@@ -469,7 +405,8 @@ def section(out, plot_note=None, link_prefix="training/"):
                    meta["duration_s"] / 60, meta["command"], ", ".join(
                        "[`{0}`]({1}{0})".format(name, link_prefix) for name in (
                            "runs.csv", "curves.csv", "layers.csv", "evaluations.csv",
-                           "step_time.csv", "training.json")), link_prefix))
+                           "step_time.csv", "decode.csv", "samples.json", "training.json")),
+                   link_prefix))
     for name, caption in figures:
         md += "![%s](%s%s)\n\n*%s*\n\n" % (caption, link_prefix, name, caption)
     if plot_note is not None:

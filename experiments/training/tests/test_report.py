@@ -8,30 +8,62 @@ import pytest
 from training import report
 from training.step_time import crossover
 
-RUNS = """task,variant,seed,status,steps,diverged_step,clip_share,tokens_per_s,final_train_loss,\
+IDS = "task,context,variant,feature_factor,redraw_interval,lr,seed"
+
+
+def ids(variant, seed, lr=0.01, context=8, redraw=0, task="char_lm", factor=2):
+    return "%s,%d,%s,%d,%d,%g,%d" % (task, context, variant, factor, redraw, lr, seed)
+
+
+# A grid at lr 0.001 and 0.01 (seed 0), the best rate's second seed (1), a redrawn cell, and
+# a longer context (16) at the best rates; MQAR with FAVOR+ at 2x and 4x features.
+RUNS = IDS + """,status,steps,diverged_step,clip_share,tokens_per_s,final_train_loss,\
 layer0_den_min,layer0_nonpositive_share,layer0_tiny_share
-char_lm,softmax-rope,0,complete,10,,0.1,1000,1.0,,,
-char_lm,softmax-rope,1,complete,10,,0.3,3000,1.2,,,
-char_lm,favor-numerator_only,0,complete,10,,0.5,2000,1.5,0.25,0,0
-char_lm,favor-numerator_only,1,complete,10,,0.5,2000,1.5,0.5,0,0
-char_lm,favor-full,0,diverged,4,5,0.5,2000,2.0,-7.0,0.25,0.5
-char_lm,favor-full,1,complete,10,,0.5,2000,2.0,-3.0,0.75,0.25
+""" + "".join(line + "\n" for line in [
+    ids("softmax-rope", 0, 0.001) + ",complete,10,,0.1,1000,1.0,,,",
+    ids("softmax-rope", 0) + ",complete,10,,0.1,1000,1.0,,,",
+    ids("softmax-rope", 1) + ",complete,10,,0.3,3000,1.2,,,",
+    ids("favor-numerator_only", 0, 0.001) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
+    ids("favor-numerator_only", 0) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
+    ids("favor-numerator_only", 1) + ",complete,10,,0.5,2000,1.5,0.5,0,0",
+    ids("favor-full", 0, 0.001) + ",complete,10,,0.5,2000,2.0,-1.0,0.5,0",
+    ids("favor-full", 0) + ",diverged,4,5,0.5,2000,2.0,-7.0,0.25,0.5",
+    ids("favor-full", 1) + ",diverged,4,3,0.5,2000,2.0,-3.0,0.75,0.25",
+    ids("favor-numerator_only", 0, redraw=5) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
+    ids("favor-numerator_only", 1, redraw=5) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
+    ids("softmax-rope", 0, context=16) + ",complete,10,,0.1,500,1.0,,,",
+    ids("favor-numerator_only", 0, context=16) + ",complete,10,,0.1,1500,1.0,0.1,0,0",
+    ids("favor-numerator_only", 0, 0.001, 0, task="mqar") + ",complete,10,,0.1,900,1.0,0.1,0,0",
+    ids("favor-numerator_only", 0, 0.001, 0, task="mqar", factor=4) +
+    ",complete,10,,0.1,800,1.0,0.1,0,0"])
+EVALUATIONS = IDS + ",step,final,length,pairs,metric,value\n" + "".join(
+    "%s,10,True,%d,,bpc,%s\n" % (ids(v, seed, lr, context, redraw), n, value)
+    for v, seed, lr, context, redraw, n, value in [
+        ("softmax-rope", 0, 0.001, 8, 0, 8, 2.3),
+        ("softmax-rope", 0, 0.01, 8, 0, 8, 2.0), ("softmax-rope", 1, 0.01, 8, 0, 8, 2.2),
+        ("softmax-rope", 0, 0.01, 8, 0, 16, 3.0), ("softmax-rope", 1, 0.01, 8, 0, 16, 3.0),
+        ("softmax-rope", 0, 0.01, 8, 0, 32, 4.0), ("softmax-rope", 1, 0.01, 8, 0, 32, 4.0),
+        ("favor-numerator_only", 0, 0.001, 8, 0, 8, 2.9),
+        ("favor-numerator_only", 0, 0.01, 8, 0, 8, 2.5),
+        ("favor-numerator_only", 1, 0.01, 8, 0, 8, 2.7),
+        ("favor-numerator_only", 0, 0.01, 8, 0, 32, 2.6),
+        ("favor-numerator_only", 1, 0.01, 8, 0, 32, 2.8),
+        ("favor-full", 0, 0.001, 8, 0, 8, 3.5),
+        ("favor-numerator_only", 0, 0.01, 8, 5, 8, 2.4),
+        ("favor-numerator_only", 1, 0.01, 8, 5, 8, 2.75),
+        ("softmax-rope", 0, 0.01, 16, 0, 16, 1.9),
+        ("favor-numerator_only", 0, 0.01, 16, 0, 16, 1.8)]) + "".join(
+    "%s,10,True,%d,%d,accuracy,%s\n" % (ids("favor-numerator_only", 0, 0.001, 0, task="mqar",
+                                             factor=factor), n, p, value)
+    for factor, n, p, value in [(2, 64, 4, 0.5), (2, 128, 8, 0.25), (4, 64, 4, 0.75),
+                                (4, 128, 8, 0.5)])
+LAYERS = IDS + """,step,layer,den_min,nonpositive_share,tiny_share,grad_norm
+""" + ids("favor-full", 1) + """,10,0,-3.0,0.75,0.25,2.0
+""" + ids("favor-numerator_only", 1) + """,10,0,0.5,0,0,1.0
 """
-EVALUATIONS = "task,variant,seed,step,final,length,pairs,metric,value\n" + "".join(
-    "char_lm,%s,%d,10,True,%d,,bpc,%s\n" % (v, seed, n, value)
-    for v, seed, n, value in [
-        ("softmax-rope", 0, 8, 2.0), ("softmax-rope", 1, 8, 2.2), ("softmax-rope", 0, 16, 3.0),
-        ("softmax-rope", 1, 16, 3.0), ("softmax-rope", 0, 32, 4.0), ("softmax-rope", 1, 32, 4.0),
-        ("favor-numerator_only", 0, 8, 2.5), ("favor-numerator_only", 1, 8, 2.7),
-        ("favor-numerator_only", 0, 32, 2.6), ("favor-numerator_only", 1, 32, 2.8),
-        ("favor-full", 1, 8, 3.5), ("favor-full", 1, 32, 3.5)])
-LAYERS = """task,variant,seed,step,layer,den_min,nonpositive_share,tiny_share,grad_norm
-char_lm,favor-full,1,10,0,-3.0,0.75,0.25,2.0
-char_lm,favor-numerator_only,1,10,0,0.5,0,0,1.0
-"""
-CURVES = """task,variant,seed,step,train_loss,lr,grad_norm,clipped_so_far
-char_lm,softmax-rope,0,10,1.0,0.001,1.0,1
-char_lm,favor-full,1,10,2.0,0.001,1.0,5
+CURVES = IDS + """,step,train_loss,scheduled_lr,grad_norm,clipped_so_far
+""" + ids("softmax-rope", 0) + """,10,1.0,0.001,1.0,1
+""" + ids("favor-full", 1) + """,10,2.0,0.001,1.0,5
 """
 STEP_TIME = """variant,length,seconds,tokens_per_s,threads,repeats,load_average_before
 softmax-rope,256,1.0,256,2,3,0.1
@@ -41,25 +73,77 @@ elu-numerator_only,1024,2.0,512,2,3,0.1
 favor-numerator_only,256,0.5,512,2,3,0.1
 favor-numerator_only,1024,1.0,1024,2,3,0.1
 """
+DECODE = """variant,context,lr,position,seconds_per_token,cache_bytes
+softmax-rope,8,0.01,32,0.001,1024
+softmax-rope,8,0.01,64,0.002,2048
+favor-numerator_only,8,0.01,32,0.001,512
+favor-numerator_only,8,0.01,64,0.001,512
+"""
+SAMPLES = [dict(variant="softmax-rope", context=8, lr=0.01, seed=0, prompt="It is",
+                temperature=0.8, text="It is a | b")]
 
 
 @pytest.fixture
 def out(tmp_path):
     for name, text in (("runs", RUNS), ("evaluations", EVALUATIONS), ("layers", LAYERS),
-                       ("curves", CURVES), ("step_time", STEP_TIME)):
+                       ("curves", CURVES), ("step_time", STEP_TIME), ("decode", DECODE)):
         (tmp_path / (name + ".csv")).write_text(text)
+    (tmp_path / "samples.json").write_text(json.dumps(SAMPLES))
     return tmp_path
 
 
 def test_summary_means_ranges_and_divergence(out):
-    s = report.summarise(str(out))["char_lm"]
-    assert s["softmax-rope"]["final_bpc"] == dict(mean=pytest.approx(2.1), min=2.0, max=2.2, n=2)
-    assert s["softmax-rope"]["extrapolation"]["32"]["mean"] == 4.0
-    assert s["softmax-rope"]["tokens_per_s"]["mean"] == 2000
-    full = s["favor-full"]
-    assert (full["diverged"], full["diverged_steps"], full["final_bpc"]["n"]) == (1, [5], 1)
-    assert full["layers"]["0"]["den_min"] == -7.0  # the smallest over seeds
-    assert full["layers"]["0"]["nonpositive_share"]["mean"] == 0.5
+    """Per context, each variant's cell at its grid's best rate (a diverged run never best),
+    with mean, range and per-seed values; the grid's first-seed bpc per rate; redrawn cells
+    apart; MQAR cells named by their features."""
+    char_lm = report.summarise(str(out))["char_lm"]
+    s = char_lm["8"]
+    assert s["best_lr"] == {"softmax-rope": 0.01, "favor-numerator_only": 0.01,
+                            "favor-full": 0.001}
+    assert s["grid"]["softmax-rope"] == {"0.001": 2.3, "0.01": 2.0}
+    assert s["grid"]["favor-full"] == {"0.001": 3.5, "0.01": None}
+    cells = s["cells"]
+    assert cells["softmax-rope"]["final_bpc"] == dict(mean=pytest.approx(2.1), min=2.0, max=2.2,
+                                                      n=2)
+    assert cells["softmax-rope"]["final_bpc_per_seed"] == {"0": 2.0, "1": 2.2}
+    assert cells["softmax-rope"]["extrapolation"]["32"]["mean"] == 4.0
+    assert cells["softmax-rope"]["tokens_per_s"]["mean"] == 2000
+    assert cells["favor-full"]["lr"] == 0.001 and cells["favor-full"]["seeds"] == 1
+    assert s["redrawn"]["favor-numerator_only"]["final_bpc_per_seed"] == {"0": 2.4, "1": 2.75}
+    assert list(char_lm["16"]["cells"]) == ["softmax-rope", "favor-numerator_only"]
+    mqar = report.summarise(str(out))["mqar"]
+    assert list(mqar) == ["favor-numerator_only", "favor-numerator_only-m4x"]
+    assert mqar["favor-numerator_only-m4x"]["accuracy"]["64/4"]["mean"] == 0.75
+
+
+def test_divergence_and_denominators_of_a_cell(out):
+    """Every rate of a grid diverged: the smallest is its "best"; the cell counts the divergence
+    and its step, and keeps the smallest denominator over its seeds."""
+    (out / "runs.csv").write_text(RUNS.replace(ids("favor-full", 0, 0.001) + ",complete,10,,",
+                                               ids("favor-full", 0, 0.001) + ",diverged,6,7,"))
+    (out / "evaluations.csv").write_text("".join(  # a diverged run has no final evaluation
+        line for line in EVALUATIONS.splitlines(True)
+        if not line.startswith(ids("favor-full", 0, 0.001) + ",")))
+    s = report.summarise(str(out))["char_lm"]["8"]
+    assert s["best_lr"]["favor-full"] == 0.001
+    assert s["grid"]["favor-full"] == {"0.001": None, "0.01": None}
+    full = s["cells"]["favor-full"]
+    assert (full["diverged"], full["diverged_steps"], full["final_bpc"]["n"]) == (1, [7], 0)
+    assert full["layers"]["0"]["den_min"] == -1.0
+
+
+def test_paired_comparison_words():
+    a = dict(final_bpc_per_seed={"0": 2.5, "1": 2.7}, final_bpc=dict(mean=2.6, min=2.5, max=2.7,
+                                                                     n=2))
+    b = dict(final_bpc_per_seed={"0": 2.0, "1": 2.2, "2": 9.0},
+             final_bpc=dict(mean=2.1, min=2.0, max=2.2, n=2))
+    assert report.compare(a, b) == "+0.500 (per seed +0.500, +0.500; beyond the seed ranges)"
+    b["final_bpc_per_seed"] = {"0": 2.6, "1": 2.2}
+    b["final_bpc"] = dict(mean=2.4, min=2.2, max=2.6, n=2)
+    assert report.compare(a, b) == ("+0.200 (per seed -0.100, +0.500; within the seed ranges, "
+                                    "the sign changes between seeds)")
+    assert report.compare(a, dict(b, final_bpc_per_seed={"0": None, "1": None})).startswith(
+        "not comparable")
 
 
 def test_crossover_interpolates_on_log_length():
@@ -85,15 +169,29 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
     assert md.startswith("## Training: numerator-only against full normalisation\n")
     assert "commit 0123456789ab" in md and "10 min" in md
     assert "(2 cores; 2 runs at once, 1 thread each)" in md
-    assert "| softmax, RoPE | 2.100 (2.000-2.200, 2 seeds) |" in md
-    assert "FAVOR+: full diverged in 1 of 2 seeds (at step 5)" in md
-    assert "ended +0.900 bpc from numerator_only" in md  # 3.5 - 2.6
+    assert "### Character-level a test text, context 8" in md
+    assert "| softmax, RoPE | 0.01 | 2.100 (2.000-2.200, 2 seeds) | - |" in md
+    assert ("| favor+, numerator_only | 0.01 | 2.600 (2.500-2.700, 2 seeds) | +0.500 (per seed "
+            "+0.500, +0.500; beyond the seed ranges) |") in md
+    assert "picked: softmax, RoPE 0.01, favor+, numerator_only 0.01, favor+, full 0.001" in md
+    assert "Diverged in the grid: favor+, full at 0.01" in md
+    assert ("FAVOR+: full never diverged, ended +1.000 (one seed, so of unknown significance) "
+            "bpc from numerator_only") in md
+    assert ("redrawn every 5 steps 2.575 (2.400-2.750, 2 seeds), -0.025 (per seed -0.100, "
+            "+0.050; within the seed ranges, the sign changes between seeds)") in md
+    assert "from 8 to 16: favor+, numerator_only +0.500 -> -0.100" in md
+    assert "with 4x the features against 2x: +0.250 at (64, 4), +0.250 at (128, 8)" in md
+    assert "softmax, RoPE (trained at 8): 1.00 ms per token at position 32, 2.00 ms at 64" in md
+    assert "| softmax, RoPE | It is a \\| b |" in md
     assert "elu+1, numerator_only from n = 512" in md
     assert "favor+, numerator_only already at n = 256" in md
-    for name in ("char_lm_curves.png", "char_lm_extrapolation.png", "denominators.png",
-                 "step_time.png"):
+    for name in ("char_lm_curves_8.png", "char_lm_curves_16.png", "lr_sensitivity_8.png",
+                 "char_lm_extrapolation_8.png", "denominators.png", "mqar_accuracy.png",
+                 "step_time.png", "decoding.png"):
         assert (out / name).stat().st_size > 1000, name
         assert "training/" + name in md
+    assert "a test text" in md.split("lr_sensitivity_8.png")[1].split("\n\n")[1]  # caption
+    assert not (out / "lr_sensitivity_16.png").exists()  # one rate there: no grid
     assert not math.isnan(json.loads((out / "summary.json").read_text())["step_time"]
                           ["crossover"]["elu-numerator_only"])
 
