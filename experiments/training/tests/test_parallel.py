@@ -247,6 +247,40 @@ def reference(result, text):
     return run
 
 
+def assert_records_match(key, result, run):
+    """A multi-process run's saved result against `run`, the single process's on the same
+    global batch: the same steps, statuses and clip counts; losses, gradient norms, denominator
+    minima and evaluations equal to float32 rounding (close); the denominator counts exactly
+    (summed over the ranks; numerator_only's denominators are positive and far from the 1e-3
+    threshold). Returns the worst relative loss difference."""
+    records = result["records"]
+    assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 12
+    assert len(records["curves"]) == len(run.records["curves"]) == 12
+    worst = 0.0
+    for got, want in zip(records["curves"], run.records["curves"]):
+        assert got["step"] == want["step"] and got["scheduled_lr"] == want["scheduled_lr"]
+        assert got["clipped_so_far"] == want["clipped_so_far"]
+        assert close(got["train_loss"], want["train_loss"]), (key, got, want)
+        assert close(got["grad_norm"], want["grad_norm"]), (key, got, want)
+        worst = max(worst, abs(got["train_loss"] - want["train_loss"]) / want["train_loss"])
+    assert len(records["layers"]) == len(run.records["layers"])
+    for got, want in zip(records["layers"], run.records["layers"]):
+        assert (got["step"], got["layer"]) == (want["step"], want["layer"])
+        for name in ("den_min", "grad_norm"):
+            assert close(got[name], want[name]), (key, name, got, want)
+        for name in ("nonpositive_share", "tiny_share"):
+            assert got[name] == want[name], (key, name, got, want)
+    evaluations = [(e["step"], e["length"], e["pairs"]) for e in records["evaluations"]]
+    assert evaluations == [(e["step"], e["length"], e["pairs"])
+                           for e in run.records["evaluations"]]
+    for got, want in zip(records["evaluations"], run.records["evaluations"]):
+        if got["metric"] == "bpc":
+            assert close(got["value"], want["value"])
+        else:  # accuracy: a share of 16 x pairs queries, which rounding can tip by one
+            assert abs(got["value"] - want["value"]) <= 1 / (16 * got["pairs"])
+    return worst
+
+
 def test_two_processes_give_the_single_process_curve(two_ranks):
     """Both tasks: the same steps, statuses and clip counts as one process training the same
     global batch; losses, gradient norms, learning rates, denominator statistics and rank 0's
@@ -254,35 +288,8 @@ def test_two_processes_give_the_single_process_curve(two_ranks):
     printed (pytest -s) for the record."""
     assert sorted(two_ranks["results"]) == [run_key("char_lm"), run_key("mqar")]
     for key, result in two_ranks["results"].items():
-        run = reference(result, two_ranks["text"])
-        records = result["records"]
-        assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 12
-        assert len(records["curves"]) == len(run.records["curves"]) == 12
-        worst = 0.0
-        for got, want in zip(records["curves"], run.records["curves"]):
-            assert got["step"] == want["step"] and got["scheduled_lr"] == want["scheduled_lr"]
-            assert got["clipped_so_far"] == want["clipped_so_far"]
-            assert close(got["train_loss"], want["train_loss"]), (key, got, want)
-            assert close(got["grad_norm"], want["grad_norm"]), (key, got, want)
-            worst = max(worst, abs(got["train_loss"] - want["train_loss"]) / want["train_loss"])
+        worst = assert_records_match(key, result, reference(result, two_ranks["text"]))
         print("%s: largest relative loss difference, 2 processes against 1: %.2e" % (key, worst))
-        assert len(records["layers"]) == len(run.records["layers"])
-        for got, want in zip(records["layers"], run.records["layers"]):
-            assert (got["step"], got["layer"]) == (want["step"], want["layer"])
-            for name in ("den_min", "grad_norm"):
-                assert close(got[name], want[name]), (key, name, got, want)
-            # Counts over the whole batch, summed over the ranks: exact (numerator_only's
-            # denominators are positive and far from the 1e-3 threshold).
-            for name in ("nonpositive_share", "tiny_share"):
-                assert got[name] == want[name], (key, name, got, want)
-        evaluations = [(e["step"], e["length"], e["pairs"]) for e in records["evaluations"]]
-        assert evaluations == [(e["step"], e["length"], e["pairs"])
-                               for e in run.records["evaluations"]]
-        for got, want in zip(records["evaluations"], run.records["evaluations"]):
-            if got["metric"] == "bpc":
-                assert close(got["value"], want["value"])
-            else:  # accuracy: a share of 16 x pairs queries, which rounding can tip by one
-                assert abs(got["value"] - want["value"]) <= 1 / (16 * got["pairs"])
 
 
 def test_each_rank_computes_its_share_of_every_batch(two_ranks):

@@ -21,7 +21,8 @@ from training.model import Decoder
 from training.parallel import Ranks
 from training.train import Run
 
-from test_parallel import HERE, as_config, close, lines, reference, torchrun
+from test_parallel import (HERE, as_config, assert_records_match, close, lines, reference,
+                           torchrun)
 
 TORCHRUN_ENVIRONMENT = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 
@@ -241,32 +242,10 @@ def test_two_processes_give_the_single_process_curve(sequence_ranks):
     assert sorted(sequence_ranks["results"]) == KEYS
     for key, result in sequence_ranks["results"].items():
         run = reference(result, sequence_ranks["text"])
-        records = result["records"]
-        assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 12
-        assert len(records["curves"]) == len(run.records["curves"]) == 12
-        worst = 0.0
-        for got, want in zip(records["curves"], run.records["curves"]):
-            assert got["step"] == want["step"] and got["scheduled_lr"] == want["scheduled_lr"]
-            assert got["clipped_so_far"] == want["clipped_so_far"]
-            assert close(got["train_loss"], want["train_loss"]), (key, got, want)
-            assert close(got["grad_norm"], want["grad_norm"]), (key, got, want)
-            worst = max(worst, abs(got["train_loss"] - want["train_loss"]) / want["train_loss"])
+        assert len(run.records["layers"]) == 2 * 12  # 2 layers
+        worst = assert_records_match(key, result, run)
         print("%s: largest relative loss difference, 2 processes (sequence parallel) against 1: "
               "%.2e" % (key, worst))
-        assert len(records["layers"]) == len(run.records["layers"]) == 2 * 12
-        for got, want in zip(records["layers"], run.records["layers"]):
-            assert (got["step"], got["layer"]) == (want["step"], want["layer"])
-            for name in ("den_min", "grad_norm"):
-                assert close(got[name], want[name]), (key, name, got, want)
-            for name in ("nonpositive_share", "tiny_share"):
-                assert got[name] == want[name], (key, name, got, want)
-        assert [(e["step"], e["length"], e["pairs"]) for e in records["evaluations"]] == \
-            [(e["step"], e["length"], e["pairs"]) for e in run.records["evaluations"]]
-        for got, want in zip(records["evaluations"], run.records["evaluations"]):
-            if got["metric"] == "bpc":
-                assert close(got["value"], want["value"])
-            else:  # accuracy: a share of 16 x pairs queries, which rounding can tip by one
-                assert abs(got["value"] - want["value"]) <= 1 / (16 * got["pairs"])
 
 
 def test_each_rank_computes_its_slice_of_every_sequence(sequence_ranks):
