@@ -125,7 +125,7 @@ def plot(out, summary, corpus):
                 ax.minorticks_off()
                 ax.set_title(label)
                 ax.set_xlabel("peak learning rate")
-                ax.legend(fontsize=6)
+                ax.legend(fontsize=5, loc="best", framealpha=0.5)
             axes[0][0].set_ylabel("final validation bpc")
             save(fig, "lr_sensitivity_%d.png" % context, "Learning-rate sensitivity, "
                  "character-level %s, context %d: final validation bpc of the grid's seed at "

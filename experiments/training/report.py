@@ -175,15 +175,15 @@ def _long_context(char_lm):
     short, long = char_lm[contexts[0]]["cells"], char_lm[contexts[-1]]["cells"]
     changes = []
     for label, prefix in FAMILIES:
-        a, b = _ranked(short, prefix), _ranked(long, prefix)
-        b_in_a = [v for v in a if v in b]
-        if len(b) >= 2 and b_in_a:
-            order = [v for v in b]
-            changed = [v for v in order if v in b_in_a][:1] != b_in_a[:1]
-            changes.append("%s: %s at %s against %s at %s%s" % (
-                label, " < ".join(_placement(v) for v in order), contexts[-1],
-                " < ".join(_placement(v) for v in b_in_a), contexts[0],
-                " -- **the order changes**" if changed else ""))
+        at_long = _ranked(long, prefix)
+        at_short = [v for v in _ranked(short, prefix) if v in at_long]
+        if len(at_long) >= 2:
+            changes.append("%s: %s at %s (at %s: %s)%s" % (
+                label, ", ".join(_placement(v) for v in at_long), contexts[-1], contexts[0],
+                ", ".join(_placement(v) for v in at_short),
+                " -- **the order changes**" if at_long != at_short else ""))
+        elif at_long:
+            changes.append("%s: %s alone at %s" % (label, _placement(at_long[0]), contexts[-1]))
     ref_s, ref_l = short.get("softmax-rope"), long.get("softmax-rope")
     gaps = []
     if ref_s and ref_l:
@@ -192,7 +192,7 @@ def _long_context(char_lm):
                 gaps.append("%s %s -> %s" % (describe(v), compare(short[v], ref_s).split(" ")[0],
                                               compare(long[v], ref_l).split(" ")[0]))
     text = "**Long context** (%s against %s; the same tokens per step, the learning rate of %s): " \
-           "placements from best to worst, %s." % (
+           "the placements trained at both, best first: %s." % (
                contexts[-1], contexts[0], contexts[0], "; ".join(changes) or "n/a")
     if gaps:
         text += " The gap to softmax + RoPE (paired mean) from %s to %s: %s." % (
@@ -255,9 +255,9 @@ def _mqar(mq, meta):
             ", m = 4 x head dim" if name.endswith("-m4x") else "",
             floats if floats else "all keys and values", " | ".join(
                 fmt(s["accuracy"][k]) for k in settings), s["diverged"], s["seeds"]))
-    out = ["MQAR (Zoology's multi-query associative recall; the (length, pairs) settings "
-           "trained in turn, step by step), query accuracy on held-out sequences, mean over "
-           "seeds (range):\n\n" + "\n".join(lines)]
+    out = ["MQAR (Zoology's multi-query associative recall), its (length, pairs) settings "
+           "trained in turn, step by step: query accuracy on held-out sequences, mean over seeds "
+           "(range):\n\n" + "\n".join(lines)]
     words = []
     soft = mq.get("softmax-rope")
     if soft:

@@ -324,9 +324,9 @@ def test_only_rank_0_writes(two_ranks):
     writes = {w[1]: int(w[2].split("=")[1]) for w in lines(two_ranks["stdout"], "WRITES")}
     assert writes["rank=1"] == 0 and writes["rank=0"] > 10, writes
     out = two_ranks["out"]
-    assert sorted(os.listdir(out)) == ["checkpoints", "curves.csv", "evaluations.csv",
-                                       "layers.csv", "models", "runs", "runs.csv",
-                                       "training.json"]
+    assert sorted(os.listdir(out)) == ["checkpoints", "curves.csv", "decode.csv",
+                                       "evaluations.csv", "layers.csv", "models", "runs",
+                                       "runs.csv", "samples.json", "training.json"]
     assert os.listdir(os.path.join(out, "checkpoints")) == []
     # The char_lm runs' models (training.generate), from rank 0 like the rest.
     assert sorted(os.listdir(os.path.join(out, "models"))) == sorted(

@@ -371,6 +371,10 @@ def test_stages_follow_the_grid():
         "softmax-rope", "favor-numerator_only", "favor-full", "elu-before_map",
         "favor-before_map", "cos-full"]
     assert {(c.context, c.batch_size) for c in long} == {(1024, 4)}
+    # Chosen by the grid's seed alone: the other seeds' results, however good, change nothing.
+    later = fake_results(seeds, lambda c: 0.0 if c.variant == "favor-full" else 9.0)
+    assert plan.stage("long", results + later) == long
+    assert plan.stage("redraw", results + later) == redraw
     assert all(c.lr == best.get(c.variant, 1e-3) for c in long)
     keys = [c.key() for c in grid + seeds + redraw + long + plan.stage("mqar")]
     assert len(set(keys)) == len(keys)

@@ -143,7 +143,8 @@ def print_states():
             state.update(name.encode() + tensor.numpy().tobytes())
         key = run.config.key()
         print("STATE rank=%d key=%s %s" % (RANK, key, state.hexdigest()), flush=True)
-        print("INPUTS rank=%d key=%s %s" % (RANK, key, inputs[id(run.model)].hexdigest()),
+        # Popped: the next run's model may be allocated where this one was, with the same id.
+        print("INPUTS rank=%d key=%s %s" % (RANK, key, inputs.pop(id(run.model)).hexdigest()),
               flush=True)
         return summary
     model.Decoder.forward, train.Run.train = forward, trained
