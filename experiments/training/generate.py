@@ -13,7 +13,6 @@ caches hold, to a CSV (atomically)."""
 import argparse
 import csv
 import io
-import os
 import statistics
 import sys
 import time

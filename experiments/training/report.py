@@ -4,7 +4,6 @@ the report quotes, summary.py), the plots (plots.py) and the REPORT.md section, 
 written from summary.json. The training run itself (python3 -m training) writes only the CSVs and
 the JSON."""
 import json
-import math
 import os
 
 from analysis.common import write_json  # experiments/analysis
