@@ -228,17 +228,15 @@ def _redraws(lm):
         "; ".join(parts) + "."
 
 
-def _state_floats(name, meta):
-    """Floats of one head's attention state at inference (S and z): m (d_v + 1)."""
+def _state_floats(cell, meta):
+    """Floats of one head's linear attention state at inference (S and z): m (d_v + 1), m the
+    head dim for elu+1 and 1+cos, feature_factor x head dim for FAVOR+; None for softmax."""
+    spec = VARIANTS[cell["variant"]]
+    if spec["attention"] == "softmax":
+        return None
     model = meta.get("model", {})
     head = model.get("d_model", 64) // model.get("heads", 2)
-    spec = VARIANTS[name.split("-m")[0]] if name.split("-m")[0] in VARIANTS else None
-    if spec is None or spec["attention"] == "softmax":
-        return None
-    m = head
-    if spec["feature_map"] == "favor+":
-        m = (int(name.rsplit("-m", 1)[1][:-1]) if "-m" in name and name.endswith("x") else 2) * \
-            head
+    m = cell["feature_factor"] * head if spec["feature_map"] == "favor+" else head
     return m * (head + 1)
 
 
@@ -248,10 +246,10 @@ def _mqar(mq, meta):
         "length %s, %s pairs" % tuple(s.split("/")) for s in settings) + " | diverged |",
         "|---|---|" + "---|" * (len(settings) + 1)]
     for name, s in mq.items():
-        floats = _state_floats(name, meta)
+        floats = _state_floats(s, meta)
+        more = s["feature_factor"] != 2 and VARIANTS[s["variant"]].get("feature_map") == "favor+"
         lines.append("| %s%s | %s | %s | %d of %d |" % (
-            describe(name.split("-m4x")[0]) if name.split("-m4x")[0] in VARIANTS else name,
-            ", m = 4 x head dim" if name.endswith("-m4x") else "",
+            describe(s["variant"]), ", m = %d x head dim" % s["feature_factor"] if more else "",
             floats if floats else "all keys and values", " | ".join(
                 fmt(s["accuracy"][k]) for k in settings), s["diverged"], s["seeds"]))
     out = ["MQAR (Zoology's multi-query associative recall), its (length, pairs) settings "
@@ -271,12 +269,12 @@ def _mqar(mq, meta):
         words.append("the best linear cell, %s, %s" % (best, ", ".join(
             "%.3f at (%s)" % (mq[best]["accuracy"][k]["mean"], k.replace("/", ", "))
             for k in settings)))
-    for name in [n for n in mq if n.endswith("-m4x")]:
-        base = mq.get(name[:-len("-m4x")])
-        if base:
-            words.append("%s with 4x the features against 2x: %s" % (
-                name[:-len("-m4x")], ", ".join("%+.3f at (%s)" % (
-                    mq[name]["accuracy"][k]["mean"] - base["accuracy"][k]["mean"],
+    for name, s in mq.items():
+        base = mq.get(s["variant"])  # the same variant at the default features
+        if base is not None and base is not s:
+            words.append("%s with %dx the features against 2x: %s" % (
+                s["variant"], s["feature_factor"], ", ".join("%+.3f at (%s)" % (
+                    s["accuracy"][k]["mean"] - base["accuracy"][k]["mean"],
                     k.replace("/", ", ")) for k in settings)))
     out.append("**Recall.** " + "; ".join(words) + ". Guessing among the sequence's values "
                "would score 1/pairs.")

@@ -160,9 +160,10 @@ def summarise(out):
                                      cells=cells, redrawn=redrawn)
     if char_lm:
         summary["char_lm"] = char_lm
-    mqar = {cell_name(k[2], k[3]): cell(k) for k in sorted(
-        (k for k in by_cell if k[0] == "mqar"),
-        key=lambda k: (list(VARIANTS).index(k[2]), k[3], k[5]))}
+    mqar_keys = sorted((k for k in by_cell if k[0] == "mqar"),
+                       key=lambda k: (list(VARIANTS).index(k[2]), k[3], k[5]))
+    mqar = {cell_name(k[2], k[3]): dict(cell(k), variant=k[2], feature_factor=k[3])
+            for k in mqar_keys}
     if mqar:
         summary["mqar"] = mqar
     if steps:
