@@ -84,6 +84,13 @@ def test_isa_check_names_what_the_cpu_lacks(tmp_path, monkeypatch):
     _isa.check(required, True, str(tmp_path / "no-such-file"))
 
 
+def test_lzcnt_counts_as_present_with_bmi2():
+    # "abm" (LZCNT) is left out of /proc/cpuinfo by some guests whose CPUID has it; BMI2 implies it.
+    assert _isa.missing(("bmi2", "abm"), {"bmi1", "bmi2"}) == []
+    assert _isa.missing(("bmi1", "abm"), {"bmi1"}) == ["abm"]
+    assert _isa.missing(("abm",), {"abm"}) == []
+
+
 @pytest.mark.skipif(_isa.cpu_flags() is None, reason="no /proc/cpuinfo to check against")
 def test_a_build_for_a_missing_isa_refuses_to_import(tmp_path):
     # A copy of the package whose record claims an instruction set no CPU has: the import must
