@@ -1,14 +1,15 @@
 #!/usr/bin/python3
 """linrope.torch against plain PyTorch: the layer's forward + backward, and the binding's overhead.
+A benchmark only: python/tests/test_against_pytorch.py checks that the PyTorch layer timed here
+is linrope's layer (the same projections and heads) around attention that agrees with the float64
+reference.
 
-1. Agreement (n = 200): linrope.torch.MultiheadAttention (batch 1, embed_dim 512, 8 heads of 64,
-   float32, causal, rope=False) against the same layer in plain PyTorch (its four nn.Linear
-   copied) around attention written as bench/compare_pytorch.py writes it: "favor+ causal",
-   FAVOR+ features with the linrope layer's W (feature_map.projection), then chunked causal
-   linear attention (chunks of 64, out = num / (den + 1e-6)); "softmax causal", (q / sqrt(64)) @
-   k^T, triu-masked, softmax, @ v. Output, dx and d q_proj.weight (L = sum(layer(x) * d_out)) must
-   agree to max|linrope - torch| / max|torch| < 1e-3, else exit 1.
-2. Forward + backward, n in --sizes: x [1, n, 512] requiring grad, grads reset (set_to_none),
+1. Forward + backward, n in --sizes: linrope.torch.MultiheadAttention (batch 1, embed_dim 512,
+   8 heads of 64, float32, causal, rope=False) against the same layer in plain PyTorch
+   (bench/torch_side.py's torch_layer: its four nn.Linear copied) around torch_side's competitors
+   "favor/chunked" (FAVOR+ features with the linrope layer's W, feature_map.projection, then
+   chunked causal linear attention, chunks of 64) and "softmax/causal" ((q / sqrt(64)) @ k^T,
+   triu-masked, softmax, @ v). x [1, n, 512] requiring grad, grads reset (set_to_none),
    (layer(x) * d_out).sum().backward(); median of --repetitions calls (<= 3 at n >= 16384) after a
    warm-up. Speed-up = PyTorch / linrope. Also: linrope's favor+ numerator_only (RoFormer eq. 19,
    which PyTorch lacks) and the projections alone (attention = identity on v: PyTorch's time in
@@ -16,7 +17,7 @@
    skipped when the previous n predicts > 60 s per call, a PyTorch case also when its memory
    (autograd keeps ~10x the n x n scores of all heads for softmax, 11-12x the chunked form's
    blocks, 13x taken) exceeds --max-gb.
-3. Binding overhead at n = 256: linrope.torch.linear_attention (FAVOR+ causal, m = 256, placement
+2. Binding overhead at n = 256: linrope.torch.linear_attention (FAVOR+ causal, m = 256, placement
    numerator_only with a Rope(256) on the features, and none) and softmax_attention (causal) on
    q, k, v [1, 8, 256, 64] requiring grad, then out.backward(d_out), --overhead-calls times.
    linrope._core._kernel_seconds() (time inside the C++ kernels) is read around the loop:
@@ -31,19 +32,17 @@ build/release/python.
   PYTHONPATH=build/release/python /usr/bin/python3 bench/bench_torch_layer.py --sizes 1024,4096
 """
 import argparse
-import copy
 import json
 import os
 import sys
 import time
 
-from torch_side import (CHUNK, linear_causal_chunked, loaded_blas, phi_favor,
-                        reexec_with_tunables, torch_softmax)
+from torch_side import BY_KEY, CHUNK, loaded_blas, reexec_with_tunables, torch_layer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBED, HEADS, FEATURES = 512, 8, 256
 HEAD_DIM = EMBED // HEADS
-CHECK_N, TOLERANCE, OVERHEAD_N, WARM_UP = 200, 1e-3, 256, 20
+OVERHEAD_N, WARM_UP = 256, 20
 PROJECTIONS = "projections alone"
 
 
@@ -63,7 +62,7 @@ def parse_args():
     parser.add_argument("--repetitions", type=int, default=5,
                         help="timed calls per case (the median; at most 3 at n >= 16384)")
     parser.add_argument("--overhead-calls", type=int, default=200)
-    parser.add_argument("--skip-layer", action="store_true", help="no agreement, no layer table")
+    parser.add_argument("--skip-layer", action="store_true", help="no layer table")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--json", help="write every result here")
     return parser.parse_args()
@@ -73,7 +72,6 @@ args = parse_args()
 reexec_with_tunables()
 
 import torch  # noqa: E402  (after the re-exec: glibc reads its tunables at start-up)
-from torch import nn  # noqa: E402
 
 sys.path.append(os.path.join(ROOT, "build", "release", "python"))  # after PYTHONPATH's
 try:
@@ -93,24 +91,7 @@ def load_average():
 
 
 # ---------------------------------------------------------------------------------------------
-# The plain-PyTorch layer: attention as bench/torch_side.py writes it (shared with
-# compare_pytorch.py). [B, H, n, d]; features [.., m].
-
-class TorchLayer(nn.Module):
-    """The linrope layer's four projections (copies) around attention(q, k, v) in PyTorch."""
-
-    def __init__(self, reference, attention):
-        super().__init__()
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            setattr(self, name, copy.deepcopy(getattr(reference, name)))
-        self.attention = attention
-
-    def forward(self, x):
-        b, n, e = x.shape
-        q, k, v = (p(x).view(b, n, HEADS, HEAD_DIM).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.out_proj(self.attention(q, k, v).transpose(1, 2).reshape(b, n, e))
-
+# The layers: linrope's, and the same in plain PyTorch around bench/torch_side.py's attention.
 
 def layer_cases():
     """(case, linrope layer or None, PyTorch layer or None, PyTorch's bytes at n)."""
@@ -122,14 +103,14 @@ def layer_cases():
     softmax = mha(EMBED, HEADS, attention="softmax", causal=True, rope=False)
     eq19 = mha(EMBED, HEADS, attention="linear", causal=True, feature_map="favor+",
                num_features=FEATURES, placement="numerator_only", rope=True)
+    favor_chunked, softmax_causal = BY_KEY["favor/chunked"], BY_KEY["softmax/causal"]
     return [
-        ("favor+ causal", favor, TorchLayer(
-            favor, lambda q, k, v: linear_causal_chunked(phi_favor(q, w), phi_favor(k, w), v)),
+        ("favor+ causal", favor, torch_layer(favor, lambda q, k, v: favor_chunked(q, k, v, w)),
          lambda n: 13 * HEADS * n * (CHUNK + 2 * FEATURES) * 4),
-        ("softmax causal", softmax, TorchLayer(softmax, lambda q, k, v: torch_softmax(q, k, v, True)),
+        ("softmax causal", softmax, torch_layer(softmax, softmax_causal),
          lambda n: 10 * HEADS * n * n * 4 + n * n),
         ("favor+ numerator_only causal", eq19, None, None),
-        (PROJECTIONS, None, TorchLayer(favor, lambda q, k, v: v), lambda n: 0)]
+        (PROJECTIONS, None, torch_layer(favor, lambda q, k, v: v), lambda n: 0)]
 
 
 def step(layer, x, d_out):
@@ -139,33 +120,6 @@ def step(layer, x, d_out):
     out = layer(x)
     (out * d_out).sum().backward()
     return out
-
-
-def check_agreement(cases):
-    say(f"## Agreement (n = {CHECK_N}; max|linrope - torch| / max|torch|; a failure is "
-        f"> {TOLERANCE:g})\n\n| case | output | dx | d q_proj.weight |\n|---|---|---|---|")
-    gen = torch.Generator().manual_seed(1)
-    x0, d_out = (torch.randn(1, CHECK_N, EMBED, generator=gen) for _ in range(2))
-    results, failures = {}, []
-    for case, ours, theirs, _ in cases:
-        if ours is None or theirs is None:
-            continue
-        seen = []
-        for layer in (ours, theirs):
-            x = x0.clone().requires_grad_()
-            out = step(layer, x, d_out)
-            seen.append((out.detach(), x.grad, layer.q_proj.weight.grad))
-        diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(*seen)]
-        results[case] = dict(zip(("output", "dx", "dq_proj_weight"), diffs))
-        if max(diffs) > TOLERANCE:
-            failures.append(case)
-        say(f"| {case} | " + " | ".join(f"{d:.2e}" for d in diffs) + " |"
-            + ("  **FAILED**" if max(diffs) > TOLERANCE else ""))
-    if failures:
-        say(f"\nAGREEMENT CHECK FAILED (> {TOLERANCE:g}): {'; '.join(failures)}")
-        sys.exit(1)
-    say("")
-    return results
 
 
 def medians_ms(calls, reps):
@@ -307,9 +261,7 @@ def main():
     results = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args),
                "torch": torch.__version__, "blas": blas, "load_average_start": os.getloadavg()}
     if not args.skip_layer:
-        cases = layer_cases()
-        results["agreement"] = check_agreement(cases)
-        results["layer"] = layer_table(cases)
+        results["layer"] = layer_table(layer_cases())
     if not args.skip_overhead:
         results["overhead"] = overhead_table()
     results["load_average_end"] = os.getloadavg()

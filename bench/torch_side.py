@@ -1,14 +1,18 @@
-"""What bench/compare_pytorch.py and bench/bench_torch_layer.py share: the environment PyTorch
-runs best in, and attention written the way a PyTorch user would write it ([B, H, n, d] tensors,
-features [B, H, n, m]).
+"""The PyTorch competitor that bench/compare_pytorch.py and bench/bench_torch_layer.py time:
+attention written the way a PyTorch user would write it ([B, H, n, d] tensors, features
+[B, H, n, m]), one Competitor record per computation, the layer around it, and the environment
+PyTorch runs best in. python/tests/test_against_pytorch.py checks every entry of COMPETITORS
+against the float64 reference (python/tests/reference.py), so that a benchmark times the function
+its name says; the benchmarks themselves check nothing.
 
-Import order matters: call reexec_with_tunables() before importing this module's torch users'
-torch, because glibc reads GLIBC_TUNABLES at start-up (compare_pytorch.py's docstring says why
-they are set).
+torch is imported inside the functions: a script re-executes itself with GLIBC_TUNABLES
+(reexec_with_tunables) first, and an import of torch before that would be paid twice.
 """
+import copy
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 EPS = 1e-6  # out = num / (den + eps), as linrope's default
@@ -16,7 +20,9 @@ CHUNK = 64  # the chunk of the chunked causal form
 
 
 def reexec_with_tunables():
-    """Re-executes this script with TUNABLES added to GLIBC_TUNABLES, unless they are there."""
+    """Re-executes this script with TUNABLES added to GLIBC_TUNABLES, unless they are there:
+    without them glibc returns every large temporary to the kernel and PyTorch page-faults it
+    afresh on the next call (compare_pytorch.py's docstring gives the figures)."""
     current = os.environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.mmap_max=0" in current and "glibc.malloc.trim_threshold" in current:
         return
@@ -33,6 +39,8 @@ def loaded_blas():
         return sorted({line.split()[-1] for line in maps if "blas" in line.lower() and "/" in line})
 
 
+# ---- Attention -------------------------------------------------------------------------------
+
 def torch_softmax(q, k, v, causal):
     """(q / sqrt(d)) @ k^T, masked_fill with a triu mask when causal, softmax, @ v."""
     import torch
@@ -43,11 +51,35 @@ def torch_softmax(q, k, v, causal):
     return torch.softmax(s, dim=-1) @ v
 
 
+def phi_elu(x):
+    """elu+1 features: F.elu(x) + 1."""
+    import torch
+    return torch.nn.functional.elu(x) + 1
+
+
 def phi_favor(x, w):
-    """FAVOR+ features exp(x' W^T - |x'|^2 / 2) / sqrt(m), x' = x d^-1/4."""
+    """FAVOR+ features exp(x' W^T - |x'|^2 / 2) / sqrt(m), x' = x d^-1/4, W [m x d]."""
     import torch
     xp = x * x.shape[-1] ** -0.25
     return torch.exp(xp @ w.t() - (xp * xp).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
+
+
+def linear_noncausal(fq, fk, v):
+    """einsum: S = phi(k)^T v, z = sum_j phi(k_j), out = phi(q) S / (phi(q) z + eps)."""
+    import torch
+    s = torch.einsum("bhnm,bhnd->bhmd", fk, v)
+    num = torch.einsum("bhnm,bhmd->bhnd", fq, s)
+    den = torch.einsum("bhnm,bhm->bhn", fq, fk.sum(-2))
+    return num / (den.unsqueeze(-1) + EPS)
+
+
+def linear_causal_cumsum(fq, fk, v):
+    """The prefix-sum form: cumsum over n of phi(k_j) v_j^T, O(n m d_v) memory."""
+    import torch
+    s = torch.einsum("bhnm,bhnd->bhnmd", fk, v).cumsum_(2)  # [B,H,n,m,d_v]: every prefix
+    num = torch.einsum("bhnm,bhnmd->bhnd", fq, s)
+    den = (fq * fk.cumsum(2)).sum(-1)
+    return num / (den.unsqueeze(-1) + EPS)
 
 
 def linear_causal_chunked(fq, fk, v, chunk=CHUNK):
@@ -72,3 +104,60 @@ def linear_causal_chunked(fq, fk, v, chunk=CHUNK):
     den = (qc * z.unsqueeze(3)).sum(-1) + scores.sum(-1)
     out = num / (den.unsqueeze(-1) + EPS)
     return out.reshape(b, h, c * chunk, dv)[:, :, :n]
+
+
+LINEAR_FORMS = {"einsum": linear_noncausal, "cumsum": linear_causal_cumsum,
+                "chunked": linear_causal_chunked}
+SHORT_NAMES = {"softmax": "softmax", "elu+1": "elu", "favor+": "favor"}
+
+
+@dataclass(frozen=True)
+class Competitor:
+    """One PyTorch computation: softmax or linear attention (attention: "softmax", or the feature
+    map, "elu+1" or "favor+", by linrope's and the reference's names), causal or not, in one form
+    ("matmul" for softmax; "einsum" non-causal, "cumsum" or "chunked" causal for linear)."""
+    attention: str
+    causal: bool
+    form: str
+
+    @property
+    def key(self):
+        """The benchmark tables' name: softmax/causal, elu/noncausal, favor/chunked, ..."""
+        how = self.form if self.form in ("cumsum", "chunked") else (
+            "causal" if self.causal else "noncausal")
+        return f"{SHORT_NAMES[self.attention]}/{how}"
+
+    def __call__(self, q, k, v, w=None):
+        """The attention of q, k, v; w: FAVOR+'s W [m x d] (unused otherwise)."""
+        if self.attention == "softmax":
+            return torch_softmax(q, k, v, self.causal)
+        phi = phi_elu if self.attention == "elu+1" else (lambda x: phi_favor(x, w))
+        return LINEAR_FORMS[self.form](phi(q), phi(k), v)
+
+
+COMPETITORS = (
+    Competitor("softmax", False, "matmul"), Competitor("softmax", True, "matmul"),
+    *(Competitor(kind, causal, form) for kind in ("elu+1", "favor+")
+      for causal, form in ((False, "einsum"), (True, "cumsum"), (True, "chunked"))))
+BY_KEY = {c.key: c for c in COMPETITORS}
+
+
+def torch_layer(reference, attention):
+    """The layer in plain PyTorch: copies of `reference`'s four projections (a
+    linrope.torch.MultiheadAttention) around attention(q, k, v) on [B, H, n, head_dim]."""
+    from torch import nn
+
+    class TorchLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                setattr(self, name, copy.deepcopy(getattr(reference, name)))
+            self.heads, self.head_dim = reference.num_heads, reference.head_dim
+
+        def forward(self, x):
+            b, n, e = x.shape
+            q, k, v = (p(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+            return self.out_proj(attention(q, k, v).transpose(1, 2).reshape(b, n, e))
+
+    return TorchLayer()
