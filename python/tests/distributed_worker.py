@@ -111,19 +111,22 @@ def run_layer(rank, world):
 
 def bad_input(rank, world):
     """Rank 1 passes 3 heads where the others pass 2, then (a second call) values of width 4
-    where the others pass 3: every rank must raise the same error for each. The messages, in
-    order."""
+    where the others pass 3, then (a third) a NaN in v: every rank must raise the same error for
+    each. The (exception type, message) of each call, in order."""
     fm = linrope.FeatureMap("elu+1", 4)
-    messages = []
-    for heads, d_v in ((3 if rank == 1 else 2, 3), (2, 4 if rank == 1 else 3)):
+    raised = []
+    for heads, d_v, spoil in ((3 if rank == 1 else 2, 3, False), (2, 4 if rank == 1 else 3, False),
+                              (2, 3, rank == 1)):
         q = torch.randn(1, heads, 5, 4, dtype=torch.float64)
         v = torch.randn(1, heads, 5, d_v, dtype=torch.float64)
+        if spoil:
+            v[0, 1, 2, 0] = torch.nan
         try:
             ltd.linear_attention(q, q, v, fm, placement="none")
-            messages.append(None)
+            raised.append(None)
         except ValueError as e:
-            messages.append(str(e))
-    return messages
+            raised.append((type(e).__name__, str(e)))
+    return raised
 
 
 def main():

@@ -40,6 +40,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from linrope import NonFiniteError
 from linrope.torch import LinearState, _LINEAR, _STATS, linear_attention as _local_attention
 
 __all__ = ["linear_attention", "state_bytes"]
@@ -102,7 +103,7 @@ def _check_descriptions(rows):
             raise ValueError(f"{where}: q_lengths or k_lengths given, but a split sequence has "
                              f"no padding (each rank's slice is all tokens)")
         if not here["finite"]:
-            raise ValueError(f"{where}: q, k or v holds a non-finite value")
+            raise NonFiniteError(f"{where}: q, k or v holds a non-finite value")
         if here["q_offset"] != here["k_offset"]:
             raise ValueError(f"{where}: q_offset is {here['q_offset']} but k_offset is "
                              f"{here['k_offset']}; a split sequence's q and k are the same tokens")
