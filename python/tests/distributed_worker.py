@@ -129,6 +129,62 @@ def bad_input(rank, world):
     return raised
 
 
+class FailingBackward(torch.autograd.Function):
+    """The identity, whose backward raises when `fail` is set: a layer's backward failing on one
+    rank (out of memory, a bug) while the others' succeed."""
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise RuntimeError("injected failure in a layer's backward")
+        return grad, None
+
+
+def failed_backward(rank, world):
+    """Two sequence parallel layers, x -> first -> second -> loss, and a backward that raises on
+    rank 1 (FailingBackward) above both layers ("above"), between them ("between") or nowhere
+    (None). Every rank whose backward raises joins what it skipped (ExchangeLog.join_pending), as
+    a trainer would: rank 1 first, then the others, whose linrope backward refuses the NaN rank 1
+    sends. Last, a forward without grad. Per case: the calls recorded, the error (type: message)
+    and the exchanges pending after it, before and after joining; whether x's gradient holds NaN
+    (when no error)."""
+    torch.manual_seed(5)
+    layers = [lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
+                                    rope=False).double() for _ in range(2)]
+    for layer in layers:
+        layer.sequence_parallel = True
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    results = {}
+    for fault in (None, "above", "between"):
+        part = x.clone().requires_grad_()
+        with ltd.record_exchanges() as exchanges:
+            h = layers[0](part)
+            if fault == "between":
+                h = FailingBackward.apply(h, rank == 1)
+            out = layers[1](h)
+            if fault == "above":
+                out = FailingBackward.apply(out, rank == 1)
+        got = dict(recorded=len(exchanges), pending_before_backward=exchanges.pending(),
+                   error=None, pending=0)
+        try:
+            out.sum().backward()
+        except Exception as e:
+            got.update(error=f"{type(e).__name__}: {e}", pending=exchanges.pending())
+            exchanges.join_pending()
+        got.update(pending_after=exchanges.pending(),
+                   nan_gradient=part.grad is not None and bool(part.grad.isnan().any()))
+        results[fault] = got
+    with torch.no_grad(), ltd.record_exchanges() as exchanges:
+        layers[0](x)
+    results["no_grad"] = dict(recorded=len(exchanges))
+    return results
+
+
 def main():
     rank, world, port, scenario, out = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                         sys.argv[4], sys.argv[5])
@@ -141,6 +197,8 @@ def main():
             result = [run_case(rank, world, i, *case) for i, case in enumerate(cases())]
         elif scenario == "layer":
             result = run_layer(rank, world)
+        elif scenario == "failed_backward":
+            result = failed_backward(rank, world)
         else:
             result = bad_input(rank, world)
         torch.save(result, out)

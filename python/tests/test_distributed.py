@@ -110,6 +110,34 @@ def test_bad_input_raises_the_same_error_on_every_rank(tmp_path):
                            "q, k or v holds a non-finite value")
 
 
+def test_a_failed_backward_joins_what_it_skipped_and_no_rank_hangs(tmp_path):
+    # 3 ranks, two sequence parallel layers; rank 1's backward raises above both layers, then
+    # between them. Without join_pending ranks 0 and 2 would wait in the skipped all_reduces
+    # until the group's timeout (60 s); with it every rank finishes: rank 1 with its error, the
+    # others with NonFiniteError from the first linrope backward that meets rank 1's NaN (and,
+    # after "above", they join the first layer's exchange that error made them skip).
+    ranks = launch(3, "failed_backward", tmp_path)
+    refused = "NonFiniteError: linear_attention_backward: d_final.S has the non-finite value nan"
+    for r, got in enumerate(ranks):
+        assert got["no_grad"]["recorded"] == 0, "a call without grad has no backward to join"
+        normal = got[None]
+        assert normal["recorded"] == normal["pending_before_backward"] == 2
+        assert normal["error"] is None and normal["pending_after"] == 0
+        assert not normal["nan_gradient"]
+        # (fault, exchanges skipped on rank 1, on the others)
+        for fault, skipped_failed, skipped_others in (("above", 2, 1), ("between", 1, 0)):
+            case = got[fault]
+            what = f"rank {r}, failure {fault}"
+            assert case["recorded"] == case["pending_before_backward"] == 2, what
+            assert case["pending_after"] == 0, what
+            if r == 1:
+                assert case["error"] == "RuntimeError: injected failure in a layer's backward"
+                assert case["pending"] == skipped_failed, what
+            else:
+                assert case["error"].startswith(refused), what
+                assert case["pending"] == skipped_others, what
+
+
 def test_sequence_parallel_layers_refuse_what_cannot_be_split():
     # Refused before any collective, so no process group is needed.
     x = torch.randn(1, 4, 8)
