@@ -8,7 +8,7 @@ import torch
 import linrope
 import linrope.torch as lt
 import reference as ref
-from test_torch import inputs, rope_for
+from cases import inputs, rope_for
 
 KEPT = ["none", "before_map", "numerator_only"]  # full equals numerator_only without a den
 
@@ -53,14 +53,20 @@ def test_the_layer_normalises_each_heads_output():
     torch.manual_seed(0)
     layer = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
                                   denominator=False).double()
+    gain = torch.linspace(0.5, 2.0, 8, dtype=torch.float64)
     with torch.no_grad():
-        layer.head_norm.copy_(torch.linspace(0.5, 2.0, 8, dtype=torch.float64))
+        layer.head_norm.copy_(gain)
     x = torch.randn(2, 5, 8, dtype=torch.float64)
-    q, k, v = [layer._heads(p(x), 5) for p in (layer.q_proj, layer.k_proj, layer.v_proj)]
+
+    def heads(projection):  # [B, n, 8] -> [B, 2 heads, n, 4]
+        return projection(x).view(2, 5, 2, 4).transpose(1, 2).contiguous()
+
+    q, k, v = heads(layer.q_proj), heads(layer.k_proj), heads(layer.v_proj)
     num = lt.linear_attention(q, k, v, layer.feature_map, causal=True, placement=layer.placement,
                               rope=layer.rope, denominator=False)
     normed = num / torch.sqrt(num.pow(2).mean(-1, keepdim=True) + layer.norm_eps)
-    normed = normed * layer.head_norm.view(2, 1, 4)
+    normed = normed * gain.view(2, 1, 4)
     want = layer.out_proj(normed.transpose(1, 2).reshape(2, 5, 8))
     torch.testing.assert_close(layer(x), want, rtol=1e-12, atol=1e-12)
     assert "denominator=False" in repr(layer)
+

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import linrope
+import bounds
 import reference as ref
-from conftest import randn
+from cases import PLACEMENTS, randn, rope_for
 
 MAPS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
 FAVOR = {"favor+", "favor-trig", "favor-hyp"}
-PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
 
 
 def t(a):
@@ -95,7 +95,8 @@ def test_rope_position_lists_match_explicit_rotation_matrices(rng):
 def test_rope_float32_matches_float64(rng):
     rope = linrope.Rope(16)
     x = randn(rng, 2, 2, 33, 16)
-    close(rope.apply(x.astype(np.float32), 1000), rope.apply(x, 1000), 2e-6)
+    bound = bounds.rope_bound(t(x), torch.float32) + bounds.rope_bound(t(x), torch.float64)
+    bounds.assert_within(rope.apply(x.astype(np.float32), 1000), rope.apply(x, 1000), bound)
     assert rope.apply(x.astype(np.float32)).dtype == np.float32
 
 
@@ -114,7 +115,8 @@ def test_feature_maps_match_their_formulas_and_gradients(rng, kind):
     g = randn(rng, *phi.shape)
     (expected,) = torch.autograd.grad(phi, xt, t(g))
     close(fm.backward(x, g), expected, 1e-11)
-    close(fm.apply(x.astype(np.float32)), phi, 1e-5)
+    bounds.assert_within(fm.apply(x.astype(np.float32)), phi,
+                         bounds.feature_map_bound(t(x), kind, W, torch.float32))
 
 
 def test_options_structs():
@@ -178,18 +180,11 @@ def test_softmax_attention_and_backward_match_the_reference(rng, case, batched):
     out32 = linrope.softmax_attention(*(a.astype(np.float32) for a in (q, k, v)), rope=rope,
                                       **case)
     assert out32.dtype == np.float32
-    close(out32, out, 1e-5)
+    bounds.assert_within(out32, expected, bounds.softmax_bound(
+        t(q), t(k), t(v), torch.float32, rope={} if rope else None, **case))
 
 
 # ---- Linear attention ----------------------------------------------------------------------------
-
-def rope_for(placement, fm, d):
-    if placement == "none":
-        return None, None
-    width = d if placement == "before_map" else fm.output_dim
-    rotary = width - width % 2  # 1+cos: m = d + 1, the constant passes through
-    return linrope.Rope(width, rotary_dim=rotary), dict(rotary_dim=rotary)
-
 
 @pytest.mark.parametrize("kind", ["elu+1", "favor+", "1+cos", "favor-trig"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -225,7 +220,8 @@ def test_linear_attention_and_backward_match_the_reference(rng, kind, placement,
     out32 = linrope.linear_attention(*(a.astype(np.float32) for a in (q, k, v)), fm, rope=rope,
                                      **options)
     assert out32.dtype == np.float32
-    close(out32, out, 1e-4 / min(1.0, smallest))
+    bounds.assert_within(out32, expected, bounds.linear_bound(
+        t(q), t(k), t(v), kind, W, torch.float32, rope=rope_ref, **options))
 
 
 def test_stats_count_rows_without_keys_apart(rng):
