@@ -1,7 +1,8 @@
 """Shared by the pytest files: the seeded generator (fixture rng), and which linrope is under test.
-(pytest puts this directory on sys.path, so the tests import reference.py, cases.py and bounds.py;
-linrope itself is the installed package — scripts/test.sh installs it into build/venv and runs pytest from another
-directory — or, under CTest, the build tree's <build dir>/python on PYTHONPATH.)
+(pytest puts this directory on sys.path, so the tests import reference.py, cases.py and
+bounds.py; linrope itself is the installed package — scripts/test.sh installs it into build/venv
+and runs pytest from another directory — or, under CTest, the build tree's <build dir>/python on
+PYTHONPATH.)
 
 LINROPE_EXPECT_PREFIX=<dir>: stop at once unless the linrope imported lies under <dir>, so that a
 test run meant for the installed package cannot silently test another copy."""

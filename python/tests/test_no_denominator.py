@@ -55,7 +55,8 @@ def test_the_layer_normalises_each_heads_output():
                                   denominator=False).double()
     gain = torch.linspace(0.5, 2.0, 8, dtype=torch.float64)
     with torch.no_grad():
-        layer.head_norm.copy_(gain)
+        layer.head_norm.copy_(gain)  # the gain of output_norm, a HeadRMSNorm
+    assert torch.equal(layer.output_norm.weight, gain)
     x = torch.randn(2, 5, 8, dtype=torch.float64)
 
     def heads(projection):  # [B, n, 8] -> [B, 2 heads, n, 4]
@@ -70,3 +71,17 @@ def test_the_layer_normalises_each_heads_output():
     torch.testing.assert_close(layer(x), want, rtol=1e-12, atol=1e-12)
     assert "denominator=False" in repr(layer)
 
+
+def test_a_state_dict_with_the_gain_as_head_norm_loads():
+    # Version 1 state dicts (linrope 0.1) hold the output norm's gain as the key head_norm.
+    layer = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
+                                  denominator=False)
+    saved = layer.state_dict()
+    gain = torch.linspace(0.5, 2.0, 8)
+    saved["head_norm"] = gain
+    del saved["output_norm.weight"]
+    saved._metadata[""]["version"] = 1
+    loaded = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
+                                   denominator=False)
+    loaded.load_state_dict(saved)
+    assert torch.equal(loaded.head_norm, gain)

@@ -267,6 +267,33 @@ def test_stats_redraws_and_state_dict():
     np.testing.assert_array_equal(copy.feature_map.projection, layer.feature_map.projection)
 
 
+def test_the_package_re_exports_its_modules_names():
+    from linrope.torch import functional, layers, states
+    assert set(lt.__all__) == {
+        "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
+        "feature_map_apply", "RotaryEmbedding", "MultiheadAttention",  # the first names
+        "KeyValueCache", "HeadRMSNorm", "RedrawSchedule"}
+    for module in (functional, layers, states):
+        for name in module.__all__:
+            assert getattr(lt, name) is getattr(module, name), name
+
+
+def test_head_rms_norm_and_the_redraw_schedule():
+    norm = lt.HeadRMSNorm(2, 4, eps=0.0).double()
+    x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    torch.testing.assert_close(norm(x).pow(2).mean(-1), torch.ones(3, 2, 5, dtype=torch.float64))
+    with torch.no_grad():
+        norm.weight[4:] = 3.0  # head 1's gain
+    nine = torch.full((3, 5), 9.0, dtype=torch.float64)
+    torch.testing.assert_close(norm(x)[:, 1].pow(2).mean(-1), nine)
+    schedule = lt.RedrawSchedule(3)
+    assert [schedule.due(done) for done in range(8)] == [False, False, False, True, False, False,
+                                                         True, False]
+    assert not any(lt.RedrawSchedule(0).due(done) for done in range(5))
+    with pytest.raises(ValueError, match="interval is -1 but expected >= 0"):
+        lt.MultiheadAttention(16, 2, "linear", redraw_interval=-1)
+
+
 def test_layers_deep_copy_and_save_whole():
     import copy
     import io
@@ -396,8 +423,10 @@ def test_decoding_token_by_token_equals_the_parallel_forward(options):
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-10, atol=1e-12)
     if options["attention"] == "linear":  # O(1) memory: the state's size never grew
+        assert isinstance(cache, lt.LinearState)
         assert cache.S.shape == (2, 2, layer.feature_map.output_dim, 8)
     else:
-        assert cache[0].shape == (2, 2, 12, 8)
+        assert isinstance(cache, lt.KeyValueCache) and cache.k is cache[0]
+        assert cache.k.shape == cache.v.shape == (2, 2, 12, 8)
     with pytest.raises(ValueError, match="take no lengths"):
         layer(x[:, :2], return_cache=True, lengths=[2, 1])
