@@ -16,7 +16,7 @@ import linrope
 import linrope.torch as lt
 import linrope.torch.distributed as ltd
 
-MAPS = ["elu+1", "favor+", "favor-hyp", "relu"]
+MAP_KINDS = ["elu+1", "favor+", "favor-hyp", "relu"]
 PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
 
 
@@ -47,7 +47,7 @@ def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
 def cases():
     """(kind, placement, uneven, with_state): every map x placement, equal and uneven slices;
     one initial/final-state case per map."""
-    for i, kind in enumerate(MAPS):
+    for i, kind in enumerate(MAP_KINDS):
         for j, placement in enumerate(PLACEMENTS):
             yield kind, placement, bool((i + j) % 2), placement == "numerator_only"
 

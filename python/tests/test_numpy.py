@@ -16,7 +16,7 @@ import bounds
 import reference as ref
 from cases import PLACEMENTS, randn, rope_for
 
-MAPS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
+MAP_KINDS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
 FAVOR = {"favor+", "favor-trig", "favor-hyp"}
 
 
@@ -102,7 +102,7 @@ def test_rope_float32_matches_float64(rng):
 
 # ---- Feature maps --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", MAPS)
+@pytest.mark.parametrize("kind", MAP_KINDS)
 def test_feature_maps_match_their_formulas_and_gradients(rng, kind):
     fm = make_map(kind, 8)
     x = randn(rng, 2, 3, 5, 8, scale=0.7)
