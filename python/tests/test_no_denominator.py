@@ -8,19 +8,16 @@ import torch
 import linrope
 import linrope.torch as lt
 import reference as ref
-from cases import inputs, rope_for
+from cases import CAUSAL_OR_NOT, linear_case
 
 KEPT = ["none", "before_map", "numerator_only"]  # full equals numerator_only without a den
 
 
 @pytest.mark.parametrize("kind", ["elu+1", "favor+", "relu"])
 @pytest.mark.parametrize("placement", KEPT)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_numerator_alone_matches_the_reference_and_gradcheck(kind, placement, causal):
-    d = 4
-    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=3)
-    rope, rope_ref = rope_for(placement, fm, d)
-    q, k, v = inputs((2, 1, 7, d), (2, 1, 7, d), (2, 1, 7, 3), seed=4)
+    fm, rope, rope_ref, q, k, v = linear_case(kind, placement, 7, map_seed=3, seed=4)
     options = dict(causal=causal, placement=placement, q_offset=2, k_offset=2)
     out = lt.linear_attention(q, k, v, fm, rope=rope, denominator=False, **options)
     W = torch.from_numpy(fm.projection) if "favor" in kind else None

@@ -14,7 +14,8 @@ import torch
 import linrope
 import bounds
 import reference as ref
-from cases import PLACEMENTS, randn, rope_for
+import cases
+from cases import CAUSAL_OR_NOT, PLACEMENTS, randn, rope_for
 
 MAP_KINDS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
 FAVOR = {"favor+", "favor-trig", "favor-hyp"}
@@ -24,15 +25,16 @@ def t(a):
     return torch.from_numpy(np.ascontiguousarray(a)).to(torch.float64)
 
 
+def make_map(kind, d):
+    """The maps of these tests: 24 features for the favor maps, seed 3."""
+    return cases.make_map(kind, d, m=24, seed=3)
+
+
 def close(actual, expected, tol=1e-9):
     """Equal to within tol relative to the largest |expected| (at least 1)."""
     expected = expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected
     scale = max(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tol * scale)
-
-
-def make_map(kind, d, m=24, seed=3):
-    return linrope.FeatureMap(kind, d, num_features=m if kind in FAVOR else 0, seed=seed)
 
 
 # ---- RoPE ----------------------------------------------------------------------------------------
@@ -188,7 +190,7 @@ def test_softmax_attention_and_backward_match_the_reference(rng, case, batched):
 
 @pytest.mark.parametrize("kind", ["elu+1", "favor+", "1+cos", "favor-trig"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 @pytest.mark.parametrize("batched", [False, True], ids=["n,d", "B,H,n,d"])
 def test_linear_attention_and_backward_match_the_reference(rng, kind, placement, causal, batched):
     lead = (2, 2) if batched else ()
@@ -269,7 +271,7 @@ def attention_pair(name, fm, rope, causal):
 
 
 @pytest.mark.parametrize("name", ["softmax", "linear"])
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_padded_batches_equal_their_unpadded_slices(rng, name, causal):
     # Entry b holds q_lengths[b] queries and k_lengths[b] keys; the rest is padding, filled with
     # huge values that would show if read. Each entry must equal the call on its rows alone.

@@ -9,7 +9,7 @@ import torch
 import linrope
 import linrope.torch as lt
 import bounds
-from cases import PLACEMENTS, inputs, rope_for
+from cases import PLACEMENTS, inputs, make_map, rope_for
 
 KINDS = ["elu+1", "favor+", "favor-hyp", "1+cos"]
 
@@ -22,7 +22,7 @@ def true_sums(state):
 
 
 def map_and_options(kind, placement, d=4, seed=2):
-    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=seed)
+    fm = make_map(kind, d, seed=seed)
     rope, _ = rope_for(placement, fm, d)
     # eps = 1 for full: a signed denominator near 0 would make finite differences meaningless.
     eps = 1.0 if placement == "full" else 1e-6

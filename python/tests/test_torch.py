@@ -11,12 +11,12 @@ import linrope
 import linrope.torch as lt
 import bounds
 import reference as ref
-from cases import PLACEMENTS, inputs, rope_for
+from cases import CAUSAL_OR_NOT, PLACEMENTS, inputs, linear_case, make_map, rope_for
 
 
 # ---- gradcheck: the C++ backward against finite differences, float64 ----------------------------
 
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 @pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("batched", [False, True], ids=["n,d", "B,H,n,d"])
 def test_softmax_attention_gradcheck(causal, rope, batched):
@@ -29,12 +29,9 @@ def test_softmax_attention_gradcheck(causal, rope, batched):
 
 @pytest.mark.parametrize("kind", ["elu+1", "favor+", "1+cos", "favor-trig"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_linear_attention_gradcheck(kind, placement, causal):
-    d = 4
-    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=2)
-    rope, _ = rope_for(placement, fm, d)
-    q, k, v = inputs((2, 1, 6, d), (2, 1, 6, d), (2, 1, 6, 3))
+    fm, rope, _, q, k, v = linear_case(kind, placement, 6, map_seed=2)
     # eps = 1: a signed denominator (full, favor-trig) near 0 would make finite differences of
     # the ratio meaningless; the kernels' handling of eps is the same for any value.
     eps = 1.0 if kind == "favor-trig" or placement == "full" else 1e-6
@@ -79,14 +76,14 @@ def test_rope_and_feature_map_gradcheck(layout):
                               original_max_position=16)
     assert torch.autograd.gradcheck(lambda x: rope(x, 3), (x,))
     for kind in ["elu+1", "favor+", "favor-hyp", "1+cos"]:
-        fm = linrope.FeatureMap(kind, 8, num_features=5 if "favor" in kind else 0)
+        fm = make_map(kind, 8, m=5)
         assert torch.autograd.gradcheck(lambda x: lt.feature_map_apply(x, fm), (x,))
 
 
 # ---- The functions against the reference --------------------------------------------------------
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_linear_attention_matches_the_reference_in_value_and_gradient(placement, causal):
     d = 8
     fm = linrope.FeatureMap("favor+", d, num_features=16, seed=4)
