@@ -428,7 +428,8 @@ def test_bad_input_raises_value_error_with_the_cpp_message(rng):
          "k has dtype float32 but q has dtype float64"),
         (lambda: linrope.softmax_attention(q[None], q[None], q[None]),
          "q has 3 dimensions but expected 2 (n, d) or 4 (B, H, n, d)"),
-        (lambda: linrope.softmax_attention(q, randn(rng, 6, 5), q), "softmax_attention"),
+        (lambda: linrope.softmax_attention(q, randn(rng, 6, 5), q),
+         "softmax_attention: k is [1, 1, 6, 5] but q has d = 4"),
         (lambda: linrope.softmax_attention(q, q, q, scale=0), "scale is 0 but expected a finite "
          "scale > 0 (None means 1/sqrt(d))"),
         (lambda: linrope.softmax_attention(q, q, q, scale=-1.0), "scale is -1 but expected"),
