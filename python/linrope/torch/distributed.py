@@ -209,8 +209,8 @@ class ExchangeLog:
     def join_pending(self):
         """Runs the backward all_reduce of every recorded call whose backward did not run it, in
         the order a backward runs them (the last recorded first), each with NaN in place of the
-        gradients (the group, element count and dtype the backward would use). Call it on the
-        rank whose backward failed, before raising the error: see the class."""
+        gradients (the group, element count and dtype the backward would use). Call it on every
+        rank whose backward raised, before passing the error on: see the class."""
         for exchange in reversed(self._exchanges):
             if not exchange.ran:
                 exchange.ran = True
