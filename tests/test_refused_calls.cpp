@@ -1,8 +1,11 @@
 // Calls that must be refused with a clear std::invalid_argument rather than run on memory they
 // would corrupt or misread: outputs that share memory with inputs, views too large to address, a
-// moved-from stream. And the statistics of rows whose output is zero by rule, not by value.
+// moved-from stream. Non-finite input data refused with its own type, NonFiniteError, and
+// non-finite options without it. And the statistics of rows whose output is zero by rule, not by
+// value.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <limits>
 #include <linrope/linrope.hpp>
 #include <stdexcept>
@@ -106,6 +109,96 @@ TEST_CASE("a moved-from LinearAttentionStream refuses every call instead of cras
   CHECK(taker.step(q, q, v).rows() == 1);  // the state went to the new owner
   stream = std::move(taker);               // assigning a stream makes it usable again
   CHECK(stream.position() == 1);
+}
+
+TEST_CASE("non-finite input data throws NonFiniteError, a non-finite option does not") {
+  constexpr Index n = 5, d = 4;
+  constexpr double nan = std::numeric_limits<double>::quiet_NaN();
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  const auto map = make_feature_map({.kind = FeatureMapKind::EluPlusOne, .input_dim = d});
+  LinearOptions linear;
+  linear.placement = RopePlacement::None;
+  LinearOptions causal = linear;
+  causal.causal = true;
+  const MatrixD good = MatrixD::Constant(n, d, 0.25);
+  MatrixD bad = good;
+  bad(3, 1) = nan;
+  const std::string message =
+      "linear_attention: v has the non-finite value nan at row 3, column 1; expected finite values";
+
+  SUBCASE("the type, and the message it always had") {
+    try {
+      linear_attention(good, good, bad, *map, linear);
+      FAIL("no exception");
+    } catch (const NonFiniteError& e) {
+      CHECK(std::string(e.what()) == message);
+    }
+    // Still a std::invalid_argument: every handler of bad input catches it.
+    CHECK_THROWS_AS(linear_attention(good, good, bad, *map, linear), std::invalid_argument);
+  }
+  SUBCASE("every input of every call: q, k, v, d_out, x, a state's S and z") {
+    for (const double value : {nan, -inf}) {
+      CAPTURE(value);
+      MatrixD wrong = good;
+      wrong(3, 1) = value;
+      CHECK_THROWS_AS(softmax_attention(wrong, good, good), NonFiniteError);
+      CHECK_THROWS_AS(softmax_attention(good, wrong, good), NonFiniteError);
+      CHECK_THROWS_AS(softmax_attention_backward(good, good, good, wrong), NonFiniteError);
+      CHECK_THROWS_AS(linear_attention(wrong, good, good, *map, linear), NonFiniteError);
+      CHECK_THROWS_AS(linear_attention(good, wrong, good, *map, causal), NonFiniteError);
+      CHECK_THROWS_AS(linear_attention_backward(good, good, good, wrong, *map, linear),
+                      NonFiniteError);
+      CHECK_THROWS_AS(linear_attention_backward(good, wrong, good, good, *map, causal),
+                      NonFiniteError);
+      MatrixD features(n, map->output_dim());
+      CHECK_THROWS_AS(map->apply(wrong, features), NonFiniteError);
+      MatrixD dx(n, d);
+      CHECK_THROWS_AS(map->backward(good, wrong, dx), NonFiniteError);
+      LinearAttentionStream<double> stream(*map, d, linear);
+      CHECK_THROWS_AS(stream.step(wrong, good, good), NonFiniteError);
+
+      LinearAttentionStateD state;
+      linear_attention(good, good, good, *map, causal, state);
+      LinearAttentionStateD state_bad_S = state, state_bad_z = state;
+      state_bad_S.S(1, 2) = value;
+      state_bad_z.z(0) = value;
+      for (LinearAttentionStateD* s : {&state_bad_S, &state_bad_z}) {
+        CHECK_THROWS_AS(linear_attention(good, good, good, *map, causal, *s), NonFiniteError);
+        CHECK_THROWS_AS(linear_attention_backward(good, good, good, good, *map, causal, *s, {}),
+                        NonFiniteError);
+      }
+      LinearStateGradient<double> d_final{state_bad_S.S, state.z};
+      CHECK_THROWS_AS(
+          linear_attention_backward(good, good, good, good, *map, causal, state, d_final),
+          NonFiniteError);
+    }
+  }
+  SUBCASE("batched calls: the slice's input") {
+    std::vector<double> data(2 * n * d, 0.5), out(2 * n * d);
+    data[n * d + 7] = nan;  // head 1
+    const Heads<const double> x{data.data(), 1, 2, n, d};
+    const Heads<double> o{out.data(), 1, 2, n, d};
+    CHECK_THROWS_AS(softmax_attention(x, x, x, o), NonFiniteError);
+    CHECK_THROWS_AS(linear_attention(x, x, x, o, *map, linear), NonFiniteError);
+  }
+  SUBCASE("options that are not finite are settings, not data: plain std::invalid_argument") {
+    const auto refused_without_type = [](auto call) {
+      try {
+        call();
+        FAIL("no exception");
+      } catch (const NonFiniteError& e) {
+        FAIL("a non-finite option threw NonFiniteError: " << e.what());
+      } catch (const std::invalid_argument&) {
+      }
+    };
+    LinearOptions eps = linear;
+    eps.eps = nan;
+    refused_without_type([&] { linear_attention(good, good, good, *map, eps); });
+    SoftmaxOptions scale;
+    scale.scale = inf;
+    refused_without_type([&] { softmax_attention(good, good, good, scale); });
+    refused_without_type([&] { Rope({.dim = d, .base = nan}); });
+  }
 }
 
 TEST_CASE("DenominatorStats: rows with no keys and rows with a zero divisor are their own counts") {

@@ -2,7 +2,8 @@
 
 Arrays are float32 or float64, shaped (n, d) or (B, H, n, d); C-contiguous inputs are read in
 place, every output is a new array, the GIL is released inside every kernel, and bad input raises
-ValueError with the C++ library's message. The differentiable PyTorch layer is ``linrope.torch``
+ValueError with the C++ library's message: NonFiniteError (a ValueError) when the input data holds
+NaN or inf. The differentiable PyTorch layer is ``linrope.torch``
 (imported on its own, so that ``import linrope`` does not load PyTorch).
 
 Threads: linrope runs its kernels on ``get_num_threads()`` threads, the machine's cores (or
@@ -25,6 +26,7 @@ from linrope._core import (  # noqa: E402,F401
     FeatureMapConfig,
     LinearAttentionStream,
     LinearOptions,
+    NonFiniteError,
     Rope,
     RopeConfig,
     SoftmaxOptions,
@@ -51,9 +53,12 @@ def build_info():
 
 
 __all__ = [
-    "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention", "linear_attention_backward",
-    "openmp", "set_num_threads", "softmax_attention", "softmax_attention_backward",
+    "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention",
+    "linear_attention_backward", "openmp", "set_num_threads", "softmax_attention",
+    "softmax_attention_backward",
     # The C++ options structs; default-constructed, they hold every function's defaults.
     "DenominatorStats", "FeatureMapConfig", "LinearOptions", "RopeConfig", "SoftmaxOptions",
     "build_info",
+    # Raised for non-finite input data; a ValueError.
+    "NonFiniteError",
 ]

@@ -111,19 +111,78 @@ def run_layer(rank, world):
 
 def bad_input(rank, world):
     """Rank 1 passes 3 heads where the others pass 2, then (a second call) values of width 4
-    where the others pass 3: every rank must raise the same error for each. The messages, in
-    order."""
+    where the others pass 3, then (a third) a NaN in v: every rank must raise the same error for
+    each. The (exception type, message) of each call, in order."""
     fm = linrope.FeatureMap("elu+1", 4)
-    messages = []
-    for heads, d_v in ((3 if rank == 1 else 2, 3), (2, 4 if rank == 1 else 3)):
+    raised = []
+    for heads, d_v, spoil in ((3 if rank == 1 else 2, 3, False), (2, 4 if rank == 1 else 3, False),
+                              (2, 3, rank == 1)):
         q = torch.randn(1, heads, 5, 4, dtype=torch.float64)
         v = torch.randn(1, heads, 5, d_v, dtype=torch.float64)
+        if spoil:
+            v[0, 1, 2, 0] = torch.nan
         try:
             ltd.linear_attention(q, q, v, fm, placement="none")
-            messages.append(None)
+            raised.append(None)
         except ValueError as e:
-            messages.append(str(e))
-    return messages
+            raised.append((type(e).__name__, str(e)))
+    return raised
+
+
+class FailingBackward(torch.autograd.Function):
+    """The identity, whose backward raises when `fail` is set: a layer's backward failing on one
+    rank (out of memory, a bug) while the others' succeed."""
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise RuntimeError("injected failure in a layer's backward")
+        return grad, None
+
+
+def failed_backward(rank, world):
+    """Two sequence parallel layers, x -> first -> second -> loss, and a backward that raises on
+    rank 1 (FailingBackward) above both layers ("above"), between them ("between") or nowhere
+    (None). Every rank whose backward raises joins what it skipped (ExchangeLog.join_pending), as
+    a trainer would: rank 1 first, then the others, whose linrope backward refuses the NaN rank 1
+    sends. Last, a forward without grad. Per case: the calls recorded, the error (type: message)
+    and the exchanges pending after it, before and after joining; whether x's gradient holds NaN
+    (when no error)."""
+    torch.manual_seed(5)
+    layers = [lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
+                                    rope=False).double() for _ in range(2)]
+    for layer in layers:
+        layer.sequence_parallel = True
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    results = {}
+    for fault in (None, "above", "between"):
+        part = x.clone().requires_grad_()
+        with ltd.record_exchanges() as exchanges:
+            h = layers[0](part)
+            if fault == "between":
+                h = FailingBackward.apply(h, rank == 1)
+            out = layers[1](h)
+            if fault == "above":
+                out = FailingBackward.apply(out, rank == 1)
+        got = dict(recorded=len(exchanges), pending_before_backward=exchanges.pending(),
+                   error=None, pending=0)
+        try:
+            out.sum().backward()
+        except Exception as e:
+            got.update(error=f"{type(e).__name__}: {e}", pending=exchanges.pending())
+            exchanges.join_pending()
+        got.update(pending_after=exchanges.pending(),
+                   nan_gradient=part.grad is not None and bool(part.grad.isnan().any()))
+        results[fault] = got
+    with torch.no_grad(), ltd.record_exchanges() as exchanges:
+        layers[0](x)
+    results["no_grad"] = dict(recorded=len(exchanges))
+    return results
 
 
 def main():
@@ -138,6 +197,8 @@ def main():
             result = [run_case(rank, world, i, *case) for i, case in enumerate(cases())]
         elif scenario == "layer":
             result = run_layer(rank, world)
+        elif scenario == "failed_backward":
+            result = failed_backward(rank, world)
         else:
             result = bad_input(rank, world)
         torch.save(result, out)

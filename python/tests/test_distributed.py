@@ -5,8 +5,6 @@ state) for every map x placement, equal and uneven slices; and bad input raising
 every rank. Each launch is bounded: a rank still running after TIMEOUT seconds fails the test and
 every rank is killed."""
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -14,36 +12,21 @@ import torch
 
 import linrope.torch as lt
 from distributed_worker import case_inputs, cases, initial_state, layer_inputs
+from linrope.torch.launch import environment, free_port, run_group
 
 TIMEOUT = 120
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world, scenario, tmp_path):
-    """Runs `world` workers; returns each rank's saved result. Fails (killing every rank) on a
-    timeout or a non-zero exit."""
+    """Runs `world` workers; returns each rank's saved result. Fails on a non-zero exit, or
+    (GroupTimeout, every rank killed) when a rank is still running after TIMEOUT seconds."""
     port = free_port()
-    outs = [str(tmp_path / f"{scenario}-{world}-rank{r}.pt") for r in range(world)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(world), str(port), scenario,
-                               outs[r]], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT)[0].decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{world} ranks did not finish {scenario} within {TIMEOUT} s (a hang)")
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{logs[r]}"
+    outs = [tmp_path / f"{scenario}-{world}-rank{r}.pt" for r in range(world)]
+    exits = run_group([[sys.executable, WORKER, r, world, port, scenario, outs[r]]
+                       for r in range(world)], timeout=TIMEOUT, env=environment())
+    for r, e in enumerate(exits):
+        assert e.returncode == 0, f"rank {r} exited with {e.returncode}:\n{e.output}"
     return [torch.load(o) for o in outs]
 
 
@@ -115,12 +98,44 @@ def test_a_sequence_parallel_layer_equals_one_process(tmp_path):
         assert close(sum(r["grads"][name] for r in ranks), p.grad), name
 
 
-def test_mismatched_heads_or_widths_raise_on_every_rank(tmp_path):
-    # Two calls in turn: after the first error the ranks are still in step for the second.
+def test_bad_input_raises_the_same_error_on_every_rank(tmp_path):
+    # Three calls in turn: after each error the ranks are still in step for the next.
     ranks = launch(2, "bad", tmp_path)
     assert ranks[0] == ranks[1] and None not in ranks[0]
-    assert "rank 1: heads is 3 but rank 0's is 2" in ranks[0][0]
-    assert "rank 1: d_v is 4 but rank 0's is 3" in ranks[0][1]
+    assert ranks[0][0] == ("ValueError", "linrope.torch.distributed.linear_attention: rank 1: "
+                           "heads is 3 but rank 0's is 2; every rank must make the same call on "
+                           "its own slice")
+    assert ranks[0][1][0] == "ValueError" and "rank 1: d_v is 4 but rank 0's is 3" in ranks[0][1][1]
+    assert ranks[0][2] == ("NonFiniteError", "linrope.torch.distributed.linear_attention: rank 1: "
+                           "q, k or v holds a non-finite value")
+
+
+def test_a_failed_backward_joins_what_it_skipped_and_no_rank_hangs(tmp_path):
+    # 3 ranks, two sequence parallel layers; rank 1's backward raises above both layers, then
+    # between them. Without join_pending ranks 0 and 2 would wait in the skipped all_reduces
+    # until the group's timeout (60 s); with it every rank finishes: rank 1 with its error, the
+    # others with NonFiniteError from the first linrope backward that meets rank 1's NaN (and,
+    # after "above", they join the first layer's exchange that error made them skip).
+    ranks = launch(3, "failed_backward", tmp_path)
+    refused = "NonFiniteError: linear_attention_backward: d_final.S has the non-finite value nan"
+    for r, got in enumerate(ranks):
+        assert got["no_grad"]["recorded"] == 0, "a call without grad has no backward to join"
+        normal = got[None]
+        assert normal["recorded"] == normal["pending_before_backward"] == 2
+        assert normal["error"] is None and normal["pending_after"] == 0
+        assert not normal["nan_gradient"]
+        # (fault, exchanges skipped on rank 1, on the others)
+        for fault, skipped_failed, skipped_others in (("above", 2, 1), ("between", 1, 0)):
+            case = got[fault]
+            what = f"rank {r}, failure {fault}"
+            assert case["recorded"] == case["pending_before_backward"] == 2, what
+            assert case["pending_after"] == 0, what
+            if r == 1:
+                assert case["error"] == "RuntimeError: injected failure in a layer's backward"
+                assert case["pending"] == skipped_failed, what
+            else:
+                assert case["error"].startswith(refused), what
+                assert case["pending"] == skipped_others, what
 
 
 def test_sequence_parallel_layers_refuse_what_cannot_be_split():

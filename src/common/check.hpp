@@ -23,13 +23,26 @@ Shape shape_of(const M& m) {
   return {static_cast<Index>(m.rows()), static_cast<Index>(m.cols())};
 }
 
-template <class... Parts>
-[[noreturn]] void throw_invalid(std::string_view function, const Parts&... parts) {
+// Throws Error("<function>: <parts...>"), numbers with 17 significant digits.
+template <class Error, class... Parts>
+[[noreturn]] void throw_error(std::string_view function, const Parts&... parts) {
   std::ostringstream message;
   message.precision(17);
   message << function << ": ";
   (message << ... << parts);
-  throw std::invalid_argument(message.str());
+  throw Error(message.str());
+}
+
+// A call that is wrong: a shape, an option, an overlap.
+template <class... Parts>
+[[noreturn]] void throw_invalid(std::string_view function, const Parts&... parts) {
+  throw_error<std::invalid_argument>(function, parts...);
+}
+
+// Input data that is not finite (types.hpp, NonFiniteError).
+template <class... Parts>
+[[noreturn]] void throw_nonfinite(std::string_view function, const Parts&... parts) {
+  throw_error<NonFiniteError>(function, parts...);
 }
 
 // True when every element of `m` is finite. x * 0 is 0 for finite x and NaN for inf or NaN: one
@@ -47,8 +60,8 @@ void require_finite(std::string_view function, std::string_view name, const M& m
   for (Index i = 0; i < m.rows(); ++i)
     for (Index j = 0; j < m.cols(); ++j)
       if (!std::isfinite(m(i, j)))
-        throw_invalid(function, name, " has the non-finite value ", m(i, j), " at row ", i,
-                      ", column ", j, "; expected finite values");
+        throw_nonfinite(function, name, " has the non-finite value ", m(i, j), " at row ", i,
+                        ", column ", j, "; expected finite values");
 }
 
 }  // namespace linrope::detail

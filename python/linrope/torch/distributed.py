@@ -1,6 +1,8 @@
 """linrope.torch.distributed: causal linear attention over a sequence split across processes.
 
-    linear_attention(q, k, v, feature_map, *, group=None, **options of linrope.torch.linear_attention)
+    linear_attention(q, k, v, feature_map, *, group=None,
+                     **options of linrope.torch.linear_attention)
+    record_exchanges() -> ExchangeLog: joins, after a failed backward, what the backward skipped
 
 Each rank of the torch.distributed group holds a contiguous slice of every sequence, q, k, v of
 shape [B, H, n_local, d] (n_local may differ between ranks; rank r's tokens follow rank r - 1's,
@@ -32,17 +34,34 @@ bytes per element (4 for float32, 8 for float64), whatever the sequence length:
   backward       all_reduce of P (s - 8 B H) (the gradients of every gathered S and z; no scales)
 
 Four collectives per call and layer (three all_gathers in the forward: the description, the
-states, the scales; one all_reduce in the backward), each of O(P s) bytes or less: for B = 1, H = 8, m = 256, d_v = 64, float32, s = 532 kB. Exact softmax attention
-would need every earlier rank's keys and values instead: O(n) bytes.
+states, the scales; one all_reduce in the backward), each of O(P s) bytes or less: for B = 1,
+H = 8, m = 256, d_v = 64, float32, s = 532 kB. Exact softmax attention would need every earlier
+rank's keys and values instead: O(n) bytes.
+
+A backward that fails on one rank (an error in some layer's backward, out of memory) leaves the
+other ranks blocked in the all_reduces that rank never reached. record_exchanges() notes the calls
+of a forward, and ExchangeLog.join_pending() makes the all_reduces their backward skipped, with
+NaN, so that the other ranks finish their backward (with NaN gradients, or NonFiniteError)
+instead of hanging. Every rank runs its backward so:
+
+    with linrope.torch.distributed.record_exchanges() as exchanges:
+        loss = model(x)
+    try:
+        loss.backward()
+    except Exception:
+        exchanges.join_pending()
+        raise
 """
+import contextvars
 import zlib
 
 import torch
 import torch.distributed as dist
 
+from linrope import NonFiniteError
 from linrope.torch import LinearState, _LINEAR, _STATS, linear_attention as _local_attention
 
-__all__ = ["linear_attention", "state_bytes"]
+__all__ = ["ExchangeLog", "linear_attention", "record_exchanges", "state_bytes"]
 
 _PLACEMENTS = ("none", "before_map", "numerator_only", "full")
 _DTYPES = (torch.float32, torch.float64)
@@ -102,7 +121,7 @@ def _check_descriptions(rows):
             raise ValueError(f"{where}: q_lengths or k_lengths given, but a split sequence has "
                              f"no padding (each rank's slice is all tokens)")
         if not here["finite"]:
-            raise ValueError(f"{where}: q, k or v holds a non-finite value")
+            raise NonFiniteError(f"{where}: q, k or v holds a non-finite value")
         if here["q_offset"] != here["k_offset"]:
             raise ValueError(f"{where}: q_offset is {here['q_offset']} but k_offset is "
                              f"{here['k_offset']}; a split sequence's q and k are the same tokens")
@@ -120,15 +139,96 @@ def _check_descriptions(rows):
                                  f"must make the same call on its own slice")
 
 
+class _Exchange:
+    """One call's backward all_reduce: its group, element count and dtype, and whether it ran."""
+
+    def __init__(self, group, count, dtype):
+        self.group, self.count, self.dtype, self.ran = group, count, dtype, False
+
+
+class ExchangeLog:
+    """The state exchanges of the sequence parallel calls made while it records (a context
+    manager: record_exchanges()), each waiting for the all_reduce of its backward.
+
+    Every rank must join the backward all_reduce of every call, in the same order. When a rank's
+    backward raises before it reached some of them (an error in a layer's backward, out of
+    memory), the other ranks block in the first one it missed, for ever or until the process
+    group's timeout. join_pending() on the failed rank joins each missed all_reduce with NaN
+    instead, so the other ranks go on: they end their backward with NaN gradients, or with
+    linrope.NonFiniteError where a linrope backward meets the NaN, and a rank that raises joins
+    its own pending exchanges the same way. Every rank thus ends with an error or NaN gradients,
+    which a trainer treats as a diverged step, instead of a hang. Run the backward of every rank
+    under the same try/except (the module's docstring).
+
+    Calls made without grad (torch.no_grad, a forward whose inputs need no gradient) have no
+    backward and are not recorded. One backward per recorded forward."""
+
+    def __init__(self):
+        self._exchanges = []
+        self._active = None
+
+    def __enter__(self):
+        if self._active is not None:
+            raise RuntimeError("ExchangeLog: already recording")
+        self._active = _recording.set(_recording.get() + (self,))
+        return self
+
+    def __exit__(self, *exc_info):
+        _recording.reset(self._active)
+        self._active = None
+        return False
+
+    def __len__(self):
+        """The calls recorded."""
+        return len(self._exchanges)
+
+    def pending(self):
+        """How many recorded calls have not run their backward all_reduce yet."""
+        return sum(not e.ran for e in self._exchanges)
+
+    def join_pending(self):
+        """Runs the backward all_reduce of every recorded call whose backward did not run it, in
+        the order a backward runs them (the last recorded first), each with NaN in place of the
+        gradients (the group, element count and dtype the backward would use). Call it on the
+        rank whose backward failed, before raising the error: see the class."""
+        for exchange in reversed(self._exchanges):
+            if not exchange.ran:
+                exchange.ran = True
+                dist.all_reduce(torch.full((exchange.count,), torch.nan, dtype=exchange.dtype),
+                                op=dist.ReduceOp.SUM, group=exchange.group)
+
+
+# The logs recording now, innermost last: a call is noted in each.
+_recording = contextvars.ContextVar("linrope_exchange_logs", default=())
+
+
+def record_exchanges():
+    """An ExchangeLog that records the sequence parallel calls made inside `with`: see ExchangeLog
+    and the module's docstring."""
+    return ExchangeLog()
+
+
+def _note_exchange(packed, group, world):
+    """The _Exchange of a call whose backward will all_reduce the gradients of every rank's
+    packed state, noted in every recording log; None when nothing records or no backward will
+    run."""
+    logs = _recording.get()
+    if not logs or not (torch.is_grad_enabled() and packed.requires_grad):
+        return None
+    exchange = _Exchange(group, world * packed.numel(), packed.dtype)
+    for log in logs:
+        log._exchanges.append(exchange)
+    return exchange
+
+
 class _GatherStates(torch.autograd.Function):
     """Every rank's packed (S, z) [B, H, m (d_v + 1)] -> [P, B, H, m (d_v + 1)]; the backward sums
-    the gradients of the gathered pieces over the ranks and returns this rank's own.
-    (experiments/training/parallel.py finds this class's backward nodes in a graph, to join the
-    all-reduces a rank missed when its backward failed: rename it there too.)"""
+    the gradients of the gathered pieces over the ranks and returns this rank's own, and marks
+    `exchange` (if any) as run."""
 
     @staticmethod
-    def forward(ctx, packed, group):
-        ctx.group = group
+    def forward(ctx, packed, group, exchange):
+        ctx.group, ctx.exchange = group, exchange
         ctx.rank = dist.get_rank(group)
         pieces = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
         dist.all_gather(pieces, packed.contiguous(), group=group)
@@ -137,8 +237,12 @@ class _GatherStates(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
+        if ctx.exchange is not None:
+            # Marked before the call: a second all_reduce after this one failed would pair with
+            # the peers' next collective.
+            ctx.exchange.ran = True
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad[ctx.rank], None
+        return grad[ctx.rank], None, None
 
 
 def _gather_scales(log_scale, group):
@@ -196,7 +300,7 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     batch, heads, m, d_v = local.S.shape
     # 3. Every rank's state: S and z packed in q's dtype (differentiable), the scales apart.
     packed = torch.cat([local.S.reshape(batch, heads, m * d_v), local.z], -1)
-    gathered = _GatherStates.apply(packed, group)
+    gathered = _GatherStates.apply(packed, group, _note_exchange(packed, group, world))
     scales = _gather_scales(local.log_scale, group)
     S_all = gathered[..., :m * d_v].reshape(world, batch, heads, m, d_v)
     z_all = gathered[..., m * d_v:]
