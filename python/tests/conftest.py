@@ -1,7 +1,8 @@
-"""Shared by the pytest files: seeded inputs, and which linrope is under test. (pytest puts this
-directory on sys.path, so the tests import reference.py and this file; linrope itself is the
-installed package — scripts/test.sh installs it into build/venv and runs pytest from another
-directory — or, under CTest, the build tree's <build dir>/python on PYTHONPATH.)
+"""Shared by the pytest files: the seeded generator (fixture rng), and which linrope is under test.
+(pytest puts this directory on sys.path, so the tests import reference.py, cases.py and
+bounds.py; linrope itself is the installed package — scripts/test.sh installs it into build/venv
+and runs pytest from another directory — or, under CTest, the build tree's <build dir>/python on
+PYTHONPATH.)
 
 LINROPE_EXPECT_PREFIX=<dir>: stop at once unless the linrope imported lies under <dir>, so that a
 test run meant for the installed package cannot silently test another copy."""
@@ -29,7 +30,3 @@ def pytest_sessionstart(session):
 @pytest.fixture
 def rng():
     return np.random.default_rng(20261123)
-
-
-def randn(rng, *shape, dtype=np.float64, scale=1.0):
-    return (scale * rng.standard_normal(shape)).astype(dtype)

@@ -15,8 +15,9 @@ import torch.distributed as dist
 import linrope
 import linrope.torch as lt
 import linrope.torch.distributed as ltd
+from cases import make_map
 
-MAPS = ["elu+1", "favor+", "favor-hyp", "relu"]
+MAP_KINDS = ["elu+1", "favor+", "favor-hyp", "relu"]
 PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
 
 
@@ -33,7 +34,7 @@ def slices(n, world, uneven):
 
 def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
     """The whole sequence's inputs, the map, and the options of one case."""
-    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=seed)
+    fm = make_map(kind, d, seed=seed)
     width = d if placement == "before_map" else fm.output_dim
     rope = None if placement == "none" else linrope.Rope(width, rotary_dim=width - width % 2)
     g = torch.Generator().manual_seed(seed)
@@ -47,7 +48,7 @@ def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
 def cases():
     """(kind, placement, uneven, with_state): every map x placement, equal and uneven slices;
     one initial/final-state case per map."""
-    for i, kind in enumerate(MAPS):
+    for i, kind in enumerate(MAP_KINDS):
         for j, placement in enumerate(PLACEMENTS):
             yield kind, placement, bool((i + j) % 2), placement == "numerator_only"
 

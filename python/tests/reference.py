@@ -36,7 +36,8 @@ def rotation(p, dim, rotary_dim=0, layout="interleaved", **scaling):
     for i in range(r // 2):
         a, b = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + r // 2)
         c, s = math.cos(p * theta[i].item()), math.sin(p * theta[i].item())
-        R[a, a], R[a, b], R[b, a], R[b, b] = c * magnitude, -s * magnitude, s * magnitude, c * magnitude
+        c, s = c * magnitude, s * magnitude
+        R[a, a], R[a, b], R[b, a], R[b, b] = c, -s, s, c
     return R
 
 

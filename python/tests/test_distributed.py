@@ -139,17 +139,24 @@ def test_a_failed_backward_joins_what_it_skipped_and_no_rank_hangs(tmp_path):
 
 
 def test_sequence_parallel_layers_refuse_what_cannot_be_split():
-    # Refused before any collective, so no process group is needed.
+    # Refused before any collective, so no process group is needed: a layer that can never run
+    # split as soon as sequence_parallel is set, a call that cannot at the call.
     x = torch.randn(1, 4, 8)
     softmax = lt.MultiheadAttention(8, 2, attention="softmax", causal=True)
-    softmax.sequence_parallel = True
-    with pytest.raises(ValueError, match="needs attention='linear'"):
-        softmax(x)
     noncausal = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1")
-    noncausal.sequence_parallel = True
-    with pytest.raises(ValueError, match="needs causal=True"):
-        noncausal(x)
+    for layer, reason in ((softmax, "needs attention='linear'"), (noncausal, "needs causal=True")):
+        assert reason in layer.sequence_parallel_problem()
+        with pytest.raises(ValueError, match=reason):
+            layer.sequence_parallel = True
+        assert not layer.sequence_parallel
     causal = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True)
+    assert causal.sequence_parallel_problem() is None
     causal.sequence_parallel = True
+    assert "takes no lengths" in causal.sequence_parallel_problem(lengths=[4])
     with pytest.raises(ValueError, match="takes no lengths"):
         causal(x, lengths=[4])
+    assert "needs self-attention" in causal.sequence_parallel_problem(key=x, value=x)
+    with pytest.raises(ValueError, match="needs self-attention"):
+        causal(x, x, x)
+    with pytest.raises(ValueError, match="cache and return_cache are for one process"):
+        causal(x, return_cache=True)

@@ -15,8 +15,8 @@ def python(code):
 
 
 def test_every_rank_exit_and_output_in_order():
-    exits = run_group([python("print('rank 0')"), python("import sys; print('rank 1'); "
-                                                        "sys.exit(3)")], timeout=60)
+    exits = run_group([python("print('rank 0')"),
+                       python("import sys; print('rank 1'); sys.exit(3)")], timeout=60)
     assert [e.returncode for e in exits] == [0, 3]
     assert exits[0].output == "rank 0\n" and exits[1].output == "rank 1\n"
 

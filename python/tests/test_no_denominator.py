@@ -8,19 +8,16 @@ import torch
 import linrope
 import linrope.torch as lt
 import reference as ref
-from test_torch import inputs, rope_for
+from cases import CAUSAL_OR_NOT, linear_case
 
 KEPT = ["none", "before_map", "numerator_only"]  # full equals numerator_only without a den
 
 
 @pytest.mark.parametrize("kind", ["elu+1", "favor+", "relu"])
 @pytest.mark.parametrize("placement", KEPT)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_numerator_alone_matches_the_reference_and_gradcheck(kind, placement, causal):
-    d = 4
-    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=3)
-    rope, rope_ref = rope_for(placement, fm, d)
-    q, k, v = inputs((2, 1, 7, d), (2, 1, 7, d), (2, 1, 7, 3), seed=4)
+    fm, rope, rope_ref, q, k, v = linear_case(kind, placement, 7, map_seed=3, seed=4)
     options = dict(causal=causal, placement=placement, q_offset=2, k_offset=2)
     out = lt.linear_attention(q, k, v, fm, rope=rope, denominator=False, **options)
     W = torch.from_numpy(fm.projection) if "favor" in kind else None
@@ -53,14 +50,35 @@ def test_the_layer_normalises_each_heads_output():
     torch.manual_seed(0)
     layer = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
                                   denominator=False).double()
+    gain = torch.linspace(0.5, 2.0, 8, dtype=torch.float64)
     with torch.no_grad():
-        layer.head_norm.copy_(torch.linspace(0.5, 2.0, 8, dtype=torch.float64))
+        layer.head_norm.copy_(gain)  # the gain of output_norm, a HeadRMSNorm
+    assert torch.equal(layer.output_norm.weight, gain)
     x = torch.randn(2, 5, 8, dtype=torch.float64)
-    q, k, v = [layer._heads(p(x), 5) for p in (layer.q_proj, layer.k_proj, layer.v_proj)]
+
+    def heads(projection):  # [B, n, 8] -> [B, 2 heads, n, 4]
+        return projection(x).view(2, 5, 2, 4).transpose(1, 2).contiguous()
+
+    q, k, v = heads(layer.q_proj), heads(layer.k_proj), heads(layer.v_proj)
     num = lt.linear_attention(q, k, v, layer.feature_map, causal=True, placement=layer.placement,
                               rope=layer.rope, denominator=False)
     normed = num / torch.sqrt(num.pow(2).mean(-1, keepdim=True) + layer.norm_eps)
-    normed = normed * layer.head_norm.view(2, 1, 4)
+    normed = normed * gain.view(2, 1, 4)
     want = layer.out_proj(normed.transpose(1, 2).reshape(2, 5, 8))
     torch.testing.assert_close(layer(x), want, rtol=1e-12, atol=1e-12)
     assert "denominator=False" in repr(layer)
+
+
+def test_a_state_dict_with_the_gain_as_head_norm_loads():
+    # Version 1 state dicts (linrope 0.1) hold the output norm's gain as the key head_norm.
+    layer = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
+                                  denominator=False)
+    saved = layer.state_dict()
+    gain = torch.linspace(0.5, 2.0, 8)
+    saved["head_norm"] = gain
+    del saved["output_norm.weight"]
+    saved._metadata[""]["version"] = 1
+    loaded = lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
+                                   denominator=False)
+    loaded.load_state_dict(saved)
+    assert torch.equal(loaded.head_norm, gain)

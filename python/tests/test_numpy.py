@@ -12,16 +12,22 @@ import pytest
 import torch
 
 import linrope
+import bounds
 import reference as ref
-from conftest import randn
+import cases
+from cases import CAUSAL_OR_NOT, PLACEMENTS, randn, rope_for
 
-MAPS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
+MAP_KINDS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
 FAVOR = {"favor+", "favor-trig", "favor-hyp"}
-PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
 
 
 def t(a):
     return torch.from_numpy(np.ascontiguousarray(a)).to(torch.float64)
+
+
+def make_map(kind, d):
+    """The maps of these tests: 24 features for the favor maps, seed 3."""
+    return cases.make_map(kind, d, m=24, seed=3)
 
 
 def close(actual, expected, tol=1e-9):
@@ -29,10 +35,6 @@ def close(actual, expected, tol=1e-9):
     expected = expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected
     scale = max(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tol * scale)
-
-
-def make_map(kind, d, m=24, seed=3):
-    return linrope.FeatureMap(kind, d, num_features=m if kind in FAVOR else 0, seed=seed)
 
 
 # ---- RoPE ----------------------------------------------------------------------------------------
@@ -95,13 +97,14 @@ def test_rope_position_lists_match_explicit_rotation_matrices(rng):
 def test_rope_float32_matches_float64(rng):
     rope = linrope.Rope(16)
     x = randn(rng, 2, 2, 33, 16)
-    close(rope.apply(x.astype(np.float32), 1000), rope.apply(x, 1000), 2e-6)
+    bound = bounds.rope_bound(t(x), torch.float32) + bounds.rope_bound(t(x), torch.float64)
+    bounds.assert_within(rope.apply(x.astype(np.float32), 1000), rope.apply(x, 1000), bound)
     assert rope.apply(x.astype(np.float32)).dtype == np.float32
 
 
 # ---- Feature maps --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", MAPS)
+@pytest.mark.parametrize("kind", MAP_KINDS)
 def test_feature_maps_match_their_formulas_and_gradients(rng, kind):
     fm = make_map(kind, 8)
     x = randn(rng, 2, 3, 5, 8, scale=0.7)
@@ -114,7 +117,8 @@ def test_feature_maps_match_their_formulas_and_gradients(rng, kind):
     g = randn(rng, *phi.shape)
     (expected,) = torch.autograd.grad(phi, xt, t(g))
     close(fm.backward(x, g), expected, 1e-11)
-    close(fm.apply(x.astype(np.float32)), phi, 1e-5)
+    bounds.assert_within(fm.apply(x.astype(np.float32)), phi,
+                         bounds.feature_map_bound(t(x), kind, W, torch.float32))
 
 
 def test_options_structs():
@@ -178,22 +182,15 @@ def test_softmax_attention_and_backward_match_the_reference(rng, case, batched):
     out32 = linrope.softmax_attention(*(a.astype(np.float32) for a in (q, k, v)), rope=rope,
                                       **case)
     assert out32.dtype == np.float32
-    close(out32, out, 1e-5)
+    bounds.assert_within(out32, expected, bounds.softmax_bound(
+        t(q), t(k), t(v), torch.float32, rope={} if rope else None, **case))
 
 
 # ---- Linear attention ----------------------------------------------------------------------------
 
-def rope_for(placement, fm, d):
-    if placement == "none":
-        return None, None
-    width = d if placement == "before_map" else fm.output_dim
-    rotary = width - width % 2  # 1+cos: m = d + 1, the constant passes through
-    return linrope.Rope(width, rotary_dim=rotary), dict(rotary_dim=rotary)
-
-
 @pytest.mark.parametrize("kind", ["elu+1", "favor+", "1+cos", "favor-trig"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 @pytest.mark.parametrize("batched", [False, True], ids=["n,d", "B,H,n,d"])
 def test_linear_attention_and_backward_match_the_reference(rng, kind, placement, causal, batched):
     lead = (2, 2) if batched else ()
@@ -225,7 +222,8 @@ def test_linear_attention_and_backward_match_the_reference(rng, kind, placement,
     out32 = linrope.linear_attention(*(a.astype(np.float32) for a in (q, k, v)), fm, rope=rope,
                                      **options)
     assert out32.dtype == np.float32
-    close(out32, out, 1e-4 / min(1.0, smallest))
+    bounds.assert_within(out32, expected, bounds.linear_bound(
+        t(q), t(k), t(v), kind, W, torch.float32, rope=rope_ref, **options))
 
 
 def test_stats_count_rows_without_keys_apart(rng):
@@ -273,7 +271,7 @@ def attention_pair(name, fm, rope, causal):
 
 
 @pytest.mark.parametrize("name", ["softmax", "linear"])
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_padded_batches_equal_their_unpadded_slices(rng, name, causal):
     # Entry b holds q_lengths[b] queries and k_lengths[b] keys; the rest is padding, filled with
     # huge values that would show if read. Each entry must equal the call on its rows alone.

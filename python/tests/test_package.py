@@ -72,8 +72,8 @@ def fake_cpuinfo(tmp_path, flags):
 def test_isa_check_names_what_the_cpu_lacks(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # check() wraps it before raising
     required = ("sse2", "avx2", "avx512f", "avx512bw")
-    _isa.check(required, True, fake_cpuinfo(tmp_path, ["fpu", "sse2", "avx2", "avx512f",
-                                                      "avx512bw"]))
+    everything = ["fpu", "sse2", "avx2", "avx512f", "avx512bw"]
+    _isa.check(required, True, fake_cpuinfo(tmp_path, everything))
     with pytest.raises(_isa.UnsupportedCPUError) as e:
         _isa.check(required, True, fake_cpuinfo(tmp_path, ["fpu", "sse2", "avx2"]))
     message = str(e.value)

@@ -8,7 +8,8 @@ import torch
 
 import linrope
 import linrope.torch as lt
-from test_torch import PLACEMENTS, inputs, rope_for
+import bounds
+from cases import PLACEMENTS, inputs, make_map, rope_for
 
 KINDS = ["elu+1", "favor+", "favor-hyp", "1+cos"]
 
@@ -21,7 +22,7 @@ def true_sums(state):
 
 
 def map_and_options(kind, placement, d=4, seed=2):
-    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=seed)
+    fm = make_map(kind, d, seed=seed)
     rope, _ = rope_for(placement, fm, d)
     # eps = 1 for full: a signed denominator near 0 would make finite differences meaningless.
     eps = 1.0 if placement == "full" else 1e-6
@@ -53,11 +54,12 @@ def test_state_in_state_out_gradcheck(kind, placement):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_a_sequence_cut_in_three_equals_one_call(kind, placement, dtype):
     # Cuts at 7 and 8 (a one-token part) of 19 tokens; outputs and every gradient through the
-    # states between the parts. Tolerance: each side within the C++ tests' derived bounds of the
-    # exact result; a few thousand times the unit roundoff covers them at these sizes.
+    # states between the parts. Both sides are the kernels' results in dtype, each within the
+    # rounding bound of the exact result (bounds.py), so they differ by at most twice it.
     fm, options = map_and_options(kind, placement)
-    q, k, v, g = [x.detach().to(dtype) for x in inputs((2, 3, 19, 4), (2, 3, 19, 4),
-                                                        (2, 3, 19, 3), (2, 3, 19, 3), seed=5)]
+    exact = [x.detach() for x in inputs((2, 3, 19, 4), (2, 3, 19, 4), (2, 3, 19, 3),
+                                        (2, 3, 19, 3), seed=5)]
+    q, k, v, g = [x.to(dtype) for x in exact]
     whole = [x.clone().requires_grad_() for x in (q, k, v)]
     out = lt.linear_attention(*whole, fm, **options)
     (out * g).sum().backward()
@@ -70,11 +72,14 @@ def test_a_sequence_cut_in_three_equals_one_call(kind, placement, dtype):
         outs.append(o)
     cut = torch.cat(outs, 2)
     (cut * g).sum().backward()
-    tol = 4000 * torch.finfo(dtype).eps
-    scale = max(1.0, out.abs().max().item())
-    assert (cut - out).abs().max().item() <= tol * scale
-    for a, b in zip(parts, whole):
-        assert (a.grad - b.grad).abs().max().item() <= tol * max(1.0, b.grad.abs().max().item())
+    W = torch.from_numpy(fm.projection) if "favor" in kind else None
+    _, rope = rope_for(placement, fm, 4)
+    where = dict(causal=True, placement=placement, rope=rope, eps=options["eps"])
+    bounds.assert_within(cut, out, 2 * bounds.linear_bound(*exact[:3], kind, W, dtype, **where),
+                         "out")
+    gradient_bounds = bounds.linear_gradient_bounds(*exact, kind, W, dtype, **where)
+    for name, a, b, bound in zip(("dq", "dk", "dv"), parts, whole, gradient_bounds):
+        bounds.assert_within(a.grad, b.grad, 2 * bound, name)
 
 
 def test_merge_states_sums_the_keys_of_each():

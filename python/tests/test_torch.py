@@ -9,27 +9,14 @@ from torch import nn
 
 import linrope
 import linrope.torch as lt
+import bounds
 import reference as ref
-
-PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
-
-
-def inputs(*shapes, dtype=torch.float64, scale=0.5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(scale * torch.randn(*s, generator=g, dtype=dtype)).requires_grad_() for s in shapes]
+from cases import CAUSAL_OR_NOT, PLACEMENTS, inputs, linear_case, make_map, rope_for
 
 
-def rope_for(placement, fm, d):
-    if placement == "none":
-        return None, None
-    width = d if placement == "before_map" else fm.output_dim
-    rotary = width - width % 2
-    return linrope.Rope(width, rotary_dim=rotary), dict(rotary_dim=rotary)
+# ---- gradcheck: the C++ backward against finite differences, float64 ----------------------------
 
-
-# ---- gradcheck: the C++ backward against finite differences, float64 -----------------------------
-
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 @pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("batched", [False, True], ids=["n,d", "B,H,n,d"])
 def test_softmax_attention_gradcheck(causal, rope, batched):
@@ -42,12 +29,9 @@ def test_softmax_attention_gradcheck(causal, rope, batched):
 
 @pytest.mark.parametrize("kind", ["elu+1", "favor+", "1+cos", "favor-trig"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_linear_attention_gradcheck(kind, placement, causal):
-    d = 4
-    fm = linrope.FeatureMap(kind, d, num_features=6 if "favor" in kind else 0, seed=2)
-    rope, _ = rope_for(placement, fm, d)
-    q, k, v = inputs((2, 1, 6, d), (2, 1, 6, d), (2, 1, 6, 3))
+    fm, rope, _, q, k, v = linear_case(kind, placement, 6, map_seed=2)
     # eps = 1: a signed denominator (full, favor-trig) near 0 would make finite differences of
     # the ratio meaningless; the kernels' handling of eps is the same for any value.
     eps = 1.0 if kind == "favor-trig" or placement == "full" else 1e-6
@@ -92,14 +76,14 @@ def test_rope_and_feature_map_gradcheck(layout):
                               original_max_position=16)
     assert torch.autograd.gradcheck(lambda x: rope(x, 3), (x,))
     for kind in ["elu+1", "favor+", "favor-hyp", "1+cos"]:
-        fm = linrope.FeatureMap(kind, 8, num_features=5 if "favor" in kind else 0)
+        fm = make_map(kind, 8, m=5)
         assert torch.autograd.gradcheck(lambda x: lt.feature_map_apply(x, fm), (x,))
 
 
-# ---- The functions against the reference ---------------------------------------------------------
+# ---- The functions against the reference --------------------------------------------------------
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@CAUSAL_OR_NOT
 def test_linear_attention_matches_the_reference_in_value_and_gradient(placement, causal):
     d = 8
     fm = linrope.FeatureMap("favor+", d, num_features=16, seed=4)
@@ -126,19 +110,25 @@ def test_softmax_attention_matches_the_reference_in_float32_and_float64():
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     out32 = lt.softmax_attention(q32, k32, v32, causal=True, rope=rope)
     assert out32.dtype == torch.float32
-    torch.testing.assert_close(out32.double(), expected, rtol=0, atol=1e-5)
-    out32.sum().backward()
-    (dq,) = torch.autograd.grad(expected.sum(), (q,))
-    torch.testing.assert_close(q32.grad.double(), dq, rtol=0, atol=1e-4)
+    exact = [x.detach() for x in (q, k, v)]
+    bounds.assert_within(out32, expected, bounds.softmax_bound(
+        *exact, torch.float32, causal=True, rope={}), "out")
+    g = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (out32 * g.float()).sum().backward()
+    wanted = torch.autograd.grad(expected, (q, k, v), g)
+    within = bounds.softmax_gradient_bounds(*exact, g, torch.float32, causal=True, rope={})
+    for name, x, want, bound in zip(("dq", "dk", "dv"), (q32, k32, v32), wanted, within):
+        bounds.assert_within(x.grad, want, bound, name)
 
 
-# ---- Memory ---------------------------------------------------------------------------------------
+# ---- Memory --------------------------------------------------------------------------------------
 
 def test_tensors_reach_the_kernels_without_a_copy():
+    # linrope.torch hands the kernels x.detach().numpy(), the tensor's own memory, which the
+    # module reads in place (_kernel_view: the address a kernel reads, the module's hook for this
+    # test).
     (x,) = inputs((2, 3, 8, 4))
-    view = lt._array(x, "test", "x")
-    assert view.ctypes.data == x.data_ptr()  # .detach().numpy() shares the memory
-    assert linrope._core._kernel_view(view) == x.data_ptr()
+    assert linrope._core._kernel_view(x.detach().numpy()) == x.data_ptr()
     q, k, v = inputs((2, 3, 8, 4), (2, 3, 8, 4), (2, 3, 8, 4))
     out = lt.softmax_attention(q, k, v)
     assert out.data_ptr() not in (q.data_ptr(), k.data_ptr(), v.data_ptr())
@@ -147,7 +137,7 @@ def test_tensors_reach_the_kernels_without_a_copy():
     torch.testing.assert_close(lt.softmax_attention(qt, k, v), out, rtol=0, atol=0)
 
 
-# ---- Layers ---------------------------------------------------------------------------------------
+# ---- Layers --------------------------------------------------------------------------------------
 
 class Block(nn.Module):
     """A pre-norm transformer block: the attention layer as a drop-in."""
@@ -274,6 +264,33 @@ def test_stats_redraws_and_state_dict():
     np.testing.assert_array_equal(copy.feature_map.projection, layer.feature_map.projection)
 
 
+def test_the_package_re_exports_its_modules_names():
+    from linrope.torch import functional, layers, states
+    assert set(lt.__all__) == {
+        "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
+        "feature_map_apply", "RotaryEmbedding", "MultiheadAttention",  # the first names
+        "KeyValueCache", "HeadRMSNorm", "RedrawSchedule"}
+    for module in (functional, layers, states):
+        for name in module.__all__:
+            assert getattr(lt, name) is getattr(module, name), name
+
+
+def test_head_rms_norm_and_the_redraw_schedule():
+    norm = lt.HeadRMSNorm(2, 4, eps=0.0).double()
+    x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    torch.testing.assert_close(norm(x).pow(2).mean(-1), torch.ones(3, 2, 5, dtype=torch.float64))
+    with torch.no_grad():
+        norm.weight[4:] = 3.0  # head 1's gain
+    nine = torch.full((3, 5), 9.0, dtype=torch.float64)
+    torch.testing.assert_close(norm(x)[:, 1].pow(2).mean(-1), nine)
+    schedule = lt.RedrawSchedule(3)
+    assert [schedule.due(done) for done in range(8)] == [False, False, False, True, False, False,
+                                                         True, False]
+    assert not any(lt.RedrawSchedule(0).due(done) for done in range(5))
+    with pytest.raises(ValueError, match="interval is -1 but expected >= 0"):
+        lt.MultiheadAttention(16, 2, "linear", redraw_interval=-1)
+
+
 def test_layers_deep_copy_and_save_whole():
     import copy
     import io
@@ -314,7 +331,7 @@ def test_bad_input():
         lt.MultiheadAttention(16, 2, "linear", feature_map="favor")
 
 
-# ---- Defaults: one place, the C++ structs --------------------------------------------------------
+# ---- Defaults: one place, the C++ structs -------------------------------------------------------
 
 def _python_defaults(f):
     import inspect
@@ -403,8 +420,10 @@ def test_decoding_token_by_token_equals_the_parallel_forward(options):
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-10, atol=1e-12)
     if options["attention"] == "linear":  # O(1) memory: the state's size never grew
+        assert isinstance(cache, lt.LinearState)
         assert cache.S.shape == (2, 2, layer.feature_map.output_dim, 8)
     else:
-        assert cache[0].shape == (2, 2, 12, 8)
+        assert isinstance(cache, lt.KeyValueCache) and cache.k is cache[0]
+        assert cache.k.shape == cache.v.shape == (2, 2, 12, 8)
     with pytest.raises(ValueError, match="take no lengths"):
         layer(x[:, :2], return_cache=True, lengths=[2, 1])

@@ -58,10 +58,17 @@ import zlib
 import torch
 import torch.distributed as dist
 
+import linrope
 from linrope import NonFiniteError
-from linrope.torch import LinearState, _LINEAR, _STATS, linear_attention as _local_attention
+from linrope.torch import functional
+from linrope.torch.states import LinearState, merge_states
 
-__all__ = ["ExchangeLog", "linear_attention", "record_exchanges", "state_bytes"]
+__all__ = ["ExchangeLog", "linear_attention", "record_exchanges", "sequence_parallel_problem",
+           "state_bytes"]
+
+# Defaults from the default-constructed C++ structs, so that each lives in the C++ header alone.
+_LINEAR = linrope.LinearOptions()
+_STATS = linrope.DenominatorStats()
 
 _PLACEMENTS = ("none", "before_map", "numerator_only", "full")
 _DTYPES = (torch.float32, torch.float64)
@@ -82,19 +89,34 @@ def state_bytes(batch, heads, m, d_v, dtype=torch.float32):
     return batch * heads * (m * (d_v + 1) * width + 8)
 
 
+def sequence_parallel_problem(causal, lengths_given=False):
+    """None when causal linear attention with these options can run over a sequence split across
+    ranks, else the reason (a sentence): it must be causal (a rank's tokens see only the earlier
+    ranks' states) and take no lengths (a split sequence has no padding). linear_attention below
+    and MultiheadAttention.sequence_parallel_problem refuse with it."""
+    if not causal:
+        return ("sequence_parallel needs causal=True: a rank's tokens see the earlier ranks' "
+                "states, never a later rank's keys")
+    if lengths_given:
+        return ("sequence_parallel takes no lengths (q_lengths, k_lengths): a split sequence has "
+                "no padding, each rank's slice is all tokens")
+    return None
+
+
 def _describe(q, k, v, feature_map, options, offsets, lengths_given, initial_given):
     """The call's description as int64 values (unusable input: -1), checked after the exchange
     (_check_descriptions) so that every rank raises together."""
     tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
-    four = tensors and all(t.dim() == 4 for t in (q, k, v))
+    four_dimensional = tensors and all(t.dim() == 4 for t in (q, k, v))
 
     def size(t, i):
-        return int(t.shape[i]) if four else -1
+        return int(t.shape[i]) if four_dimensional else -1
     dtype = q.dtype if tensors and q.dtype == k.dtype == v.dtype else None
-    finite = four and dtype in _DTYPES and all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+    finite = four_dimensional and dtype in _DTYPES and all(bool(torch.isfinite(t).all())
+                                                           for t in (q, k, v))
     rope = options["rope"]
-    return [4 if four else -1, size(q, 0), size(q, 1), size(q, 2), size(k, 2), size(q, 3),
-            size(v, 3), _DTYPES.index(dtype) if dtype in _DTYPES else -1,
+    return [4 if four_dimensional else -1, size(q, 0), size(q, 1), size(q, 2), size(k, 2),
+            size(q, 3), size(v, 3), _DTYPES.index(dtype) if dtype in _DTYPES else -1,
             int(feature_map.output_dim), int(feature_map.seed) % (1 << 62),
             zlib.crc32(feature_map.kind.encode()),
             _PLACEMENTS.index(options["placement"]) if options["placement"] in _PLACEMENTS else -1,
@@ -106,33 +128,31 @@ def _check_descriptions(rows):
     """The same message on every rank for the first problem among the ranks' descriptions."""
     first = dict(zip(_FIELDS, rows[0]))
     for rank, row in enumerate(rows):
-        here = dict(zip(_FIELDS, row))
+        described = dict(zip(_FIELDS, row))
         where = f"linrope.torch.distributed.linear_attention: rank {rank}"
-        if here["dimensions"] != 4:
+        if described["dimensions"] != 4:
             raise ValueError(f"{where}: q, k and v must be [B, H, n_local, d] tensors (4 "
                              f"dimensions each)")
-        if here["dtype"] < 0:
+        if described["dtype"] < 0:
             raise ValueError(f"{where}: q, k and v must share one dtype, torch.float32 or "
                              f"torch.float64")
-        if not here["causal"]:
-            raise ValueError(f"{where}: causal is False but a sequence split across ranks is "
-                             f"causal attention (pass causal=True)")
-        if here["lengths given"]:
-            raise ValueError(f"{where}: q_lengths or k_lengths given, but a split sequence has "
-                             f"no padding (each rank's slice is all tokens)")
-        if not here["finite"]:
+        problem = sequence_parallel_problem(described["causal"], described["lengths given"])
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        if not described["finite"]:
             raise NonFiniteError(f"{where}: q, k or v holds a non-finite value")
-        if here["q_offset"] != here["k_offset"]:
-            raise ValueError(f"{where}: q_offset is {here['q_offset']} but k_offset is "
-                             f"{here['k_offset']}; a split sequence's q and k are the same tokens")
-        if here["n_q"] != here["n_k"]:
-            raise ValueError(f"{where}: q has n_local = {here['n_q']} but k has "
-                             f"{here['n_k']}: a rank's q, k and v are the same tokens")
+        if described["q_offset"] != described["k_offset"]:
+            raise ValueError(f"{where}: q_offset is {described['q_offset']} but k_offset is "
+                             f"{described['k_offset']}; a split sequence's q and k are the same "
+                             f"tokens")
+        if described["n_q"] != described["n_k"]:
+            raise ValueError(f"{where}: q has n_local = {described['n_q']} but k has "
+                             f"{described['n_k']}: a rank's q, k and v are the same tokens")
         for field in _MUST_AGREE:
-            if here[field] != first[field]:
+            if described[field] != first[field]:
                 shown = _PLACEMENTS if field == "placement" else _DTYPES if field == "dtype" \
                     else None
-                a, b = first[field], here[field]
+                a, b = first[field], described[field]
                 if shown is not None:
                     a, b = shown[a] if a >= 0 else "?", shown[b] if b >= 0 else "?"
                 raise ValueError(f"{where}: {field} is {b} but rank 0's is {a}; every rank "
@@ -251,21 +271,15 @@ def _gather_scales(log_scale, group):
     return torch.stack(pieces)
 
 
-def _merge_masked(S, z, scales, keep, initial):
-    """The state holding the gathered states p with keep[p] (and `initial`, if any), written over
-    all P of them (masked by weight 0) so that every rank's output depends on the gathered tensor
-    and every rank's backward reaches the all_reduce."""
-    if initial is not None:
-        S = torch.cat([initial.S[None], S])
-        z = torch.cat([initial.z[None], z])
-        scales = torch.cat([initial.log_scale[None], scales])
-        keep = [True] + keep
-    mask = torch.tensor(keep)[:, None, None]
-    kept = torch.where(mask, scales, torch.full_like(scales, -torch.inf))
-    top = kept.max(0).values
-    weights = torch.exp(kept - torch.where(torch.isinf(top), torch.zeros_like(top), top))
-    w = weights.to(S.dtype)
-    return LinearState((w[..., None, None] * S).sum(0), (w[..., None] * z).sum(0), top)
+def _merge_ranks(S_all, z_all, scales, ranks, initial):
+    """The state holding `initial` (if any) and the gathered states of `ranks`. Every gathered
+    state enters merge_states, those of the other ranks at log scale -inf (weight 0), so that the
+    result depends on the whole gathered tensor and every rank's backward reaches the
+    all_reduce."""
+    left_out = torch.full_like(scales[0], -torch.inf)
+    states = [LinearState(S_all[p], z_all[p], scales[p] if p in ranks else left_out)
+              for p in range(len(scales))]
+    return merge_states(([] if initial is None else [initial]) + states)
 
 
 def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
@@ -287,16 +301,17 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, method=method,
                    chunk_size=chunk_size, denominator=denominator)
-    mine = _describe(q, k, v, feature_map, options, (q_offset, k_offset),
-                     q_lengths is not None or k_lengths is not None, initial_state is not None)
+    description = _describe(q, k, v, feature_map, options, (q_offset, k_offset),
+                            q_lengths is not None or k_lengths is not None,
+                            initial_state is not None)
     rows = [torch.empty(len(_FIELDS), dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(rows, torch.tensor(mine, dtype=torch.int64), group=group)
+    dist.all_gather(rows, torch.tensor(description, dtype=torch.int64), group=group)
     rows = [r.tolist() for r in rows]
     _check_descriptions(rows)
     offset = q_offset + sum(row[_FIELDS.index("n_q")] for row in rows[:rank])
     # 2. This rank's keys alone: a call without queries leaves their state.
-    _, local = _local_attention(q[:, :, :0], k, v, feature_map, q_offset=offset, k_offset=offset,
-                                return_state=True, **options)
+    _, local = functional.linear_attention(q[:, :, :0], k, v, feature_map, q_offset=offset,
+                                           k_offset=offset, return_state=True, **options)
     batch, heads, m, d_v = local.S.shape
     # 3. Every rank's state: S and z packed in q's dtype (differentiable), the scales apart.
     packed = torch.cat([local.S.reshape(batch, heads, m * d_v), local.z], -1)
@@ -306,11 +321,11 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     z_all = gathered[..., m * d_v:]
     initial = None if initial_state is None else LinearState(*initial_state)
     # 4. The ranks before this one, then this rank's slice from their state.
-    prefix = _merge_masked(S_all, z_all, scales, [p < rank for p in range(world)], initial)
-    result = _local_attention(q, k, v, feature_map, q_offset=offset, k_offset=offset,
-                              initial_state=prefix, return_stats=return_stats,
-                              stats_threshold=stats_threshold, **options)
+    prefix = _merge_ranks(S_all, z_all, scales, range(rank), initial)
+    result = functional.linear_attention(q, k, v, feature_map, q_offset=offset, k_offset=offset,
+                                         initial_state=prefix, return_stats=return_stats,
+                                         stats_threshold=stats_threshold, **options)
     if not return_state:
         return result
-    final = _merge_masked(S_all, z_all, scales, [True] * world, initial)
+    final = _merge_ranks(S_all, z_all, scales, range(world), initial)
     return (*result, final) if return_stats else (result, final)

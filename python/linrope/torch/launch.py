@@ -113,12 +113,12 @@ def run_group(commands, *, timeout, env=None, cwd=None, grace=None, poll=0.05):
         exits.append(RankExit(p.returncode, log.read()))
         log.close()
     if timed_out:
-        running = [r for r, e in enumerate(exits) if e.returncode == -signal.SIGKILL]
-        raise GroupTimeout("run_group: rank(s) %s %s and were killed. Their output "
-                           "(end):\n%s" % (", ".join(map(str, running)), reason, "\n".join(
-                               "--- rank %d (exit %s) ---\n%s" % (r, e.returncode,
-                                                                 _tail(e.output))
-                               for r, e in enumerate(exits))), exits)
+        running = ", ".join(str(r) for r, e in enumerate(exits)
+                            if e.returncode == -signal.SIGKILL)
+        outputs = "\n".join("--- rank %d (exit %s) ---\n%s" % (r, e.returncode, _tail(e.output))
+                            for r, e in enumerate(exits))
+        raise GroupTimeout("run_group: rank(s) %s %s and were killed. Their output (end):\n%s"
+                           % (running, reason, outputs), exits)
     return exits
 
 

@@ -1,0 +1,233 @@
+"""linrope.torch.functional: linrope's kernels as differentiable PyTorch functions (CPU tensors).
+
+    softmax_attention(q, k, v, causal, scale, rope, q_offset, k_offset, q_lengths, k_lengths)
+    linear_attention(q, k, v, feature_map, causal, placement, rope, eps, q_offset, k_offset,
+                     return_stats, stats_threshold, method, chunk_size, q_lengths, k_lengths,
+                     initial_state, return_state, denominator)
+    rope_apply(x, rope, first_position, positions)
+    feature_map_apply(x, feature_map)
+
+Each is a torch.autograd.Function over the C++ forward and backward: it saves only its inputs and
+options, and its backward calls the C++ backward. q_lengths / k_lengths (B entries: a list, array or
+tensor) mark padding in (B, H, n, d) batches: rows at or past them are not attended to, their
+outputs are 0 and their gradients 0. Tensors are float32 or float64, shaped (n, d) or (B, H, n, d),
+as in ``linrope``; arguments and names are those of the NumPy functions. Contiguous tensors reach
+the kernels without a copy (torch and NumPy share the memory), outputs are new tensors.
+"""
+import torch
+from torch.autograd.function import once_differentiable
+
+import linrope
+from linrope.torch.states import LinearState
+
+__all__ = ["softmax_attention", "linear_attention", "rope_apply", "feature_map_apply"]
+
+# The defaults of the options, read from the default-constructed C++ structs so that each lives in
+# the C++ header alone (the NumPy functions take theirs from the same structs).
+_SOFTMAX = linrope.SoftmaxOptions()
+_LINEAR = linrope.LinearOptions()
+_STATS = linrope.DenominatorStats()
+
+
+def _array(t, function, name):
+    """A NumPy view of the CPU tensor t (the same memory: the kernels read t in place)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{function}: {name} is a {type(t).__name__} but expected a torch.Tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"{function}: {name} is on {t.device} but linrope runs on the CPU")
+    # bfloat16 has no NumPy dtype: say so here rather than let .numpy() raise a TypeError.
+    if t.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{function}: {name} has dtype {t.dtype} but expected torch.float32 or "
+                         f"torch.float64")
+    return t.detach().numpy()
+
+
+def _tensors(arrays):
+    return tuple(torch.from_numpy(a) for a in arrays)
+
+
+def _int_list(values):
+    """Lengths or positions as the list of ints the module takes (None stays None); a
+    non-integer value is refused rather than truncated."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        values = values.reshape(-1).tolist()
+    result = [int(n) for n in values]
+    if any(n != v for n, v in zip(result, values)):
+        raise ValueError(f"lengths and positions must be integers, got {list(values)}")
+    return result
+
+
+class _SoftmaxAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        fn = "softmax_attention"
+        ctx.options = options
+        ctx.save_for_backward(q, k, v)
+        out = linrope.softmax_attention(_array(q, fn, "q"), _array(k, fn, "k"),
+                                        _array(v, fn, "v"), **options)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        fn = "softmax_attention_backward"
+        q, k, v = ctx.saved_tensors
+        grads = linrope.softmax_attention_backward(
+            _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
+            _array(d_out, fn, "d_out"), **ctx.options)
+        return (*_tensors(grads), None)
+
+
+def _state_arrays(state, function, name):
+    if state is None:
+        return None
+    S, z, log_scale = state
+    return (_array(S, function, name + ".S"), _array(z, function, name + ".z"),
+            _array(log_scale, function, name + ".log_scale"))
+
+
+class _LinearAttention(torch.autograd.Function):
+    """out (and, with return_state, the final state's S, z, log_scale) from q, k, v and an optional
+    initial state (S0, z0, log_scale0); the backward takes the gradients of out and of the final
+    S and z, and gives those of q, k, v, S0 and z0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, S0, z0, log_scale0, feature_map, options, stats, stats_threshold,
+                return_state):
+        fn = "linear_attention"
+        ctx.feature_map, ctx.options = feature_map, options
+        # The backward needs the W of this forward: a redraw in between would silently give the
+        # gradient of another function, so the seed is checked (MultiheadAttention redraws by
+        # making a new map instead, which leaves this one, held here, unchanged).
+        ctx.seed = feature_map.seed
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
+        ctx.save_for_backward(q, k, v, S0, z0, log_scale0)
+        initial = None if S0 is None else _state_arrays((S0, z0, log_scale0), fn, "initial_state")
+        result = linrope.linear_attention(
+            _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"), feature_map,
+            return_stats=stats is not None, stats_threshold=stats_threshold,
+            initial_state=initial, return_state=return_state, **options)
+        if stats is None and not return_state:
+            return torch.from_numpy(result)
+        out = result[0]
+        if stats is not None:
+            stats.update(result[1])
+        if not return_state:
+            return torch.from_numpy(out)
+        S, z, log_scale = _tensors(result[-1])
+        ctx.mark_non_differentiable(log_scale)
+        return torch.from_numpy(out), S, z, log_scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_S=None, d_z=None, _d_log_scale=None):
+        fn = "linear_attention_backward"
+        if ctx.feature_map.seed != ctx.seed:
+            raise RuntimeError(
+                f"{fn}: the feature map was redrawn (seed {ctx.seed} -> {ctx.feature_map.seed}) "
+                f"between the forward and the backward; redraw after backward(), or use a new "
+                f"FeatureMap")
+        q, k, v, S0, z0, log_scale0 = ctx.saved_tensors
+        if d_out is None:  # only the state was used
+            d_out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+        d_final = None
+        if d_S is not None or d_z is not None:
+            m = ctx.feature_map.output_dim
+            d_S = d_S if d_S is not None else q.new_zeros(q.shape[:-2] + (m, v.shape[-1]))
+            d_z = d_z if d_z is not None else q.new_zeros(q.shape[:-2] + (m,))
+            d_final = (_array(d_S, fn, "d_final_state.dS"), _array(d_z, fn, "d_final_state.dz"))
+        want_initial = S0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
+        initial = None if S0 is None else _state_arrays((S0, z0, log_scale0), fn, "initial_state")
+        grads = linrope.linear_attention_backward(
+            _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
+            _array(d_out, fn, "d_out"), ctx.feature_map, initial_state=initial,
+            d_final_state=d_final, return_state_gradient=want_initial, **ctx.options)
+        d_S0, d_z0 = _tensors(grads[3]) if want_initial else (None, None)
+        return (*_tensors(grads[:3]), d_S0, d_z0, None, None, None, None, None, None)
+
+
+class _RopeApply(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rope, first_position, positions):
+        ctx.rope, ctx.where = rope, dict(first_position=first_position, positions=positions)
+        return torch.from_numpy(rope.apply(_array(x, "Rope.apply", "x"), **ctx.where))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        dx = ctx.rope.apply_transpose(_array(d_out, "Rope.apply_transpose", "d_out"), **ctx.where)
+        return torch.from_numpy(dx), None, None, None
+
+
+class _FeatureMapApply(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, feature_map):
+        ctx.feature_map, ctx.seed = feature_map, feature_map.seed
+        ctx.save_for_backward(x)
+        return torch.from_numpy(feature_map.apply(_array(x, "FeatureMap.apply", "x")))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        fn = "FeatureMap.backward"
+        if ctx.feature_map.seed != ctx.seed:
+            raise RuntimeError(f"{fn}: the feature map was redrawn between forward and backward")
+        (x,) = ctx.saved_tensors
+        dx = ctx.feature_map.backward(_array(x, fn, "x"), _array(d_out, fn, "d_out"))
+        return torch.from_numpy(dx), None
+
+
+def softmax_attention(q, k, v, causal=_SOFTMAX.causal, scale=None, rope=None,
+                      q_offset=_SOFTMAX.q_offset, k_offset=_SOFTMAX.k_offset, q_lengths=None,
+                      k_lengths=None):
+    """Exact softmax attention, differentiable in q, k and v; see linrope.softmax_attention."""
+    options = dict(causal=causal, scale=scale, rope=rope, q_offset=q_offset, k_offset=k_offset,
+                   q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
+    return _SoftmaxAttention.apply(q, k, v, options)
+
+
+def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LINEAR.placement,
+                     rope=None, eps=_LINEAR.eps, q_offset=_LINEAR.q_offset,
+                     k_offset=_LINEAR.k_offset, return_stats=False,
+                     stats_threshold=_STATS.threshold, method=_LINEAR.method,
+                     chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
+                     initial_state=None, return_state=False, denominator=_LINEAR.denominator):
+    """Linear attention, differentiable in q, k and v (W held fixed); see
+    linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
+    forward; both give the same gradients. denominator=False computes o = num (no
+    normalisation; placement full is then numerator_only and is refused). With
+    return_stats=True returns (out, stats), stats a dict of the denominator statistics (min,
+    nonpositive, below_threshold, threshold, count, no_keys, zero_divisor;
+    include/linrope/attention.hpp says what each counts).
+
+    State in, state out (causal only): initial_state, a LinearState (or a tuple (S, z,
+    log_scale)), is the state of the tokens before these, whose positions q_offset and k_offset
+    then continue; return_state=True also returns the LinearState after every key of k, last in
+    the tuple: (out, state) or (out, stats, state). Both are differentiable in S and z, so a
+    sequence cut into parts and run part by part from each other's states gives the outputs and
+    gradients of one call on the whole (to rounding)."""
+    options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
+                   k_offset=k_offset, method=method, chunk_size=chunk_size,
+                   q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths),
+                   denominator=denominator)
+    stats = {} if return_stats else None
+    S0, z0, log_scale0 = (None, None, None) if initial_state is None else tuple(initial_state)
+    result = _LinearAttention.apply(q, k, v, S0, z0, log_scale0, feature_map, options, stats,
+                                    stats_threshold, bool(return_state))
+    if not return_state:
+        return (result, stats) if return_stats else result
+    out, state = result[0], LinearState(*result[1:])
+    return (out, stats, state) if return_stats else (out, state)
+
+
+def rope_apply(x, rope, first_position=0, positions=None):
+    """R x for a linrope.Rope, differentiable (the gradient is R^T): row i at first_position + i,
+    or at positions[i] (a list, array or tensor of n integers)."""
+    return _RopeApply.apply(x, rope, first_position, _int_list(positions))
+
+
+def feature_map_apply(x, feature_map):
+    """phi(x) row by row for a linrope.FeatureMap, differentiable in x (W held fixed)."""
+    return _FeatureMapApply.apply(x, feature_map)
