@@ -297,9 +297,11 @@ def _list_variants():
           "e.g. favor-numerator_only-m4x, elu-nodenom-retnet-conv4.")
 
 
-def _plan(args, plan_seams):
+def _plan(args, plan_seams=None):
+    """The plan the command line asks for; plan_seams: main's modes and model."""
     return plans.Plan(args.mode, args.tasks, args.variants, args.seeds, args.steps,
-                      args.redraw_interval, args.threads, args.lrs, args.stages, **plan_seams)
+                      args.redraw_interval, args.threads, args.lrs, args.stages,
+                      **(plan_seams or {}))
 
 
 def _with_text(configs, corpus):
