@@ -17,7 +17,8 @@ Data parallel, on one machine or several (see experiments/README.md):
 Every process takes its share of each global batch (a plan's batch must divide by the process
 count) and after each backward the processes average their gradients in one all-reduce (gloo):
 the numbers are the single process's, to float32 rounding. The runs are then trained one after
-another, all processes together (no --jobs); rank 0 alone writes. Threads per process: --threads (default 1).
+another, all processes together (no --jobs); rank 0 alone writes. Threads per process: --threads
+(default 1).
 
 Sequence parallel: the same command with --sequence-parallel. Every process then holds the whole
 global batch, each sequence cut along its length into one contiguous slice per process (n/W
