@@ -18,7 +18,7 @@ from training.parallel import TrainingGroup
 from training.train import Config, Run
 
 from torchrun_support import (assert_records_match, assert_same_records, first_sweep, lines,
-                              reference, saved_runs, torchrun, train_in_torchrun)
+                              reference, saved_runs, tiny_plan, torchrun, train_in_torchrun)
 
 
 # ---- in this process ----------------------------------------------------------------------
@@ -122,15 +122,8 @@ def test_jobs_is_refused_under_torchrun(monkeypatch, capsys):
 
 # ---- under torchrun -----------------------------------------------------------------------
 
-# Tiny runs through the real command line (--quick with these sizes): 12 steps, checkpoints
-# every 4, FAVOR+ redrawn every 2 steps.
-PLAN = dict(model=dict(d_model=16, layers=1, heads=1),
-            char_lm=dict(steps=12, batch_size=4, context=16, lrs=(1e-2,), warmup=2, eval_every=4,
-                         eval_tokens=64, final_eval_tokens=128, extrapolation=(1, 2), log_every=1,
-                         checkpoint_every=4, seeds=(0,), long=None),
-            mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
-                      more_features=None, checkpoint_every=4, mqar_settings=((16, 2), (32, 6)),
-                      mqar_vocab=64, mqar_test_size=16))
+# Tiny runs through the real command line: one layer, one head; FAVOR+ redrawn every 2 steps.
+PLAN = tiny_plan(layers=1, heads=1, context=16, mqar_settings=((16, 2), (32, 6)))
 VARIANT = "favor-numerator_only"
 
 

@@ -23,7 +23,8 @@ from training.train import Config, Run
 from training.variants import from_name
 
 from torchrun_support import (assert_records_match, assert_same_records, close, first_sweep,
-                              lines, reference, saved_runs, torchrun, train_in_torchrun)
+                              lines, reference, saved_runs, tiny_plan, torchrun,
+                              train_in_torchrun)
 
 TORCHRUN_ENVIRONMENT = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 
@@ -188,13 +189,7 @@ def test_sequences_shorter_than_the_process_count_are_refused(tiny, corpus):
 # Two layers (so that the second layer's input on rank 1 already depends on rank 0's slice) of
 # two heads; char_lm's 17 positions cut 8 + 9; MQAR's (16, 4) leaves rank 0 only the pairs (no
 # scored token: its gradient comes through its states alone), (32, 6) gives both ranks queries.
-PLAN = dict(model=dict(d_model=16, layers=2, heads=2),
-            char_lm=dict(steps=12, batch_size=4, context=17, lrs=(1e-2,), warmup=2, eval_every=4,
-                         eval_tokens=64, final_eval_tokens=128, extrapolation=(1, 2), log_every=1,
-                         checkpoint_every=4, seeds=(0,), long=None),
-            mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
-                      more_features=None, checkpoint_every=4, mqar_settings=((16, 4), (32, 6)),
-                      mqar_vocab=64, mqar_test_size=16))
+PLAN = tiny_plan(layers=2, heads=2, context=17, mqar_settings=((16, 4), (32, 6)))
 # --redraw-interval 2 redraws FAVOR+'s W; elu+1 has none to redraw.
 VARIANTS = ("favor-numerator_only", "elu-full")
 RUN_VARIANTS = ("favor-numerator_only-redraw2", "elu-full")
@@ -229,7 +224,7 @@ def test_two_processes_give_the_single_process_curve(sequence_ranks):
     over the slices). The rounding differs from data parallel's only in where the sums are split:
     the loss's mean (over each slice, then the ranks) and each layer's causal sums (rank 1's from
     the gathered state of rank 0's keys plus its own, against one running sum). Measured here
-    over the 12 steps: the loss within 2e-7 relative (6e-8 at step 1), the gradient norms 5e-7,
+    over the 12 steps: the loss within 3.4e-7 relative, the gradient norms 5e-7,
     the denominator minima 7e-7 -- 2e-5 is 40 times that. Attention that did not span the ranks
     (each slice from an empty state) departs from the curve by 4e-3 to 1e-2 within these 12 steps
     (measured on these runs), 200 times the tolerance; unweighted slice means give MQAR's empty

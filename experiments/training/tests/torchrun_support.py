@@ -30,6 +30,19 @@ TIMEOUT = 120  # seconds for one torchrun; a run here takes ~10
 RELATIVE = 2e-5
 
 
+def tiny_plan(layers, heads, context, mqar_settings):
+    """TRAINING_TEST_PLAN for runs of seconds through the real command line (--quick with these
+    sizes: d_model 16, 12 steps, checkpoints every 4, one seed, no long context)."""
+    return dict(model=dict(d_model=16, layers=layers, heads=heads),
+                char_lm=dict(steps=12, batch_size=4, context=context, lrs=(1e-2,), warmup=2,
+                             eval_every=4, eval_tokens=64, final_eval_tokens=128,
+                             extrapolation=(1, 2), log_every=1, checkpoint_every=4, seeds=(0,),
+                             long=None),
+                mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
+                          more_features=None, checkpoint_every=4, mqar_settings=mqar_settings,
+                          mqar_vocab=64, mqar_test_size=16))
+
+
 def torchrun(args, cwd, processes=2, env=None):
     """Runs python3 -m torch.distributed.run with `processes` workers on 127.0.0.1 (args after
     torchrun's own, e.g. [ENTRY, ...] or ["-m", "training", ...]); returns (exit status, its
