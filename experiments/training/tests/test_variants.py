@@ -5,7 +5,7 @@ wrong; the layer built from a record has the record's options."""
 import pytest
 
 from training import plans
-from training.model import Decoder
+from training.model import Decoder, attention_arguments
 from training.variants import CATALOGUE, FEATURE_MAPS, Variant, from_name
 
 
@@ -95,3 +95,14 @@ def test_the_decoder_builds_its_layers_from_the_record():
     assert softmax.attention == "softmax" and softmax.rope is None
     nodenom = Decoder(40, from_name("elu-nodenom"), 16, 1, 2, seed=0).blocks[0].attention
     assert nodenom.denominator is False and nodenom.placement == "numerator_only"
+
+
+def test_decay_and_short_convolution_reach_the_layer_only_when_set():
+    """The layer's arguments carry decay and short_conv exactly when the record sets them (the
+    layer's options for them are linrope's decay work: until then the catalogue never asks)."""
+    for variant in CATALOGUE:
+        assert not {"decay", "short_conv"} & set(attention_arguments(variant, 16, 2))
+    args = attention_arguments(from_name("elu-nodenom-decay0.9-conv4"), 16, 2)
+    assert (args["decay"], args["short_conv"]) == (0.9, 4)
+    assert attention_arguments(from_name("softmax-rope-conv3"), 16, 2)["short_conv"] == 3
+    assert attention_arguments(from_name("favor-full-retnet"), 16, 2)["decay"] == "retnet"
