@@ -18,7 +18,7 @@ from analysis.common import write_csv, write_json  # experiments/analysis
 
 from .generate import PROMPT, load_model, measure, sample
 from .plans import best_lr
-from .variants import SOFTMAX_ROPE
+from .variants import SOFTMAX_ROPE, in_catalogue_order
 
 SAMPLE_TOKENS = 160
 TEMPERATURE = 0.8
@@ -27,12 +27,12 @@ COLUMNS = ["variant", "context", "lr", "position", "seconds_per_token", "cache_b
 
 def first_seed_models(results, out, context):
     """variant -> (the path of its first seed's model at its best learning rate, the mean final
-    bpc of its seeds there), over the char_lm results at `context`, in their order; a variant
+    bpc of its seeds there), over the char_lm results at `context`, in catalogue order; a variant
     with W redrawn only where the same variant with W fixed was not trained."""
     runs = [r for r in results if r.task == "char_lm" and r.context == context]
     variants_run = {r.variant for r in runs}
     chosen = {}
-    for variant in dict.fromkeys(r.variant for r in runs):
+    for variant in in_catalogue_order({r.variant for r in runs}):
         if variant.redraw_interval and variant.replace(redraw_interval=0) in variants_run:
             continue
         lr = best_lr(runs, variant, context)

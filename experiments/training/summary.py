@@ -16,7 +16,7 @@ from analysis.common import crossover, num, read_rows  # experiments/analysis
 from .plans import best_lr, grid_runs
 from .results import read_tables
 from .step_time import VARIANTS_TIMED
-from .variants import SOFTMAX_ROPE
+from .variants import SOFTMAX_ROPE, in_catalogue_order
 
 
 def _rows(out, name):
@@ -86,7 +86,7 @@ def _cell(runs):
 
 def _char_lm(results, context):
     """One training context's grid, best rates, cells (W fixed) and redrawn cells."""
-    variants = list(dict.fromkeys(r.variant for r in results))
+    variants = in_catalogue_order({r.variant for r in results})
     grid, best, cells, redrawn = {}, {}, {}, {}
     for v in variants:
         rate = best_lr(results, v, context)
@@ -119,7 +119,8 @@ def summarise(out):
             [r for r in results if r.task == "char_lm" and r.context == context], context)
             for context in contexts}
     mqar = [r for r in results if r.task == "mqar"]
-    cells = list(dict.fromkeys(r.cell for r in mqar))
+    cells = sorted({r.cell for r in mqar}, key=lambda cell: (
+        in_catalogue_order({r.variant for r in mqar}).index(cell[2]), cell[3]))
     if cells:
         summary["mqar"] = {cell[2].name: _cell([r for r in mqar if r.cell == cell])
                            for cell in cells}

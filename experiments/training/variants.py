@@ -204,3 +204,14 @@ def _catalogue():
 # too: the plans and --variants take them by name.
 CATALOGUE = _catalogue()
 SOFTMAX_ROPE = Variant("softmax")
+
+
+def in_catalogue_order(variants):
+    """variants sorted as the study's tables list them: by their catalogue variant (the record
+    without its extras), then by the extras."""
+    def key(v):
+        base = v.replace(feature_factor=DEFAULT_FEATURE_FACTOR, redraw_interval=0, decay=None,
+                         short_conv=0)
+        return (CATALOGUE.index(base) if base in CATALOGUE else len(CATALOGUE), v.feature_factor,
+                v.redraw_interval, str(v.decay), v.short_conv)
+    return sorted(variants, key=key)

@@ -6,7 +6,8 @@ import pytest
 
 from training import plans
 from training.model import Decoder, attention_arguments
-from training.variants import CATALOGUE, FEATURE_MAPS, Variant, from_name
+from training.variants import (CATALOGUE, FEATURE_MAPS, Variant, from_name,
+                               in_catalogue_order)
 
 
 def every_planned_variant():
@@ -106,3 +107,13 @@ def test_decay_and_short_convolution_reach_the_layer_only_when_set():
     assert (args["decay"], args["short_conv"]) == (0.9, 4)
     assert attention_arguments(from_name("softmax-rope-conv3"), 16, 2)["short_conv"] == 3
     assert attention_arguments(from_name("favor-full-retnet"), 16, 2)["decay"] == "retnet"
+
+
+def test_tables_list_variants_in_catalogue_order():
+    """By the catalogue variant under the extras, then the extras: the committed study's tables
+    keep their row order whatever order the runs were trained in."""
+    names = ["favor-nodenom", "favor-numerator_only-m4x", "elu-full-conv4", "softmax-rope",
+             "favor-numerator_only", "cos-none", "elu-full"]
+    assert [v.name for v in in_catalogue_order(map(from_name, names))] == [
+        "softmax-rope", "elu-full", "elu-full-conv4", "favor-numerator_only",
+        "favor-numerator_only-m4x", "favor-nodenom", "cos-none"]
