@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: install dependencies, then build and test three times —
+# The whole test suite: install dependencies, check the Python sources' style (flake8), then build
+# and test three times —
 #   Release with warnings as errors (benchmarks built too, so they keep compiling); then the Python
 #     package installed with pip (from that build) into a fresh venv, build/venv, and its pytest
 #     suites (python/tests, experiments/training/tests) and the README's example run from outside
@@ -82,7 +83,14 @@ sanitizers() {
     --output-on-failure -LE install
 }
 
+# The Python sources' style (pycodestyle's and pyflakes' checks, lines up to 100 characters, as
+# .clang-format's ColumnLimit): seconds, so first.
+python_style() {
+  flake8 --max-line-length 100 "$ROOT/python" "$ROOT/experiments" "$ROOT/bench" "$ROOT/examples"
+}
+
 install_dependencies
+pass "Python style" python_style
 pass Release release
 pass "Python package" python_package
 [ "${LINROPE_SKIP_PORTABLE:-0}" = 1 ] || pass "portable serial" portable_serial
