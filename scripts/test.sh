@@ -12,7 +12,9 @@
 #     every parallel loop. One pass for both: which kernel runs and how the work is spread over
 #     threads are independent (every loop goes through parallel_for, whatever kernel it runs), and
 #     two passes cost CI ~5 more minutes.
-#   AddressSanitizer + UndefinedBehaviorSanitizer (RelWithDebInfo, so the sanitized run stays fast).
+#   AddressSanitizer + UndefinedBehaviorSanitizer (RelWithDebInfo, so the sanitized run stays fast)
+#     on the library and the experiments' programs; the tests' references and harness are linked
+#     with the runtimes but not instrumented (CMakeLists.txt, LINROPE_SANITIZE).
 # Set LINROPE_SKIP_PORTABLE=1 or LINROPE_SKIP_SANITIZERS=1 to leave out those passes. Each pass
 # prints how long it took.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
