@@ -6,6 +6,7 @@
 
 #include "common/check.hpp"
 #include "common/enum_names.hpp"
+#include "linear/linear_checks.hpp"
 #include "linear/linear_kernel.hpp"
 #include "linear/state_views.hpp"
 
@@ -59,20 +60,11 @@ PlacementPlan plan_placement(const LinearOptions& options) {
 namespace {
 
 template <class T>
-void check_single_inputs(std::string_view fn, const Matrix<T>& q, const Matrix<T>& k,
-                         const Matrix<T>& v) {
-  if (k.cols() != q.cols())
-    detail::throw_invalid(fn, "k is ", detail::shape_of(k), " but q has d = ", q.cols());
-  if (v.rows() != k.rows())
-    detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but k has ", k.rows(), " rows");
-}
-
-template <class T>
 Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                         const FeatureMap& map, const LinearOptions& options,
                         DenominatorStats* stats) {
   constexpr std::string_view fn = "linear_attention";
-  check_single_inputs(fn, q, k, v);
+  detail::check_single_inputs(fn, q, k, v);
   detail::check_linear_setup(fn, map, options, q.cols());
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.rows());
@@ -103,7 +95,7 @@ Matrix<T> linear_single_continued(const Matrix<T>& q, const Matrix<T>& k, const 
                                   const FeatureMap& map, const LinearOptions& options,
                                   LinearAttentionState<T>& state, DenominatorStats* stats) {
   constexpr std::string_view fn = "linear_attention";
-  check_single_inputs(fn, q, k, v);
+  detail::check_single_inputs(fn, q, k, v);
   const Index m = map.output_dim(), d_v = v.cols();
   detail::check_state(fn, "state", state, m, d_v);
   Matrix<T> out(q.rows(), d_v);

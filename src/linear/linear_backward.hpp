@@ -273,6 +273,25 @@ template <class T>
 void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index q_end,
                         QueryState<T>& state);
 
+// The denominator's terms of a block of queries, from their Ga [rows x m] (S~_i g~_i) and divisors
+// D~_i (0: a zero output row): delta_i = -<a~_i, Ga_i> / D~_i into delta[r] (0 for a zero row,
+// and without a denominator), and Gb_i = delta_i z~_i (z_of(r): row r's z~, [1 x m]) into gb,
+// overwritten, where the denominator side is other rows (NumeratorOnly), else added into ga.
+template <class T, class ZOf>
+void denominator_terms(const FeatureRows<T>& queries, const double* divisor, ZOf z_of,
+                       RowMap<T>& ga, RowMap<T>& gb, double* delta) {
+  const LinearSetup& setup = queries.setup();
+  const bool separate = setup.plan.separate_denominator;
+  RowMap<T>& den_side = separate ? gb : ga;
+  if (separate) gb.setZero();
+  for (Index r = 0; r < queries.rows(); ++r) {
+    delta[r] = divisor[r] == 0 || !setup.options.denominator
+                   ? 0.0
+                   : -double(queries.num().row(r).dot(ga.row(r))) / divisor[r];
+    den_side.row(r) += T(delta[r]) * z_of(r);
+  }
+}
+
 // g~_i = g_i / D~_i for one row (zeros when the output row is zero: divisor 0).
 template <class T>
 void scaled_gradient(const T* g, T* out, Index d_v, double divisor) {

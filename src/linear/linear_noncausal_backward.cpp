@@ -37,14 +37,9 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
       scaled_gradient(d_out + (qs + r) * d_v, g.data() + r * d_v, d_v, divisor[r]);
     }
     gemm(const_view(g), const_view(keys_state.S).transposed(), view(ga), Write::Overwrite);
-    RowMap<T>& den_side = separate ? gb : ga;
-    if (separate) gb.setZero();
-    for (Index r = 0; r < rows; ++r) {
-      delta[r] = divisor[r] == 0 || !setup.options.denominator
-                     ? 0.0
-                     : -double(queries.num().row(r).dot(ga.row(r))) / divisor[r];
-      den_side.row(r) += T(delta[r]) * keys_state.z.transpose();
-    }
+    denominator_terms(
+        queries.all(), divisor.data(), [&](Index) { return keys_state.z.transpose(); }, ga, gb,
+        delta.data());
     absorb_queries(queries_state, queries.all(),
                    QueryTerms<T>{g.data(), delta.data(), scale.data()}, weighted.data());
     input_gradient(queries.all(), q + qs * d, q_offset + qs, ga.data(),

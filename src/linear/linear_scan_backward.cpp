@@ -74,15 +74,8 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
     }
     scan_steps(st.data(), d_v, m, steps);  // Ga = S~_i g~_i, at each row's own scale M_i
     // delta and Gb = delta z~, then dq.
-    RowMap<T>& den_side = separate ? gb : ga;
-    if (separate) gb.setZero();
-    for (Index r = 0; r < rows; ++r) {
-      const double D = divisor[r];
-      const double delta =
-          D == 0 || !s.options.denominator ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / D;
-      c.delta[qs + r] = delta;
-      den_side.row(r) += T(delta) * z.row(r);
-    }
+    denominator_terms(
+        queries, divisor, [&](Index r) { return z.row(r); }, ga, gb, c.delta + qs);
     input_gradient(queries, h.q + qs * d, h.q_offset + qs, ga.data(),
                    separate ? gb.data() : nullptr, h.dq + qs * d);
   }
