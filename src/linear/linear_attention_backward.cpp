@@ -30,7 +30,7 @@ AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, co
                                       const Matrix<T>& d_out, const FeatureMap& map,
                                       const LinearOptions& options) {
   detail::check_single_inputs(kFn, q, k, v, &d_out);
-  detail::check_linear_setup(kFn, map, options, q.cols());
+  detail::check_linear_setup(kFn, map, options, q.cols(), 1);
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.rows());
   // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp), as in the
@@ -58,7 +58,7 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
   using detail::slice_out;
   using detail::valid_rows;
   detail::check_backward_heads(kFn, q, k, v, d_out, dq, dk, dv);
-  detail::check_linear_setup(kFn, map, options, q.d);
+  detail::check_linear_setup(kFn, map, options, q.d, q.heads);
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup(map, options, q.d, v.d);
@@ -76,6 +76,7 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
     const Index s = b * q.heads + h, n = valid_rows(q, b), n_k = valid_rows(k, b);
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[s];
+    setup_of_slice.use_decay(detail::decay_of(options, h));
     const detail::StatePorts<T> ports{detail::S_of(from, s),
                                       detail::z_of(from, s),
                                       detail::log_scale_of(from, s),

@@ -14,7 +14,8 @@
 //   Gc_j = sum_{i sees j} exp(gamma_j - M_i) (g~_i . v_j) a~_i     = exp(gamma_j) dL/dc_j
 //   Ge_j = sum_{i sees j} exp(gamma_j - M_i) delta_i b~_i          = exp(gamma_j) dL/de_j
 //   dv_j = sum_{i sees j} exp(gamma_j - M_i) <a~_i, c~_j> g~_i
-// Every weight exp(gamma_j - M_i) is at most 1 (M_i is the largest scale query i sees), so large
+// Every weight exp(gamma_j - M_i) is at most 1 (M_i is the largest scale query i sees; e^H with a
+// decay's headroom H, linear_kernel.hpp), so large
 // inputs give finite gradients, and a causal key's gradient, like a causal output, reads only what
 // may see it. The feature gradients are on the features' reciprocal scale, the form
 // FeatureMap::backward_rows takes: input_gradient turns them into dq and dk (through R^T where the
@@ -219,8 +220,8 @@ struct CausalGradients {
       : head(h),
         setup(s),
         shift(h.q_offset - h.k_offset),
-        queries(s, h.n, Plain::Kept),
-        keys(s, h.n_k, Plain::Kept),
+        queries(s, Role::Queries, h.n, Plain::Kept),
+        keys(s, Role::Keys, h.n_k, Plain::Kept),
         g_(h.n * s.d_v, Lifetime::Thread),
         delta_(h.n, Lifetime::Thread),
         scale_(h.n, Lifetime::Thread),

@@ -24,7 +24,7 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
                     const HeadStates<T>* final = nullptr) {
   constexpr std::string_view fn = "linear_attention";
   check_heads(fn, q, k, v, out);
-  detail::check_linear_setup(fn, map, options, q.d);
+  detail::check_linear_setup(fn, map, options, q.d, q.heads);
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup(map, options, q.d, v.d);
@@ -43,6 +43,7 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     detail::DenominatorTally* tally = stats ? &tallies[s] : nullptr;
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[s];
+    setup_of_slice.use_decay(detail::decay_of(options, h));
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
     const detail::LinearHead<T> head{
         slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, n_k,
@@ -56,8 +57,8 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
           keep_state ? detail::FinalState::EveryKey : detail::FinalState::Discarded, tally,
           threading);
       if (keep_state)
-        detail::store_state(state, detail::S_of(*final, s), detail::z_of(*final, s),
-                            final->log_scale + s);
+        detail::store_state(state, setup_of_slice, n_k, detail::S_of(*final, s),
+                            detail::z_of(*final, s), final->log_scale + s);
     } else {
       detail::linear_noncausal(head, setup_of_slice, tally, threading);
     }
