@@ -6,6 +6,8 @@ import torch
 import linrope
 
 PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
+# The maps with a random projection W (FeatureMap.projection).
+FAVOR = {"favor+", "favor-trig", "favor-hyp"}
 # A test parametrized over causal and non-causal attention.
 CAUSAL_OR_NOT = pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 
@@ -13,6 +15,18 @@ CAUSAL_OR_NOT = pytest.mark.parametrize("causal", [False, True], ids=["noncausal
 def randn(rng, *shape, dtype=np.float64, scale=1.0):
     """A NumPy array of normal draws from the generator rng, times scale."""
     return (scale * rng.standard_normal(shape)).astype(dtype)
+
+
+def t(a):
+    """A NumPy array as a float64 tensor (for the reference)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(torch.float64)
+
+
+def close(actual, expected, tol=1e-9):
+    """Equal to within tol relative to the largest |expected| (at least 1)."""
+    expected = expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected
+    scale = max(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=tol * scale)
 
 
 def inputs(*shapes, dtype=torch.float64, scale=0.5, seed=0):

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import linrope
+import cases
 import reference as ref
-from conftest import randn
-from test_numpy import FAVOR, PLACEMENTS, close, make_map, rope_for, t
+from cases import FAVOR, PLACEMENTS, close, randn, rope_for, t
 
 KINDS = ["elu+1", "favor+", "1+cos", "favor-trig"]
 DECAYS = [1.0, 0.97, 0.5, 1e-3]
@@ -32,7 +32,7 @@ def forms():
 
 
 def problem(rng, kind, placement, lead, n=9, n_k=9, d=6, dv=4):
-    fm = make_map(kind, d)
+    fm = cases.make_map(kind, d, m=24, seed=3)
     q, k = randn(rng, *lead, n, d, scale=0.5), randn(rng, *lead, n_k, d, scale=0.5)
     v = randn(rng, *lead, n_k, dv)
     rope, rope_ref = rope_for(placement, fm, d)

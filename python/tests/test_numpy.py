@@ -15,26 +15,14 @@ import linrope
 import bounds
 import reference as ref
 import cases
-from cases import CAUSAL_OR_NOT, PLACEMENTS, randn, rope_for
+from cases import CAUSAL_OR_NOT, FAVOR, PLACEMENTS, close, randn, rope_for, t
 
 MAP_KINDS = ["elu+1", "relu", "favor+", "favor-trig", "1+cos", "favor-hyp"]
-FAVOR = {"favor+", "favor-trig", "favor-hyp"}
-
-
-def t(a):
-    return torch.from_numpy(np.ascontiguousarray(a)).to(torch.float64)
 
 
 def make_map(kind, d):
     """The maps of these tests: 24 features for the favor maps, seed 3."""
     return cases.make_map(kind, d, m=24, seed=3)
-
-
-def close(actual, expected, tol=1e-9):
-    """Equal to within tol relative to the largest |expected| (at least 1)."""
-    expected = expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected
-    scale = max(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=tol * scale)
 
 
 # ---- RoPE ----------------------------------------------------------------------------------------

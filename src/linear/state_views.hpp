@@ -49,8 +49,8 @@ void require_finite_states(std::string_view fn, std::string_view name, const Hea
   if (!with_scale) return;
   for (Index i = 0; i < slices; ++i)
     if (std::isnan(s.log_scale[i]) || s.log_scale[i] == std::numeric_limits<double>::infinity())
-      throw_invalid(fn, name, ".log_scale[", i / s.heads, ", ", i % s.heads, "] is ",
-                    s.log_scale[i], " but expected a finite value or -inf (an empty state)");
+      throw_nonfinite(fn, name, ".log_scale[", i / s.heads, ", ", i % s.heads, "] is ",
+                      s.log_scale[i], " but expected a finite value or -inf (an empty state)");
 }
 
 // Slice s's pointers into a view (null when the view is "none").
