@@ -1,6 +1,7 @@
 // The causal scan: the recurrence one token at a time (the RNN view of Katharopoulos et al.), its
 // state swept in cache-sized strips by blocks of queries (scan_strips.hpp).
 #include <algorithm>
+#include <optional>
 
 #include "linear/linear_blocks.hpp"
 #include "linear/linear_forms.hpp"
@@ -29,9 +30,20 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
   Scratch<T> numerator(kScanBlock * d_v);     // the block's numerators, row-major
   Matrix<T> weighted;
   Vector<T> weights;
+  // A long scan sweeps S in panels (scan_strips.hpp); a stream's few tokens read it in place,
+  // where copying it in and out would cost more than the panels save.
+  std::optional<PanelState<T>> panels;
+  if (n >= kPanelSteps) {
+    panels.emplace(m, d_v);
+    panels->load(state.S);
+  }
+  const ScanState<T> S = panels ? panels->state() : ScanState<T>{state.S.data(), m, d_v, false};
   Index next = 0;  // keys [0, next) are in the state
   const auto absorb_until = [&](Index end) {
+    if (end <= next) return;
+    if (panels) panels->store(state.S);  // absorb's products and rescaling work on S itself
     absorb_through(state, keys, k, v, k_offset, next, end, weighted, weights);
+    if (panels) panels->load(state.S);
   };
   for (Index qs = 0; qs < n; qs += kScanBlock) {
     const Index rows = std::min(kScanBlock, n - qs);
@@ -62,13 +74,15 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
       scale[r] = state.M;
       den[r] = state.M == kEmpty ? 0.0 : double(queries.den().row(r).dot(state.z));
     }
-    scan_steps(state.S.data(), m, d_v, steps);
+    scan_steps(S, steps);
     for (Index r = 0; r < rows; ++r)
       write_output(out + (qs + r) * d_v, numerator.data() + r * d_v, d_v, den[r],
                    queries.log_scale(r) + scale[r], setup.options, tally);
     next = last;
   }
-  if (final_state == FinalState::EveryKey) absorb_until(n_k);
+  if (panels) panels->store(state.S);
+  if (final_state == FinalState::EveryKey)
+    absorb_through(state, keys, k, v, k_offset, next, n_k, weighted, weights);
 }
 
 template void causal_scan<float>(const LinearHead<float>&, const LinearSetup&, LinearState<float>&,

@@ -37,10 +37,9 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
     const Index prefix = c.first_key(0);
     if (prefix > 0) absorb(state, c.keys.range(0, prefix), h.v, weighted, weights);
   }
-  Scratch<T> transposed(d_v * m), ga_rows(kScanBlock * m), gb_rows(kScanBlock * m),
-      z_rows(kScanBlock * m);
-  RowMap<T> st(transposed.data(), d_v, m);  // S^T, at the scale state.M
-  st = state.S.transpose();
+  Scratch<T> ga_rows(kScanBlock * m), gb_rows(kScanBlock * m), z_rows(kScanBlock * m);
+  PanelState<T> st(d_v, m);  // S^T, at the scale state.M
+  st.load(state.S.transpose());
   ScanSteps<T> steps;
   double divisor[kScanBlock];  // D~ of the block's rows (0: a zero output)
   for (Index qs = q_begin; qs < q_end; qs += kScanBlock) {
@@ -75,7 +74,7 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       steps.read[r] = c.g + i * d_v;
       steps.out[r] = ga_rows.data() + r * m;
     }
-    scan_steps(st.data(), d_v, m, steps);  // Ga = S~_i g~_i, at each row's own scale M_i
+    scan_steps(st.state(), steps);  // Ga = S~_i g~_i, at each row's own scale M_i
     // delta and Gb = delta z~, then dq.
     denominator_terms(
         queries, divisor, [&](Index r) { return z.row(r); }, ga, gb, c.delta + qs);
@@ -94,9 +93,10 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
   if (k_begin == k_end) return;  // a segment past the horizon, or whose queries see no key
   // The segment's queries whose own key lies at or past k_end see every key of it: in first.
   absorb_query_range(state, c, std::clamp(k_end - c.shift, Index(0), q_end), q_end);
-  Scratch<T> transposed(d_v * m), gc_rows(kScanBlock * m), ge_rows(kScanBlock * m);
-  RowMap<T> ut(transposed.data(), d_v, m);  // U^T, at the scale state.K
-  ut = state.U.transpose();
+  Scratch<T> gc_rows(kScanBlock * m), ge_rows(kScanBlock * m);
+  PanelState<T> u(m, d_v), ut(d_v, m);  // U and U^T, at the scale state.K
+  u.load(state.U);
+  ut.load(state.U.transpose());
   ScanSteps<T> values, features;  // the dv sweep over U, the Gc sweep over U^T
   double read_scale[kScanBlock];  // K when key r reads the states
   const FeatureRows<T> queries = c.queries.all(), keys = c.keys.all();
@@ -133,8 +133,8 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
       features.out[r] = gc_rows.data() + (j - js) * m;
       ge.row(j - js) = state.y.transpose();
     }
-    scan_steps(state.U.data(), m, d_v, values);
-    scan_steps(ut.data(), d_v, m, features);
+    scan_steps(u.state(), values);
+    scan_steps(ut.state(), features);
     // Every read times exp(gamma_j - K); Ge = that times y, into Gc where the two sides are the
     // same rows.
     for (Index r = 0; r < rows; ++r) {
@@ -149,6 +149,7 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
     input_gradient(c.keys.range(js, rows), h.k + js * d, h.k_offset + js, gc.data(),
                    separate ? ge.data() : nullptr, h.dk + js * d);
   }
+  u.store(state.U);
 }
 
 template void scan_queries_backward<float>(CausalGradients<float>&, Index, Index,
