@@ -87,27 +87,41 @@ def run_case(rank, world, index, kind, placement, uneven, with_state):
     return got
 
 
-def layer_inputs(seed=11, batch=2, n=21, embed=16):
+def layer_inputs(seed=11, batch=2, n=21, embed=16, **options):
     torch.manual_seed(seed)
     layer = lt.MultiheadAttention(embed, 2, attention="linear", feature_map="favor+", causal=True,
-                                  seed=seed).double()
+                                  seed=seed, **options).double()
     g = torch.Generator().manual_seed(seed)
     x, d_out = [torch.randn(batch, n, embed, generator=g, dtype=torch.float64) for _ in range(2)]
     return layer, x, d_out
 
 
-def run_layer(rank, world):
+def run_layer(rank, world, lengths=None, **options):
     """The layer on this rank's slice, sequence-parallel: its output rows and its parameters'
-    gradients (this rank's share: summed over ranks, they are the whole's)."""
-    layer, x, d_out = layer_inputs()
-    lengths = slices(x.shape[1], world, uneven=True)
+    gradients (this rank's share: summed over ranks, they are the whole's), and how many
+    exchanges record_exchanges() saw."""
+    layer, x, d_out = layer_inputs(**options)
+    lengths = lengths or slices(x.shape[1], world, uneven=True)
     begin = sum(lengths[:rank])
     part = x[:, begin:begin + lengths[rank]].clone().requires_grad_()
     layer.sequence_parallel = True
-    out = layer(part)
+    with ltd.record_exchanges() as exchanges:
+        out = layer(part)
     (out * d_out[:, begin:begin + lengths[rank]]).sum().backward()
-    return dict(out=out.detach(), dx=part.grad,
+    return dict(out=out.detach(), dx=part.grad, recorded=len(exchanges),
+                pending=exchanges.pending(),
                 grads={name: p.grad for name, p in layer.named_parameters()})
+
+
+# (short_conv width, slice lengths) for 2 and 3 ranks, n = 11: slices shorter than k - 1 (the
+# halo then comes from several ranks, or reaches the sequence's start), and longer.
+SHORT_CONV_SLICES = {2: [(4, [2, 9]), (2, [9, 2])],
+                     3: [(4, [1, 1, 9]), (4, [5, 1, 5]), (3, [4, 4, 3])]}
+
+
+def run_short_conv_layers(rank, world):
+    return [run_layer(rank, world, lengths, n=11, short_conv=width)
+            for width, lengths in SHORT_CONV_SLICES[world]]
 
 
 def bad_input(rank, world):
@@ -127,6 +141,12 @@ def bad_input(rank, world):
             raised.append(None)
         except ValueError as e:
             raised.append((type(e).__name__, str(e)))
+    # A halo whose rows have 7 channels on rank 1, 6 on the others.
+    try:
+        ltd.halo(torch.randn(1, 4, 7 if rank == 1 else 6), 2)
+        raised.append(None)
+    except ValueError as e:
+        raised.append((type(e).__name__, str(e)))
     return raised
 
 
@@ -146,17 +166,18 @@ class FailingBackward(torch.autograd.Function):
         return grad, None
 
 
-def failed_backward(rank, world):
+def failed_backward(rank, world, short_conv=0):
     """Two sequence parallel layers, x -> first -> second -> loss, and a backward that raises on
     rank 1 (FailingBackward) above both layers ("above"), between them ("between") or nowhere
     (None). Every rank whose backward raises joins what it skipped (ExchangeLog.join_pending), as
     a trainer would: rank 1 first, then the others, whose linrope backward refuses the NaN rank 1
     sends. Last, a forward without grad. Per case: the calls recorded, the error (type: message)
     and the exchanges pending after it, before and after joining; whether x's gradient holds NaN
-    (when no error)."""
+    (when no error). short_conv=k: layers with a short convolution, whose halo exchange's
+    backward is joined as well."""
     torch.manual_seed(5)
     layers = [lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
-                                    rope=False).double() for _ in range(2)]
+                                    rope=False, short_conv=short_conv).double() for _ in range(2)]
     for layer in layers:
         layer.sequence_parallel = True
     x = torch.randn(1, 4, 8, dtype=torch.float64)
@@ -198,8 +219,12 @@ def main():
             result = [run_case(rank, world, i, *case) for i, case in enumerate(cases())]
         elif scenario == "layer":
             result = run_layer(rank, world)
+        elif scenario == "short_conv":
+            result = run_short_conv_layers(rank, world)
         elif scenario == "failed_backward":
             result = failed_backward(rank, world)
+        elif scenario == "failed_backward_short_conv":
+            result = failed_backward(rank, world, short_conv=3)
         else:
             result = bad_input(rank, world)
         torch.save(result, out)

@@ -2,6 +2,7 @@
 
     linear_attention(q, k, v, feature_map, *, group=None,
                      **options of linrope.torch.linear_attention)
+    halo(x, rows, *, group=None): the rows of the sequence just before this rank's slice
     record_exchanges() -> ExchangeLog: joins, after a failed backward, what the backward skipped
 
 Each rank of the torch.distributed group holds a contiguous slice of every sequence, q, k, v of
@@ -38,6 +39,18 @@ states, the scales; one all_reduce in the backward), each of O(P s) bytes or les
 H = 8, m = 256, d_v = 64, float32, s = 532 kB. Exact softmax attention would need every earlier
 rank's keys and values instead: O(n) bytes.
 
+A short convolution of width k (MultiheadAttention(short_conv=k)) needs, besides, the k - 1
+projected inputs of q, k and v before each rank's slice: halo(x, rows = k - 1) on x [B, n_local,
+C = 3 embed_dim], (k - 1) x 3 x embed_dim values per sequence per rank, so h = B (k - 1) C w
+bytes per rank (a rank whose slice is shorter sends its rows with zeros in front: always h):
+
+  forward        all_gather of 6 int64 (the call's description, with n_local): 48 (P - 1) bytes
+                 + all_gather of h from every rank: each rank receives (P - 1) h
+  backward       all_reduce of P h (the gradients of every rank's rows)
+
+(for B = 1, k = 4, embed_dim = 512, float32, h = 18 kB), recorded by record_exchanges() as the
+states' exchange is.
+
 A backward that fails on one rank (an error in some layer's backward, out of memory) leaves the
 other ranks blocked in the all_reduces that rank never reached. record_exchanges() notes the calls
 of a forward, and ExchangeLog.join_pending() makes the all_reduces their backward skipped, with
@@ -63,8 +76,8 @@ from linrope import NonFiniteError
 from linrope.torch import functional
 from linrope.torch.states import LinearState, merge_states
 
-__all__ = ["ExchangeLog", "linear_attention", "record_exchanges", "sequence_parallel_problem",
-           "state_bytes"]
+__all__ = ["ExchangeLog", "halo", "linear_attention", "record_exchanges",
+           "sequence_parallel_problem", "state_bytes"]
 
 # Defaults from the default-constructed C++ structs, so that each lives in the C++ header alone.
 _LINEAR = linrope.LinearOptions()
@@ -148,15 +161,27 @@ def _check_descriptions(rows):
         if described["n_q"] != described["n_k"]:
             raise ValueError(f"{where}: q has n_local = {described['n_q']} but k has "
                              f"{described['n_k']}: a rank's q, k and v are the same tokens")
-        for field in _MUST_AGREE:
-            if described[field] != first[field]:
-                shown = _PLACEMENTS if field == "placement" else _DTYPES if field == "dtype" \
-                    else None
-                a, b = first[field], described[field]
-                if shown is not None:
-                    a, b = shown[a] if a >= 0 else "?", shown[b] if b >= 0 else "?"
-                raise ValueError(f"{where}: {field} is {b} but rank 0's is {a}; every rank "
-                                 f"must make the same call on its own slice")
+        _check_agreement(described, first, _MUST_AGREE, where)
+
+
+def _exchange_description(description, group):
+    """Every rank's description (a list of ints of one length), in rank order."""
+    rows = [torch.empty(len(description), dtype=torch.int64)
+            for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, torch.tensor(description, dtype=torch.int64), group=group)
+    return [r.tolist() for r in rows]
+
+
+def _check_agreement(described, first, fields, where):
+    """ValueError for the first of `fields` in which a rank's description differs from rank 0's."""
+    for field in fields:
+        if described[field] != first[field]:
+            shown = _PLACEMENTS if field == "placement" else _DTYPES if field == "dtype" else None
+            a, b = first[field], described[field]
+            if shown is not None:
+                a, b = shown[a] if a >= 0 else "?", shown[b] if b >= 0 else "?"
+            raise ValueError(f"{where}: {field} is {b} but rank 0's is {a}; every rank must "
+                             f"make the same call on its own slice")
 
 
 class _Exchange:
@@ -241,10 +266,11 @@ def _note_exchange(packed, group, world):
     return exchange
 
 
-class _GatherStates(torch.autograd.Function):
-    """Every rank's packed (S, z) [B, H, m (d_v + 1)] -> [P, B, H, m (d_v + 1)]; the backward sums
-    the gradients of the gathered pieces over the ranks and returns this rank's own, and marks
-    `exchange` (if any) as run."""
+class _Gather(torch.autograd.Function):
+    """Every rank's piece (one shape on every rank: a packed state (S, z) [B, H, m (d_v + 1)], a
+    halo's rows [B, rows, C]) -> [P, *the piece's shape]; the backward sums the gradients of the
+    gathered pieces over the ranks and returns this rank's own, and marks `exchange` (if any) as
+    run."""
 
     @staticmethod
     def forward(ctx, packed, group, exchange):
@@ -304,9 +330,7 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     description = _describe(q, k, v, feature_map, options, (q_offset, k_offset),
                             q_lengths is not None or k_lengths is not None,
                             initial_state is not None)
-    rows = [torch.empty(len(_FIELDS), dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(rows, torch.tensor(description, dtype=torch.int64), group=group)
-    rows = [r.tolist() for r in rows]
+    rows = _exchange_description(description, group)
     _check_descriptions(rows)
     offset = q_offset + sum(row[_FIELDS.index("n_q")] for row in rows[:rank])
     # 2. This rank's keys alone: a call without queries leaves their state.
@@ -315,7 +339,7 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     batch, heads, m, d_v = local.S.shape
     # 3. Every rank's state: S and z packed in q's dtype (differentiable), the scales apart.
     packed = torch.cat([local.S.reshape(batch, heads, m * d_v), local.z], -1)
-    gathered = _GatherStates.apply(packed, group, _note_exchange(packed, group, world))
+    gathered = _Gather.apply(packed, group, _note_exchange(packed, group, world))
     scales = _gather_scales(local.log_scale, group)
     S_all = gathered[..., :m * d_v].reshape(world, batch, heads, m, d_v)
     z_all = gathered[..., m * d_v:]
@@ -329,3 +353,55 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
         return result
     final = _merge_ranks(S_all, z_all, scales, range(world), initial)
     return (*result, final) if return_stats else (result, final)
+
+
+# The fields of a halo call's description, in the order exchanged.
+_HALO_FIELDS = ("dimensions", "batch", "n_local", "channels", "rows", "dtype")
+_HALO_MUST_AGREE = ("batch", "channels", "rows", "dtype")
+
+
+def _describe_halo(x, rows):
+    usable = isinstance(x, torch.Tensor) and x.dim() == 3
+    return [3 if usable else -1, *(int(x.shape[i]) if usable else -1 for i in range(3)),
+            int(rows), _DTYPES.index(x.dtype) if usable and x.dtype in _DTYPES else -1]
+
+
+def _check_halo_descriptions(descriptions):
+    first = dict(zip(_HALO_FIELDS, descriptions[0]))
+    for rank, row in enumerate(descriptions):
+        described = dict(zip(_HALO_FIELDS, row))
+        where = f"linrope.torch.distributed.halo: rank {rank}"
+        if described["dimensions"] != 3 or described["dtype"] < 0:
+            raise ValueError(f"{where}: x must be a [B, n_local, C] tensor of torch.float32 or "
+                             f"torch.float64")
+        if described["rows"] < 0:
+            raise ValueError(f"{where}: rows is {described['rows']} but expected >= 0")
+        _check_agreement(described, first, _HALO_MUST_AGREE, where)
+
+
+def halo(x, rows, *, group=None):
+    """The `rows` rows of the sequence just before this rank's slice: x [B, n_local, C], this
+    rank's contiguous slice of every sequence (rank order = sequence order, any n_local) ->
+    [B, rows, C], oldest first, zeros where the sequence starts fewer than `rows` rows before.
+    The rows come from the rank before, or from several when their slices are shorter than
+    `rows`. Differentiable: the backward sends each row's gradient back to the rank holding it.
+    Each rank gathers every rank's last `rows` rows (zeros in front where its slice is shorter)
+    and its n_local, and takes the last `rows` real rows before its own slice; see the module's
+    docstring for the bytes. MultiheadAttention(short_conv=k) takes its convolution's k - 1 rows
+    of q, k and v so when sequence parallel."""
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    descriptions = _exchange_description(_describe_halo(x, rows), group)
+    _check_halo_descriptions(descriptions)
+    lengths = [row[_HALO_FIELDS.index("n_local")] for row in descriptions]
+    if rows == 0:
+        return x[:, :0]
+    zeros = x.new_zeros(x.shape[0], rows, x.shape[2])
+    tail = torch.cat([zeros, x], 1)[:, -rows:]
+    gathered = _Gather.apply(tail, group, _note_exchange(tail, group, world))
+    # Every rank's real rows among its tail, in sequence order: the last `rows` rows before a
+    # rank's slice are the last `rows` of those before it, since no rank gives more than `rows`.
+    real = [min(rows, n) for n in lengths]
+    ordered = torch.cat([zeros] + [gathered[p, :, rows - real[p]:] for p in range(world)], 1)
+    start = sum(real[:rank])
+    return ordered[:, start:start + rows]
