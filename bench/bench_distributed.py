@@ -1,10 +1,9 @@
 #!/usr/bin/python3
-"""Sequence and data parallelism on one machine: linrope.torch.distributed and DDP, timed and
-their bytes counted.
+"""Sequence parallelism on one machine: linrope.torch.distributed, timed and its bytes counted.
 
-The script launches its own worker processes (P in --processes; subprocess, gloo, init_method
-tcp://127.0.0.1:<free port>, a --collective-timeout on every collective and a --timeout on every
-launch, so that a hang ends as an error exit) and measures:
+The script launches its worker processes through linrope.torch.launch (P in --processes; gloo,
+init_method tcp://127.0.0.1:<free port>, a --collective-timeout on every collective and a
+--timeout on every launch, so that a hang ends as an error exit) and measures:
 
 1. mode "sequence": one layer's forward + backward of linrope.torch.distributed.linear_attention,
    causal, each rank holding an equal contiguous slice [B, H, n / P, d] of the sequence: B = 1,
@@ -17,66 +16,61 @@ launch, so that a hang ends as an error exit) and measures:
    path without the wrapper), the same inputs, timed the same way, in the P = 1 launches: the
    ratio sequence(P = 1) / single (same threads) is the wrapper's overhead (the keys-only pass
    for the state, the merge, the three collectives of a group of one).
-3. mode "ddp": data parallelism, torch.nn.parallel.DistributedDataParallel (gloo,
-   broadcast_buffers=False: the layers' buffers are a seed and a counter, equal on every rank)
-   around 2 pre-norm blocks of linrope.torch.MultiheadAttention(256, 4, attention="linear",
-   feature_map="favor+", causal=True) (RoPE numerator_only, m = 256) and an MLP 256-1024-256;
-   a global batch of --ddp-batch sequences of --ddp-n tokens split across the ranks, MSE loss,
-   SGD. Time per optimiser step (zero_grad, forward, backward, step; barrier-started, slowest
-   rank, median of --ddp-steps after 2 warm-up steps).
+
+Data parallelism's cost is measured where the project uses it, with the trainer's own step and
+all-reduce: `cd experiments && python3 -m training.ddp_cost`.
 
 Bytes are counted, not computed. In every worker torch.distributed.all_gather and all_reduce
 (the module attributes linrope.torch.distributed calls as dist.all_gather, dist.all_reduce) are
 wrapped with counters, per call and rank: for all_gather the bytes this rank contributes (sent)
 and the bytes of the other ranks' pieces it receives; for all_reduce the tensor's bytes (each
 rank's contribution and result; the bytes gloo moves on the wire for it depend on its
-algorithm, ~2 (P - 1) / P times that for a ring). DDP's gradients are counted by a
-communication hook wrapping default_hooks.allreduce_hook: the bytes of every bucket it
-all-reduces. The counts are checked against the formula in linrope.torch.distributed's
-docstring, per rank and per call (warm-up included), with s = B H (m (d_v + 1) w + 8), the
-state's bytes (S and z in w-byte elements, the float64 log scale):
+algorithm, ~2 (P - 1) / P times that for a ring). The counts are checked against the formula in
+linrope.torch.distributed's docstring, per rank and per call (warm-up included), with
+s = B H (m (d_v + 1) w + 8), the state's bytes (S and z in w-byte elements, the float64 log
+scale):
 
   forward    3 collectives (all_gather): 19 int64 (152 bytes), the packed state (S, z), the
              float64 log scales: sent s + 152, received (P - 1) (s + 152)
   backward   1 collective (all_reduce) of the P gathered packed states' gradients, without the
              scales: P (s - 8 B H) bytes
 
-and DDP's against 4 bytes x the number of parameters per step. Any disagreement makes the
-script exit 1 (after writing its CSV, where bytes_match says which rows). At the smallest n the
+Any disagreement makes the script exit 1 (after writing its CSV, where bytes_match says which
+rows). At the smallest n the
 distributed outputs are also checked against the whole-sequence call (max|diff| / max|out| <
 1e-4 at float32), else exit 1.
 
 Threads: P = 1 runs with 1 thread and with all the CPUs; P > 1 with max(1, CPUs // P) per
 process (torch.set_num_threads, linrope.set_num_threads and OMP_NUM_THREADS), so 2 and 4
 processes on 2 cores compare with P = 1 on 1 thread, like with like; 4 processes on 2 cores
-oversubscribe them. The environment is a user's (no GLIBC_TUNABLES). linrope: PYTHONPATH, else
+oversubscribe them. The environment is launch.environment's (OMP_WAIT_POLICY=PASSIVE: a waiting
+thread sleeps instead of spinning on a descheduled peer's time). linrope: PYTHONPATH, else
 build/release/python.
 
-Output: a CSV (--out, written to a temporary name then renamed) with one row per (mode, map,
-P, threads, n) and a table on stdout; progress on stderr.
+Output: a CSV (--out, written atomically by experiments/analysis/common.py's write_csv) with one
+row per (mode, map, P, threads, n) and a table on stdout; progress on stderr.
 
   PYTHONPATH=build/release/python /usr/bin/python3 bench/bench_distributed.py
   PYTHONPATH=build/release/python /usr/bin/python3 bench/bench_distributed.py --quick
 """
 import argparse
-import csv
 import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from analysis.common import write_csv  # noqa: E402  (the project's one CSV writer)
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 1, 8, 64, 64
-MAPS = {"favor+": 256, "elu+1": 64}  # kind -> m at d = 64
+FEATURE_COUNTS = {"favor+": 256, "elu+1": 64}  # kind -> m at d = 64
 PLACEMENT = "numerator_only"
 DESCRIPTION_BYTES = 19 * 8  # the call's description: 19 int64
 AGREEMENT = 1e-4
-DDP_EMBED, DDP_HEADS, DDP_HIDDEN, DDP_LAYERS = 256, 4, 1024, 2
+GRACE = 10.0  # seconds the other ranks of a launch have to end after one failed
 LONG_N, LONG_REPETITIONS = 32768, 3
 COLUMNS = ["mode", "map", "P", "threads", "n", "n_per_rank", "batch", "heads", "d", "m", "d_v",
            "repetitions", "median_ms", "min_ms", "max_ms", "forward_median_ms",
@@ -105,14 +99,9 @@ def parse_args(argv):
                         help=f"timed calls per case, the median (at most {LONG_REPETITIONS} at "
                              f"n >= {LONG_N}), after one warm-up call")
     parser.add_argument("--maps", default="favor+,elu+1", help="comma-separated: favor+, elu+1")
-    parser.add_argument("--ddp-n", type=int, default=512, help="DDP: tokens per sequence")
-    parser.add_argument("--ddp-batch", type=int, default=8,
-                        help="DDP: global batch (sequences), split across the ranks")
-    parser.add_argument("--ddp-steps", type=int, default=5, help="DDP: timed optimiser steps")
-    parser.add_argument("--no-ddp", action="store_true", help="skip data parallelism")
     parser.add_argument("--out", default="bench_distributed.csv", help="the CSV to write")
     parser.add_argument("--quick", action="store_true",
-                        help="n in 4096, 8192; P in 1, 2; 3 repetitions; DDP 3 steps")
+                        help="n in 4096, 8192; P in 1, 2; 3 repetitions")
     parser.add_argument("--timeout", type=float, default=1200.0,
                         help="seconds a launch (all of one P's work) may take")
     parser.add_argument("--collective-timeout", type=float, default=180.0,
@@ -124,19 +113,16 @@ def parse_args(argv):
         args.sizes = [n for n in args.sizes if n <= 8192]
         args.processes = [p for p in args.processes if p <= 2]
         args.repetitions = min(args.repetitions, 3)
-        args.ddp_steps = min(args.ddp_steps, 3)
     args.maps = [m for m in args.maps.split(",") if m]
     for kind in args.maps:
-        if kind not in MAPS:
-            parser.error(f"--maps: {kind!r} is not one of {', '.join(MAPS)}")
+        if kind not in FEATURE_COUNTS:
+            parser.error(f"--maps: {kind!r} is not one of {', '.join(FEATURE_COUNTS)}")
     for p in args.processes:
         for n in args.sizes:
             if p < 1 or n % p:
                 parser.error(f"n = {n} does not split evenly across P = {p} processes")
-    if not args.no_ddp and any(args.ddp_batch % p for p in args.processes):
-        parser.error(f"--ddp-batch {args.ddp_batch} does not split across every P")
-    if args.repetitions < 1 or args.ddp_steps < 1:
-        parser.error("--repetitions and --ddp-steps must be >= 1")
+    if args.repetitions < 1:
+        parser.error(f"--repetitions is {args.repetitions} but expected >= 1")
     return args
 
 
@@ -156,8 +142,6 @@ def predicted(world, m, width=4):
 def worker(rank, world, port, threads, job_path):
     import torch
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import linrope
     import linrope.torch as lt
@@ -231,7 +215,7 @@ def worker(rank, world, port, threads, job_path):
 
     agreement = []
     for kind in job["maps"]:
-        m = MAPS[kind]
+        m = FEATURE_COUNTS[kind]
         fm = linrope.FeatureMap(kind, HEAD_DIM, num_features=m if kind == "favor+" else 0,
                                 seed=7)
         assert fm.output_dim == m, (kind, fm.output_dim)
@@ -262,11 +246,8 @@ def worker(rank, world, port, threads, job_path):
             if rank == 0:
                 print(f"rank 0: {kind} n = {n} done", file=sys.stderr, flush=True)
 
-    ddp = None
-    if job["ddp"]:
-        ddp = run_ddp(job, rank, world, torch, nn, dist, lt, default_hooks)
     dist.barrier()
-    result = dict(rank=rank, world=world, threads=threads, records=records, ddp=ddp,
+    result = dict(rank=rank, world=world, threads=threads, records=records,
                   agreement=agreement, torch_threads=torch.get_num_threads(),
                   linrope_threads=linrope.get_num_threads())
     with open(job["out"] % rank, "w") as f:
@@ -274,65 +255,8 @@ def worker(rank, world, port, threads, job_path):
     dist.destroy_process_group()
 
 
-def run_ddp(job, rank, world, torch, nn, dist, lt, default_hooks):
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm1, self.norm2 = nn.LayerNorm(DDP_EMBED), nn.LayerNorm(DDP_EMBED)
-            self.attention = lt.MultiheadAttention(DDP_EMBED, DDP_HEADS, attention="linear",
-                                                   feature_map="favor+", causal=True)
-            self.mlp = nn.Sequential(nn.Linear(DDP_EMBED, DDP_HIDDEN), nn.GELU(),
-                                     nn.Linear(DDP_HIDDEN, DDP_EMBED))
-
-        def forward(self, x):
-            x = x + self.attention(self.norm1(x))
-            return x + self.mlp(self.norm2(x))
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(DDP_LAYERS)])
-    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    wrapped = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    buckets = []
-
-    def hook(state, bucket):
-        if buckets is not None:
-            buffer = bucket.buffer()
-            buckets.append(buffer.numel() * buffer.element_size())
-        return default_hooks.allreduce_hook(state, bucket)
-
-    wrapped.register_comm_hook(None, hook)
-    optimiser = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(99)
-    n, batch = job["ddp_n"], job["ddp_batch"]
-    x = torch.randn(batch, n, DDP_EMBED, generator=g)
-    y = torch.randn(batch, n, DDP_EMBED, generator=g)
-    share = batch // world
-    x, y = x[rank * share:(rank + 1) * share].clone(), y[rank * share:(rank + 1) * share].clone()
-    times, per_step = [], []
-    for i in range(2 + job["ddp_steps"]):
-        dist.barrier()
-        del buckets[:]
-        start = time.perf_counter()
-        optimiser.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(wrapped(x), y)
-        loss.backward()
-        optimiser.step()
-        end = time.perf_counter()
-        per_step.append(dict(buckets=len(buckets), bytes=sum(buckets)))
-        if i >= 2:
-            times.append(end - start)
-    return dict(n=n, batch=batch, per_rank=share, parameters=parameters, times=times,
-                steps=per_step, loss=float(loss))
-
-
 # ---------------------------------------------------------------------------------------------
 # Parent: launches, collects, checks, writes.
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def load():
     return os.getloadavg()[0]
@@ -340,52 +264,29 @@ def load():
 
 def launch(args, world, threads, single, directory, pythonpath):
     """Runs `world` workers of `threads` threads; returns their results (a list by rank)."""
+    from linrope.torch.launch import GroupTimeout, environment, free_port, run_group
+
     tag = f"P{world}_t{threads}"
     job = dict(maps=args.maps, sizes=args.sizes, repetitions=args.repetitions, single=single,
-               ddp=not args.no_ddp, ddp_n=args.ddp_n, ddp_batch=args.ddp_batch,
-               ddp_steps=args.ddp_steps, collective_timeout=args.collective_timeout,
+               collective_timeout=args.collective_timeout,
                out=os.path.join(directory, tag + "_rank%d.json"))
     job_path = os.path.join(directory, tag + ".json")
     with open(job_path, "w") as f:
         json.dump(job, f)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=pythonpath)
     port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        log_file = open(os.path.join(directory, f"{tag}_rank{rank}.log"), "w+")
-        logs.append(log_file)
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", str(rank), str(world),
-             str(port), str(threads), job_path],
-            stdout=log_file, stderr=subprocess.STDOUT if rank else None, env=env))
-    deadline = time.monotonic() + args.timeout
-    failed = None
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
-            break
-        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            failed = f"rank {bad[0]} exited with {codes[bad[0]]}"
-        elif time.monotonic() > deadline:
-            failed = f"still running after --timeout {args.timeout:.0f} s"
-        if failed:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
-            break
-        time.sleep(0.1)
-    for f in logs:
-        f.close()
+    commands = [[sys.executable, os.path.abspath(__file__), "--worker", rank, world, port,
+                 threads, job_path] for rank in range(world)]
+    try:
+        exits = run_group(commands, timeout=args.timeout, grace=GRACE,
+                          env=environment(threads, pythonpath=[pythonpath]))
+    except GroupTimeout as e:
+        raise SystemExit(f"bench_distributed: {tag}: {e}")
+    failed = [(rank, e) for rank, e in enumerate(exits) if e.returncode != 0]
     if failed:
-        for rank in range(world):
-            with open(os.path.join(directory, f"{tag}_rank{rank}.log")) as f:
-                tail = f.read()[-3000:]
-            if tail.strip():
-                log(f"--- {tag} rank {rank} output (end) ---\n{tail}")
-        raise SystemExit(f"bench_distributed: {tag}: {failed}")
+        for rank, e in failed:
+            log(f"--- {tag} rank {rank} output (end) ---\n{e.output[-3000:]}")
+        raise SystemExit(f"bench_distributed: {tag}: rank {failed[0][0]} exited with "
+                         f"{failed[0][1].returncode}")
     results = []
     for rank in range(world):
         with open(job["out"] % rank) as f:
@@ -445,48 +346,14 @@ def attention_rows(results, world, threads, before, after, problems):
     return rows
 
 
-def ddp_row(results, world, threads, before, after, problems):
-    ranks = [r["ddp"] for r in results]
-    first = ranks[0]
-    times = [max(t) for t in zip(*(r["times"] for r in ranks))]
-    expected = 4 * first["parameters"]
-    steps = [s for r in ranks for s in r["steps"]]
-    match = all(s["bytes"] == expected for s in steps)
-    if not match:
-        problems.append(f"ddp P = {world}: counted {sorted({s['bytes'] for s in steps})} bytes "
-                        f"per step, 4 x {first['parameters']} parameters = {expected}")
-    timed = first["steps"][2]  # a timed step's buckets (after DDP rebuilds them on the first)
-    return dict(mode="ddp", map="favor+", P=world, threads=threads, n=first["n"],
-                n_per_rank=first["n"], batch=first["batch"], heads=DDP_HEADS,
-                d=DDP_EMBED // DDP_HEADS, m=4 * DDP_EMBED // DDP_HEADS, d_v=DDP_EMBED // DDP_HEADS,
-                repetitions=len(times), median_ms=milliseconds(statistics.median(times)),
-                min_ms=milliseconds(min(times)), max_ms=milliseconds(max(times)),
-                backward_collectives=timed["buckets"], backward_allreduce_bytes=timed["bytes"],
-                predicted_backward_allreduce=expected, bytes_match="yes" if match else "NO",
-                counted_by="DDP comm hook (bucket bytes); predicted = 4 x parameters",
-                load_before=f"{before:.2f}", load_after=f"{after:.2f}")
-
-
-def write_csv(path, rows):
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".bench_distributed.", suffix=".csv",
-                                         dir=directory)
-    with os.fdopen(handle, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({c: row.get(c, "") for c in COLUMNS})
-    os.replace(temporary, path)
-
-
 def print_tables(rows, args):
     def key(row):
         return row["mode"], row["map"], row["P"], row["threads"], row["n"]
     found = {key(r): r for r in rows}
     configs = []  # (label, mode, P, threads)
-    for mode, world, threads in sorted({(r["mode"], r["P"], r["threads"]) for r in rows
-                                         if r["mode"] != "ddp"},
-                                        key=lambda c: (c[0] != "single", c[1], c[2])):
+    launches = sorted({(r["mode"], r["P"], r["threads"]) for r in rows},
+                      key=lambda c: (c[0] != "single", c[1], c[2]))
+    for mode, world, threads in launches:
         configs.append((f"{'single' if mode == 'single' else f'P={world}'} {threads}t", mode,
                         world, threads))
     print("\nForward + backward, one layer (B = 1, H = 8, d = d_v = 64, float32, numerator_only), "
@@ -501,7 +368,8 @@ def print_tables(rows, args):
                 row = found.get((mode, kind, world, threads, n))
                 cells.append(f"{row['median_ms']:>11.1f}" if row else f"{'-':>11}")
             ratio = ""
-            seq, single = found.get(("sequence", kind, 1, 1, n)), found.get(("single", kind, 1, 1, n))
+            seq = found.get(("sequence", kind, 1, 1, n))
+            single = found.get(("single", kind, 1, 1, n))
             if seq and single:
                 ratio = f"{seq['median_ms'] / single['median_ms']:.2f}"
             print(f"{kind:7} {n:>6} " + " ".join(cells) + f"  {ratio:>19}")
@@ -520,16 +388,6 @@ def print_tables(rows, args):
               f"{row['backward_collectives']:>9} {row['backward_allreduce_bytes']:>14}  "
               f"{'yes' if same else 'NO'} (formula {row['predicted_forward_sent']}, "
               f"{row['predicted_forward_received']}, {row['predicted_backward_allreduce']})")
-    ddp = [r for r in rows if r["mode"] == "ddp"]
-    if ddp:
-        print(f"\nData parallelism (DDP, {DDP_LAYERS} blocks, global batch {ddp[0]['batch']} x "
-              f"n = {ddp[0]['n']}): ms per optimiser step, slowest rank; bytes all-reduced per "
-              f"step")
-        for row in ddp:
-            print(f"  P={row['P']} {row['threads']}t  {row['median_ms']:>9.1f} ms  "
-                  f"{row['backward_allreduce_bytes']} bytes in {row['backward_collectives']} "
-                  f"buckets (4 x parameters = {row['predicted_backward_allreduce']}: "
-                  f"{row['bytes_match']})")
 
 
 def main(argv):
@@ -550,7 +408,7 @@ def main(argv):
     pythonpath = os.pathsep.join([package] + [p for p in os.environ.get("PYTHONPATH", "")
                                               .split(os.pathsep) if p])
     for kind in args.maps:  # the formula here and the module's state_bytes agree
-        m = MAPS[kind]
+        m = FEATURE_COUNTS[kind]
         s = BATCH * HEADS * (m * (VALUE_DIM + 1) * 4 + 8)
         if ltd.state_bytes(BATCH, HEADS, m, VALUE_DIM, torch.float32) != s:
             sys.exit(f"bench_distributed.py: state_bytes disagrees with s = {s} for {kind}")
@@ -582,8 +440,6 @@ def main(argv):
                                         f"outputs differ from the whole sequence's by "
                                         f"{a['relative_error']:.2e} (relative)")
             rows += attention_rows(results, world, threads, before, after, problems)
-            if not args.no_ddp:
-                rows.append(ddp_row(results, world, threads, before, after, problems))
             log(f"P = {world}, {threads} thread(s): done in {time.monotonic() - begun:.1f} s "
                 f"(load {after:.2f})")
     for row in rows:  # the wrapper's overhead: sequence / single, same P = 1 and threads
@@ -592,7 +448,7 @@ def main(argv):
                       and r["n"] == row["n"] and r["threads"] == row["threads"]]
             if single:
                 row["ratio_to_single"] = round(row["median_ms"] / single[0]["median_ms"], 3)
-    write_csv(args.out, rows)
+    write_csv(args.out, rows, COLUMNS)
     print_tables(rows, args)
     log(f"wrote {args.out} ({len(rows)} rows) in {time.monotonic() - started:.1f} s")
     if problems:

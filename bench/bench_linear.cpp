@@ -14,6 +14,10 @@
 //   linear_backward/<map>/<placement>/<noncausal|causal>/n:<n>  batched linear_attention_backward
 //                                       (dq, dk, dv from d_out; the causal backward has one form)
 //   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
+//   linear_decay/<map>/<none|0.97|retnet>/<scan|backward>/n:<n>  eq. 19, causal, forward (the
+//                                       scan) and backward without a decay, with g = 0.97 on every
+//                                       head and with RetNet's g_h = 1 - 2^(-5-h): the decay's
+//                                       cost is each one's time over none's
 //   softmax/<noncausal|causal>/n:<n>    batched softmax_attention
 //   softmax_backward/<noncausal|causal>/n:<n>  batched softmax_attention_backward (no FLOP
 //                                       model either: read it against the forward)
@@ -32,6 +36,7 @@
 //   stream           the linear model per token with n = n_k = 1, one head
 // fraction_of_peak (GFLOP/s / machine/peak_fma) is computed offline by bench/compare_pytorch.py.
 // items = tokens: B * n per call (each token through every head), 1 per stream step.
+#include <cmath>
 #include <linrope/attention.hpp>
 #include <linrope/batched.hpp>
 #include <linrope/feature_maps.hpp>
@@ -97,6 +102,27 @@ std::optional<linrope::Rope> make_rope(RopePlacement placement, Index m, Index d
   return linrope::Rope({.dim = placement == RopePlacement::BeforeMap ? d : m});
 }
 
+// What decays a benchmark's heads: nothing, g = 0.97 on every head, or RetNet's per-head
+// g_h = 1 - 2^(-5-h) (0.969 .. 0.99976 for 8 heads).
+enum class Decay { None, Uniform, RetNet };
+
+const char* decay_name(Decay decay) {
+  constexpr const char* kNames[] = {"none", "0.97", "retnet"};
+  return kNames[int(decay)];
+}
+
+// `options` with `decay`; RetNet's values live in `storage`, which must outlive the calls.
+linrope::LinearOptions with_decay(linrope::LinearOptions options, Decay decay,
+                                  std::vector<double>& storage) {
+  if (decay == Decay::Uniform) options.decay = 0.97;
+  if (decay == Decay::RetNet) {
+    storage.clear();
+    for (Index h = 0; h < kHeads; ++h) storage.push_back(1 - std::ldexp(1.0, -5 - int(h)));
+    options.head_decays = storage;
+  }
+  return options;
+}
+
 // FLOPs of one (batch, head) slice, by the model in the header comment.
 double linear_flops(Index n, Index n_k, Index d, Index d_v, Index f, Index m, Mode mode) {
   double flops = 2.0 * double(n + n_k) * double(d) * double(f)  // feature GEMMs
@@ -128,17 +154,19 @@ struct Problem {
 };
 
 void time_linear(benchmark::State& state, FeatureMapKind kind, Index f, RopePlacement placement,
-                 Mode mode, Index n, Index d = kDim) {
+                 Mode mode, Index n, Index d = kDim, Decay decay = Decay::None) {
   Problem problem(n, d);
   const auto map = make_map(kind, f, d);
   const Index m = map->output_dim();
   const std::optional<linrope::Rope> rope = make_rope(placement, m, d);
-  const linrope::LinearOptions options{
-      .causal = mode != Mode::NonCausal,
-      .placement = placement,
-      .rope = rope ? &*rope : nullptr,
-      .method = mode == Mode::Scan ? linrope::CausalMethod::Scan : linrope::CausalMethod::Chunked,
-      .chunk_size = kChunk};
+  std::vector<double> decays;
+  const linrope::LinearOptions options = with_decay(
+      {.causal = mode != Mode::NonCausal,
+       .placement = placement,
+       .rope = rope ? &*rope : nullptr,
+       .method = mode == Mode::Scan ? linrope::CausalMethod::Scan : linrope::CausalMethod::Chunked,
+       .chunk_size = kChunk},
+      decay, decays);
   for (auto _ : state) {
     linrope::linear_attention(problem.in(problem.q), problem.in(problem.k), problem.in(problem.v),
                               problem.output(), *map, options);
@@ -157,15 +185,16 @@ void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement place
 // The backward of the same problem (d_out ~ N(0, 1)). No FLOP model: compare its time with the
 // forward's of the same name (bench/RESULTS.md).
 void BM_LinearBackward(benchmark::State& state, FeatureMapKind kind, RopePlacement placement,
-                       bool causal) {
+                       bool causal, Decay decay) {
   const Index n = state.range(0);
   Problem problem(n);
   const std::vector<float> d_out = gaussian_buffer(kBatch * kHeads * n * kDim, 4);
   std::vector<float> dq(d_out.size()), dk(d_out.size()), dv(d_out.size());
   const auto map = make_map(kind, default_features(kind));
   const std::optional<linrope::Rope> rope = make_rope(placement, map->output_dim());
-  const linrope::LinearOptions options{
-      .causal = causal, .placement = placement, .rope = rope ? &*rope : nullptr};
+  std::vector<double> decays;
+  const linrope::LinearOptions options = with_decay(
+      {.causal = causal, .placement = placement, .rope = rope ? &*rope : nullptr}, decay, decays);
   const auto out = [&](std::vector<float>& x) {
     return linrope::Heads<float>{
         .data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
@@ -188,6 +217,12 @@ void BM_LinearBackward(benchmark::State& state, FeatureMapKind kind, RopePlaceme
 void BM_FavorFeatures(benchmark::State& state, Mode mode) {
   time_linear(state, FeatureMapKind::FavorPositive, state.range(0), RopePlacement::NumeratorOnly,
               mode, state.range(1));
+}
+
+// Eq. 19, causal, the scan, with a decay (or none, the baseline of the same family).
+void BM_DecayForward(benchmark::State& state, FeatureMapKind kind, Decay decay) {
+  time_linear(state, kind, default_features(kind), RopePlacement::NumeratorOnly, Mode::Scan,
+              state.range(0), kDim, decay);
 }
 
 // Eq. 19 at head widths d = d_v other than 64 (elu+1: m = d; FAVOR+: m = 256).
@@ -302,7 +337,8 @@ bool register_all() {
         std::vector<std::int64_t> ns = sizes;
         if (kind == FeatureMapKind::FavorPositive && placement == RopePlacement::NumeratorOnly)
           ns = {1024, 2048, 4096, 8192, 16384, 32768};
-        benchmark::RegisterBenchmark(name.c_str(), BM_LinearBackward, kind, placement, causal)
+        benchmark::RegisterBenchmark(name.c_str(), BM_LinearBackward, kind, placement, causal,
+                                     Decay::None)
             ->ArgsProduct({ns})
             ->ArgNames({"n"})
             ->Unit(benchmark::kMillisecond)
@@ -340,6 +376,21 @@ bool register_all() {
         ->ArgNames({"n"})
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+  // Run with --benchmark_enable_random_interleaving=true and repetitions, so that with and
+  // without a decay alternate on a shared machine.
+  for (const FeatureMapKind kind : maps)
+    for (const Decay decay : {Decay::None, Decay::Uniform, Decay::RetNet})
+      for (const bool backward : {false, true}) {
+        const std::string name = std::string("linear_decay/") + map_name(kind) + "/" +
+                                 decay_name(decay) + (backward ? "/backward" : "/scan");
+        (backward ? benchmark::RegisterBenchmark(name.c_str(), BM_LinearBackward, kind,
+                                                 RopePlacement::NumeratorOnly, true, decay)
+                  : benchmark::RegisterBenchmark(name.c_str(), BM_DecayForward, kind, decay))
+            ->ArgsProduct({{4096, 16384}})
+            ->ArgNames({"n"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
   for (const FeatureMapKind kind : maps)
     for (const RopePlacement placement : {RopePlacement::None, RopePlacement::NumeratorOnly}) {
       const std::string name =

@@ -40,6 +40,7 @@ q, k, v = (torch.randn(batch, heads, n, 32) * 0.5 for _ in range(3))
 favor = linrope.FeatureMap("favor+", 32, num_features=256, seed=1)
 approx = lt.linear_attention(q, k, v, favor, causal=True, rope=linrope.Rope(256))
 exact = lt.softmax_attention(q, k, v, causal=True, rope=linrope.Rope(32))
-print(f"linear (eq. 19) against softmax: relative error {(approx - exact).norm() / exact.norm():.3f}"
-      f" on {linrope.get_num_threads()} threads")
+error = (approx - exact).norm() / exact.norm()
+print(f"linear (eq. 19) against softmax: relative error {error:.3f} on "
+      f"{linrope.get_num_threads()} threads")
 sys.exit(0 if nonpositive["numerator_only"] == 0 else 1)  # eq. 19 keeps the denominator positive

@@ -7,14 +7,15 @@ JOBS="$(nproc)"
 # Debian 12 packages: compiler and build tools, the libraries, what the plots need, and the Python
 # package's build and tests (pybind11, the headers, PyTorch, pytest; OpenBLAS's OpenMP build, without
 # which Debian's torch runs its matrix products on the reference BLAS, ~20x slower), and Jane
-# Austen's novels, the training experiment's text (r-cran-janeaustenr, with R to extract them).
+# Austen's novels, the training experiment's text (r-cran-janeaustenr, with R to extract them),
+# and flake8, the Python style check of the test command.
 # The Python package is installed with pip into a venv, offline: python3-venv (with pip), and
 # Debian's setuptools and wheel, which pip uses as they are (--no-build-isolation).
 PACKAGES=(g++ cmake make git libeigen3-dev doctest-dev libbenchmark-dev libcli11-dev
           nlohmann-json3-dev python3 python3-matplotlib python3-numpy
           python3-dev pybind11-dev python3-pybind11 python3-torch python3-pytest
           python3-venv python3-pip python3-setuptools python3-wheel
-          libopenblas0-openmp r-cran-janeaustenr)
+          libopenblas0-openmp r-cran-janeaustenr flake8)
 
 install_dependencies() {
   local missing=()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: install dependencies, then build and test three times —
+# The whole test suite: install dependencies, check the Python sources' style (flake8), then build
+# and test three times —
 #   Release with warnings as errors (benchmarks built too, so they keep compiling); then the Python
 #     package installed with pip (from that build) into a fresh venv, build/venv, and its pytest
 #     suites (python/tests, experiments/training/tests) and the README's example run from outside
@@ -11,7 +12,9 @@
 #     every parallel loop. One pass for both: which kernel runs and how the work is spread over
 #     threads are independent (every loop goes through parallel_for, whatever kernel it runs), and
 #     two passes cost CI ~5 more minutes.
-#   AddressSanitizer + UndefinedBehaviorSanitizer (RelWithDebInfo, so the sanitized run stays fast).
+#   AddressSanitizer + UndefinedBehaviorSanitizer (RelWithDebInfo, so the sanitized run stays fast)
+#     on the library and the experiments' programs; the tests' references and harness are linked
+#     with the runtimes but not instrumented (CMakeLists.txt, LINROPE_SANITIZE).
 # Set LINROPE_SKIP_PORTABLE=1 or LINROPE_SKIP_SANITIZERS=1 to leave out those passes. Each pass
 # prints how long it took.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -82,7 +85,14 @@ sanitizers() {
     --output-on-failure -LE install
 }
 
+# The Python sources' style (pycodestyle's and pyflakes' checks, lines up to 100 characters, as
+# .clang-format's ColumnLimit): seconds, so first.
+python_style() {
+  flake8 --max-line-length 100 "$ROOT/python" "$ROOT/experiments" "$ROOT/bench" "$ROOT/examples"
+}
+
 install_dependencies
+pass "Python style" python_style
 pass Release release
 pass "Python package" python_package
 [ "${LINROPE_SKIP_PORTABLE:-0}" = 1 ] || pass "portable serial" portable_serial

@@ -53,7 +53,8 @@ inline reference::LinearSpec reference_spec(const LinearOptions& options,
           .eps = options.eps,
           .q_offset = options.q_offset,
           .k_offset = options.k_offset,
-          .denominator = options.denominator};
+          .denominator = options.denominator,
+          .decay = options.decay};
 }
 
 }  // namespace linrope::testing

@@ -28,7 +28,11 @@ Gradients finite_differences(const Setup& s) {
             (s.p.denominator ? (r.num_magnitude(i) + o * (r.den_magnitude(i) + s.p.eps)) / den
                              : r.num_magnitude(i));
   }
-  const double rounding = 4 * double(s.m + s.p.d + s.k.rows() + 16) * kUnitDouble * size / h;
+  // A decay's pow(g, p_i - p_j) errs by ~|log g| P u_d, P the span of positions.
+  const double decay_terms =
+      ref::decay_exponent_size(reference_spec(s.options, s.spec), s.q.rows(), s.k.rows());
+  const double rounding =
+      4 * (double(s.m + s.p.d + s.k.rows() + 16) + decay_terms) * kUnitDouble * size / h;
   for (MatrixD* e : {&g.error_q, &g.error_k, &g.error_v}) e->array() += rounding;
   return g;
 }
@@ -135,10 +139,8 @@ Bounds gradient_bounds(const Setup& s, const ref::LinearResult& want) {
     b_weight(i) =
         p.denominator ? d_sum * (want.num_magnitude(i) / den + (2 + 2 * cond) * o) / den : 0.0;
   }
-  MatrixD mask = MatrixD::Zero(n, n_k);
-  for (Index i = 0; i < n; ++i)
-    for (Index j = 0; j < n_k; ++j)
-      mask(i, j) = (!p.causal || p.k_offset + j <= p.q_offset + i) ? 1.0 : 0.0;
+  // The causal mask, times a decay's g^(p_i - p_j): the weight of each pair's terms.
+  const MatrixD mask = ref::decay_matrix(reference_spec(s.options, s.spec), n, n_k);
   VectorD vmax = VectorD::Zero(n_k);
   for (Index j = 0; j < n_k; ++j) vmax(j) = s.v.cols() > 0 ? s.v.row(j).cwiseAbs().maxCoeff() : 0.0;
 
@@ -172,7 +174,8 @@ std::string describe(const Problem& p) {
                   " k_offset=" + std::to_string(p.k_offset) + " eps=" + std::to_string(p.eps) +
                   (p.layout == RopeLayout::Half ? " half" : " interleaved") +
                   (p.partial ? " partial" : "") + (p.yarn ? " yarn" : "") +
-                  (p.denominator ? "" : " no-denominator");
+                  (p.denominator ? "" : " no-denominator") +
+                  (p.decay != 1.0 ? " decay=" + std::to_string(p.decay) : "");
   return s;
 }
 
@@ -212,8 +215,9 @@ double rounding_gamma_of(const Setup& s, double u_kernel) {
   const MatrixD qf = before ? ref::rotate_rows(*s.spec, s.q, s.p.q_offset) : s.q;
   const MatrixD kf = before ? ref::rotate_rows(*s.spec, s.k, s.p.k_offset) : s.k;
   const double z = std::max(ref::exponent_size(*s.map, qf), ref::exponent_size(*s.map, kf));
-  // ref::rounding_gamma<T> with T's unit roundoff passed in.
-  return 8 * (u_kernel + kUnitDouble) * (double(s.m + s.p.d + s.k.rows() + 16) + 2 * z);
+  // ref::rounding_gamma<T> with T's unit roundoff passed in, and a decay's part.
+  return 8 * (u_kernel + kUnitDouble) * (double(s.m + s.p.d + s.k.rows() + 16) + 2 * z) +
+         ref::decay_gamma(reference_spec(s.options, s.spec), s.q.rows(), s.k.rows());
 }
 
 }  // namespace linrope::testing

@@ -17,7 +17,8 @@
 //   - |<g_i, v_j>| <= |d_out_i|_1 |v_j|_inf / |D_i| and |c_i| <= |d_out_i|_1 |o_i|_inf / |D_i|;
 //   - dv's terms |A_ij| |d_out_i| / |D_i| <= M_ij |d_out_i| / |D_i| (M the reference's bound).
 // Each term errs by gamma relative, gamma = the forward's rounding_gamma (m + d + n_k + 16 + 2 z
-// roundings, z the exp-argument size, margin 8: tests/test_linear_attention.cpp); the row's
+// roundings, z the exp-argument size, margin 8: tests/test_linear_attention.cpp; plus a decay's
+// decay_gamma, tests/reference/linear_reference.hpp); the row's
 // shared 1/D_i errs by gamma cond_i relative, cond_i = (D_i^mag + eps) / |D_i|, and o_i (inside
 // c_i) by the forward's bound gamma (N_i / |D_i| + cond_i |o_i|) (N_i, D_i^mag the reference's num
 // and den magnitudes). First order, per row i:
@@ -35,9 +36,10 @@
 //
 // Finite differences (tests/reference/finite_difference.hpp, h = 1e-5): their error is estimated
 // entry by entry (`finite_differences`): the truncation by |FD_2h - FD_h| (3x the h estimate's,
-// whose error is c h^2 + O(h^4)), plus rounding 4 (m + d + n_k + 16) u_d S / h with S the size of
-// the loss's terms. Measured over the sweep, the double kernels use at most ~1% of that
-// allowance and the float ones at most ~1/3 of theirs.
+// whose error is c h^2 + O(h^4)), plus rounding 4 (m + d + n_k + 16 + |log g| P) u_d S / h with S
+// the size of the loss's terms (|log g| P: the decay matrix's pow, P the span of positions).
+// Measured over the sweep, the double kernels use at most ~1% of that allowance and the float ones
+// at most ~1/3 of theirs.
 //
 // Long sequences (n = 600 - 1200, split across threads) are compared with the double backward on
 // one thread: both within gamma G of the exact gradient, so within (gamma_T + gamma_double) G.
@@ -95,6 +97,7 @@ struct Problem {
   double v_mean = 0;     // added to every v entry
   std::uint64_t seed = 1;
   bool denominator = true;  // false: o = num (LinearOptions::denominator)
+  double decay = 1.0;       // LinearOptions::decay (causal only)
 };
 
 // Everything a comparison needs: the map, the rope, the options, and inputs (double matrices
@@ -119,6 +122,7 @@ struct Setup {
     options = linear_options(p.causal, p.placement, rope ? &*rope : nullptr, p.eps, p.q_offset,
                              p.k_offset);
     options.denominator = p.denominator;
+    options.decay = p.decay;
     phi = ref::feature_formula(*map);
   }
   Setup(const Setup&) = delete;  // options.rope points into this object

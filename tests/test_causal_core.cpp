@@ -159,38 +159,52 @@ TEST_CASE("scan_steps: steps run together give the bits of the steps run one at 
 }
 
 TEST_CASE("admit_key: the running maximum and the rescaled sum of the keys admitted so far") {
+  // Headroom 0 (no decay): M is the running maximum. With a decay's headroom H, M moves only when
+  // a key passes it by more than H, and then to exactly that key's scale: M <= max <= M + H, every
+  // weight <= e^H, and a rising scale (0.3 a key) rescales every ceil(H / 0.3) = 37 keys.
   using linrope::Vector;
   std::mt19937 engine(11);
   std::normal_distribution<double> normal(0.0, 3.0);
   const Index m = 9;
-  for (int pattern = 0; pattern < 3; ++pattern) {
-    CAPTURE(pattern);
-    Vector<double> z = Vector<double>::Zero(m);
-    double M = linrope::detail::kEmpty, largest = -std::numeric_limits<double>::infinity();
-    Vector<double> plain = Vector<double>::Zero(m);      // sum_j exp(c_j) e_j, no stabiliser
-    Vector<double> magnitude = Vector<double>::Zero(m);  // sum_j exp(c_j) |e_j|
-    double numerator_side = 0.0, numerator_plain = 0.0;  // a scalar carried as the state would be
-    for (int j = 0; j < 40; ++j) {
-      // rising, falling and random log scales
-      const double c = pattern == 0 ? 0.3 * j : pattern == 1 ? 5.0 - 0.2 * j : normal(engine);
-      Vector<double> e(m);
-      for (Index l = 0; l < m; ++l) e[l] = normal(engine);
-      const auto a = linrope::detail::admit_key(z, M, c, e.data());
-      numerator_side = numerator_side * a.factor + a.weight;
-      numerator_plain += std::exp(c);
-      plain += std::exp(c) * e;
-      magnitude += std::exp(c) * e.cwiseAbs();
-      largest = std::max(largest, c);
-      CHECK(M == largest);
-      CHECK(a.weight <= 1.0);
-      CHECK(a.factor <= 1.0);
-      // Each admission rounds z at most 3 times (rescale, weight, add) and exp's result by a few
-      // ulps, relative to the magnitudes summed so far; 40 keys: far below 1e-12 of them.
-      for (Index l = 0; l < m; ++l)
-        CHECK(std::abs(z[l] * std::exp(M) - plain[l]) <= 1e-12 * magnitude[l]);
-      CHECK(std::abs(numerator_side * std::exp(M) - numerator_plain) <= 1e-12 * numerator_plain);
+  for (const double headroom : {0.0, linrope::detail::kDecayHeadroom})
+    for (int pattern = 0; pattern < 3; ++pattern) {
+      CAPTURE(headroom);
+      CAPTURE(pattern);
+      Vector<double> z = Vector<double>::Zero(m);
+      double M = linrope::detail::kEmpty, largest = -std::numeric_limits<double>::infinity();
+      Vector<double> plain = Vector<double>::Zero(m);      // sum_j exp(c_j) e_j, no stabiliser
+      Vector<double> magnitude = Vector<double>::Zero(m);  // sum_j exp(c_j) |e_j|
+      double numerator_side = 0.0, numerator_plain = 0.0;  // a scalar carried as the state would be
+      int rescales = 0;
+      for (int j = 0; j < 80; ++j) {
+        // rising, falling and random log scales
+        const double c = pattern == 0 ? 0.3 * j : pattern == 1 ? 5.0 - 0.2 * j : normal(engine);
+        Vector<double> e(m);
+        for (Index l = 0; l < m; ++l) e[l] = normal(engine);
+        const double before = M;
+        const auto a = linrope::detail::admit_key(z, M, c, e.data(), headroom);
+        numerator_side = numerator_side * a.factor + a.weight;
+        numerator_plain += std::exp(c);
+        plain += std::exp(c) * e;
+        magnitude += std::exp(c) * e.cwiseAbs();
+        largest = std::max(largest, c);
+        if (M != before) {
+          ++rescales;
+          CHECK(M == c);
+          CHECK(c > before + headroom);
+        }
+        CHECK(M <= largest);
+        CHECK(largest <= M + headroom);
+        CHECK(a.weight <= std::exp(headroom));
+        CHECK(a.factor <= 1.0);
+        // Each admission rounds z at most 3 times (rescale, weight, add) and exp's result by a
+        // few ulps, relative to the magnitudes summed so far; 80 keys: far below 1e-12 of them.
+        for (Index l = 0; l < m; ++l)
+          CHECK(std::abs(z[l] * std::exp(M) - plain[l]) <= 1e-12 * magnitude[l]);
+        CHECK(std::abs(numerator_side * std::exp(M) - numerator_plain) <= 1e-12 * numerator_plain);
+      }
+      if (pattern == 0) CHECK(rescales == (headroom == 0 ? 80 : 3));  // j = 0, 37, 74
     }
-  }
 }
 
 TEST_CASE("plan_causal: segments that cover the sequence, aligned, and the keys each sees first") {

@@ -1,7 +1,10 @@
-"""What the analyses share: reading the C++ program's CSV and JSON, writing files atomically,
-statistics, power-law fits, and number formatting for the report text. Standard library only:
-the report is written even where numpy and matplotlib are missing (the plots need them)."""
+"""What the analyses share: reading the C++ program's CSV and JSON, writing files (CSV, JSON)
+atomically, statistics, power-law fits and crossovers, and number formatting for the report
+text. Standard library only: the report is written even where numpy and matplotlib are missing
+(the plots need them). The training package (experiments/training) and the benchmarks write their
+CSVs and find their crossovers here too."""
 import csv
+import io
 import json
 import math
 import os
@@ -68,6 +71,23 @@ def write_atomic(path, text):
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def csv_text(rows, columns):
+    """rows (dicts) as CSV text: a header of columns, then a line per row ("\n" line endings, as
+    the program writes its CSVs); None and NaN as empty cells, keys outside columns left out."""
+    text = io.StringIO()
+    writer = csv.DictWriter(text, columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if v is None or (isinstance(v, float) and math.isnan(v)) else v
+                         for k, v in row.items()})
+    return text.getvalue()
+
+
+def write_csv(path, rows, columns):
+    """csv_text(rows, columns), written atomically (write_atomic)."""
+    write_atomic(path, csv_text(rows, columns))
 
 
 def write_json(path, value):

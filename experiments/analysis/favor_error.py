@@ -71,8 +71,8 @@ def paragraphs(summary, meta):
                     ", not falling as 1/m over this range: the squared errors of a few pairs "
                     "dominate, see the std" if slope > -0.5 else ""))
         text = ("Scale s = %s. Kernel MSE from m = %d to m = %d (log-log slope against m; -1 is "
-                "the Monte Carlo rate): %s. At m = %d: " % (fmt(scale, 9), m_lo, m_hi, join(parts),
-                                                           m_hi))
+                "the Monte Carlo rate): %s. At m = %d: "
+                % (fmt(scale, 9), m_lo, m_hi, join(parts), m_hi))
         parts = []
         for features in ("positive", "trig"):
             orth = point(features, "orthogonal", scale, m_hi)

@@ -101,8 +101,8 @@ def paragraphs(summary, meta):
         nu, fu = den["numerator_only"], den["full"]
         if nu["with_nonpositive"] == 0:
             text = ("Numerator-only kept every denominator positive (smallest %s over all %d "
-                    "input/map/causal/length configurations)" % (fmt(nu["den_min"]),
-                                                                  nu["configurations"]))
+                    "input/map/causal/length configurations)"
+                    % (fmt(nu["den_min"]), nu["configurations"]))
         else:
             text = ("Numerator-only had non-positive denominators in %d of %d configurations "
                     "(smallest %s)" % (nu["with_nonpositive"], nu["configurations"],

@@ -126,8 +126,8 @@ def program_section(stem, directory, plot_note):
 
 
 def training_section(directory, plot_note, link_prefix):
-    # The training package knows its variants (training.model, which needs torch and linrope):
-    # imported only when there is a training output to analyse.
+    # The training package reads its runs into its own types (training.results, which needs
+    # torch and linrope): imported only when there is a training output to analyse.
     if EXPERIMENTS_DIR not in sys.path:
         sys.path.append(EXPERIMENTS_DIR)
     from training import report as training_report

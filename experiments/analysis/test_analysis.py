@@ -69,6 +69,31 @@ class Crossover(unittest.TestCase):
         self.assertAlmostEqual(c["n"], 1000, delta=1e-6)
         self.assertIn("~ 1e+03 by extrapolating", common.describe_crossover(c))
 
+    def test_the_crossing_that_lasts(self):
+        # Faster, slower, faster again: the crossing between 512 and 1024, the fast/slow ratio
+        # going from 1.5 to 0.25, log(1.5) / (log(1.5) - log(0.25)) of the way in log n.
+        c = common.crossover([256, 512, 1024], [0.5, 3.0, 1.0], [1.0, 2.0, 4.0])
+        self.assertEqual(c["kind"], "interpolated")
+        self.assertAlmostEqual(c["n"], 512 * 2 ** (math.log(1.5) / math.log(6)), delta=1e-9)
+        # Faster at first, slower at the longest: not reached.
+        c = common.crossover([256, 512, 1024], [0.5, 3.0, 5.0], [1.0, 2.0, 4.0])
+        self.assertEqual(c["kind"], "not_reached")
+
+
+class Csv(unittest.TestCase):
+    def test_rows_with_missing_values_and_line_endings(self):
+        text = common.csv_text([dict(a=1, b=None, extra="left out"), dict(a=float("nan"), b=2.5),
+                                dict(a="x,y")], ["a", "b"])
+        self.assertEqual(text, 'a,b\n1,\n,2.5\n"x,y",\n')
+
+    def test_written_atomically(self):
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "t.csv")
+            common.write_csv(path, [dict(a=1)], ["a"])
+            with open(path, newline="") as f:
+                self.assertEqual(f.read(), "a\n1\n")
+            self.assertEqual(os.listdir(directory), ["t.csv"])
+
 
 class Statistics(unittest.TestCase):
     def test_mean_and_sample_std(self):

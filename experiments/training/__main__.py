@@ -15,9 +15,10 @@ Data parallel, on one machine or several (see experiments/README.md):
 (--redirects 1 --tee 1: without them torch 1.13's torchrun fails at start under Python 3.11.)
 
 Every process takes its share of each global batch (a plan's batch must divide by the process
-count) and DistributedDataParallel on gloo averages the gradients: the numbers are the single
-process's, to float32 rounding. The runs are then trained one after another, all processes
-together (no --jobs); rank 0 alone writes. Threads per process: --threads (default 1).
+count) and after each backward the processes average their gradients in one all-reduce (gloo):
+the numbers are the single process's, to float32 rounding. The runs are then trained one after
+another, all processes together (no --jobs); rank 0 alone writes. Threads per process: --threads
+(default 1).
 
 Sequence parallel: the same command with --sequence-parallel. Every process then holds the whole
 global batch, each sequence cut along its length into one contiguous slice per process (n/W
@@ -27,6 +28,7 @@ are again the single process's, to float32 rounding. Linear attention variants o
 needs every earlier key), and under torchrun only."""
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import subprocess
@@ -34,7 +36,9 @@ import sys
 import time
 
 from . import decoding, parallel, plans, step_time, sweep
-from .model import VARIANTS, describe
+from .model import sequence_parallel_problem
+from .results import write_tables
+from .variants import CATALOGUE, from_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,7 +74,14 @@ def _names(allowed):
     return parse
 
 
-def parse(argv):
+def _variants(text):
+    try:
+        return tuple(from_name(name) for name in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def parse(argv, plan_seams=None):
     p = argparse.ArgumentParser(prog="python3 -m training", description=__doc__.split("\n\n")[0],
                                 epilog="Under torchrun (python3 -m torch.distributed.run "
                                 "--redirects 1 --tee 1 --nproc_per_node N -m training ...; the "
@@ -89,7 +100,8 @@ def parse(argv):
     p.add_argument("--out", default="results/training", help="output directory")
     p.add_argument("--text", help="a UTF-8 file for char_lm instead of Jane Austen's novels")
     p.add_argument("--tasks", type=_names(plans.TASKS), default=plans.TASKS)
-    p.add_argument("--variants", type=_names(tuple(VARIANTS)))
+    p.add_argument("--variants", type=_variants,
+                   help="variants by name, e.g. softmax-rope,favor-full-conv4 (--list-variants)")
     p.add_argument("--seeds", type=_ints)
     p.add_argument("--steps", type=int, help="optimiser steps per run (overrides the mode's)")
     p.add_argument("--lrs", type=_rates,
@@ -114,7 +126,8 @@ def parse(argv):
     p.add_argument("--no-decode", action="store_true",
                    help="skip decoding the trained models (decode.csv, samples.json)")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
-    p.add_argument("--list-variants", action="store_true")
+    p.add_argument("--list-variants", action="store_true",
+                   help="the catalogue's variants and how to name others")
     args = p.parse_args(argv)
     args.mode = args.mode or "quick"
     for name in ("steps", "jobs", "threads"):
@@ -124,7 +137,7 @@ def parse(argv):
     if args.redraw_interval < 0:
         p.error("--redraw-interval is %d but expected >= 0" % args.redraw_interval)
     if args.sequence_parallel and not args.list_variants:
-        _check_sequence_parallel(p, args)
+        _check_sequence_parallel(p, args, plan_seams)
     if parallel.under_torchrun():
         if args.jobs is not None:
             p.error("--jobs does not apply under torchrun: its processes train each run "
@@ -134,7 +147,7 @@ def parse(argv):
     return args
 
 
-def _check_sequence_parallel(p, args):
+def _check_sequence_parallel(p, args, plan_seams):
     """Exits (status 2) with one line if --sequence-parallel cannot apply: every rank parses the
     same command line, so every rank stops here alike, before any joins the process group."""
     def refuse(message):
@@ -142,11 +155,12 @@ def _check_sequence_parallel(p, args):
     if not parallel.under_torchrun():
         refuse("splits each sequence over torchrun's processes: run it under python3 -m "
                "torch.distributed.run (see --help)")
-    softmax = [v for v in _plan(args).all_variants() if VARIANTS[v]["attention"] == "softmax"]
-    if softmax:
-        refuse("needs linear attention, but %s %s softmax (every earlier key, not a state): "
-               "choose linear variants with --variants" % (
-                   ", ".join(softmax), "is" if len(softmax) == 1 else "are"))
+    plan = _plan(args, plan_seams)
+    for variant in plan.all_variants():
+        problem = sequence_parallel_problem(variant, plan.model["d_model"], plan.model["heads"])
+        if problem:
+            refuse("cannot train %s: %s; choose other variants with --variants" % (
+                variant.name, problem))
 
 
 def _git(*command):
@@ -179,7 +193,7 @@ def source_state():
                 git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")))
 
 
-def metadata(args, argv, started, source, corpus_info, processes=1, parallel_mode=None):
+def metadata(args, argv, plan, started, source, corpus_info, processes=1, parallel_mode=None):
     import torch
     import linrope
     launcher = "python3 -m torch.distributed.run (%d processes) " % processes if processes > 1 \
@@ -198,11 +212,12 @@ def metadata(args, argv, started, source, corpus_info, processes=1, parallel_mod
         # "sequence" (each sequence's positions); None in one process outside torchrun.
         parallel=parallel_mode,
         redraw_interval=args.redraw_interval,
-        corpus=corpus_info, model=plans.MODEL,
-        plan=dict({k: v for k, v in plans.MODES[args.mode].items() if k != "variants"},
-                  stages=_plan(args).stage_names(), lrs=args.lrs or plans.MODES[args.mode][
-                      "char_lm"]["lrs"]),
-        variants={v: describe(v) for v in _plan(args).all_variants()})
+        corpus=corpus_info, model=plan.model,
+        # The plan's settings, each Variant in them by its name.
+        plan=dict(json.loads(json.dumps({k: v for k, v in plan.settings.items()
+                                         if k != "variants"}, default=lambda v: v.name)),
+                  stages=plan.stage_names(), lrs=plan.rates()),
+        variants={v.name: v.describe() for v in plan.all_variants()})
 
 
 def _make_out(out):
@@ -225,16 +240,17 @@ def _load(args):
                         validation_characters=len(corpus.validation))
 
 
-def _check(configs, corpus, args, processes):
-    """None if every run can be trained, else the one-line complaint (the same on every rank,
-    which all stop on it: no rank is left waiting for another)."""
+def plan_problem(configs, corpus, text, sequence_parallel, processes):
+    """None if every run can be trained on the corpus (char_lm; read from the file `text`, None:
+    Austen) by `processes` ranks, data or sequence parallel, else the one-line complaint (the same
+    on every rank, which all stop on it: no rank is left waiting for another)."""
     for config in configs:
-        if args.sequence_parallel:  # each sequence over the processes, at least a token each
+        if sequence_parallel:  # each sequence over the processes, at least a token each
             length = config.context if config.task == "char_lm" else \
                 min(n for n, _ in config.mqar_settings)
-            if length < processes:
-                return ("the %s sequences of %d positions do not split over %d processes: use "
-                        "at most %d" % (config.task, length, processes, length))
+            problem = parallel.split_problem(length, processes)
+            if problem:
+                return "%s (%s): use at most %d processes" % (problem, config.task, length)
         elif config.batch_size % processes:
             return ("the %s batch of %d sequences does not split over %d processes: use a process "
                     "count that divides it" % (config.task, config.batch_size, processes))
@@ -243,32 +259,50 @@ def _check(configs, corpus, args, processes):
                 corpus.validation_windows(max(config.extrapolation) * config.context, 1)
                 corpus.batch(0, 0, 1, config.context)
             except ValueError as e:
-                return "%s: %s" % (args.text or "the text", e)
+                return "%s: %s" % (text or "the text", e)
     return None
 
 
-def main(argv=None):
+def main(argv=None, *, hooks=None, modes=None, model=None):
+    """The command line. hooks (train.RunHooks), modes and model (plans.Plan's): the seams of the
+    tests under torchrun (tests/torchrun_entry.py), which train tiny plans and inject faults into
+    the runs inside each process; a run from the command line passes none."""
     argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
+    plan_seams = dict(modes=modes, model=model)
+    args = parse(argv, plan_seams)
     if args.list_variants:
-        for name in VARIANTS:
-            print("%-22s %s" % (name, describe(name)))
+        _list_variants()
         return 0
     try:
-        ranks = parallel.from_environment(args.sequence_parallel)
+        group = parallel.from_environment(args.sequence_parallel)
     except (RuntimeError, ValueError) as e:
         sys.stderr.write("training: could not join torchrun's process group: %s\n" %
                          str(e).splitlines()[0])
         return 1
     try:
-        return _train(args, argv, ranks)
+        return _train(args, argv, group, _plan(args, plan_seams), hooks)
     finally:
-        ranks.close()
+        group.close()
 
 
-def _plan(args):
+def _list_variants():
+    print("The catalogue's variants (--full trains them all):\n")
+    for variant in CATALOGUE:
+        print("  %-22s %s" % (variant.name, variant.describe()))
+    print("\nAny of them, followed by any of these in this order, is a variant too:\n"
+          "  -m<f>x          FAVOR+ with f x head dim random features (default 2)\n"
+          "  -redraw<k>      FAVOR+ with a new W every k training steps\n"
+          "  -decay<gamma>   linear attention whose state decays by gamma in (0, 1) per step,\n"
+          "  or -retnet      or by RetNet's gamma_h = 1 - 2^(-5-h) per head h\n"
+          "  -conv<w>        a causal depthwise convolution of width w on q, k and v\n"
+          "e.g. favor-numerator_only-m4x, elu-nodenom-retnet-conv4.")
+
+
+def _plan(args, plan_seams=None):
+    """The plan the command line asks for; plan_seams: main's modes and model."""
     return plans.Plan(args.mode, args.tasks, args.variants, args.seeds, args.steps,
-                      args.redraw_interval, args.threads, args.lrs, args.stages)
+                      args.redraw_interval, args.threads, args.lrs, args.stages,
+                      **(plan_seams or {}))
 
 
 def _with_text(configs, corpus):
@@ -277,18 +311,18 @@ def _with_text(configs, corpus):
             for c in configs]
 
 
-def _train(args, argv, ranks):
+def _train(args, argv, group, plan, hooks):
     started, source = time.time(), source_state()
     # Rank 0 alone writes; its verdict on --out reaches every rank, which all stop on a bad one.
-    problem = ranks.broadcast(_make_out(args.out) if ranks.main else None)
+    problem = group.broadcast(_make_out(args.out) if group.main else None)
     if problem is None:
         try:
             corpus, corpus_info = _load(args)
         except RuntimeError as e:
             problem = str(e)
     if problem is None:
-        plan = _plan(args)
-        problem = _check(_with_text(plan.preview(), corpus), corpus, args, ranks.world_size)
+        problem = plan_problem(_with_text(plan.preview(), corpus), corpus, args.text,
+                               args.sequence_parallel, group.world_size)
     if problem is not None:
         sys.stderr.write("training: %s\n" % problem)
         return 1
@@ -296,19 +330,20 @@ def _train(args, argv, ranks):
         results = []
         for name in plan.stage_names():
             # Rank 0 alone holds the results the stage is chosen from: the others get its list.
-            configs = ranks.broadcast(_with_text(plan.stage(name, results), corpus)
-                                      if ranks.main else None)
+            configs = group.broadcast(_with_text(plan.stage(name, results), corpus)
+                                      if group.main else None)
             if not configs:
                 continue
-            if ranks.main:
+            if group.main:
                 sys.stderr.write("training: stage %s\n" % name)
             results += sweep.run_all(configs, args.out, args.jobs, args.text, args.resume,
-                                     args.quiet, ranks) or []
-        if not ranks.main:
+                                     args.quiet, group, hooks=hooks) or []
+        if not group.main:
             return 0
-        sweep.write_tables(results, args.out)
+        write_tables(results, args.out)
         if not args.no_step_time:
-            step_time.run(args.out, args.mode, plans.MODEL, args.resume, args.quiet)
+            step_time.run(args.out, plan.settings["step_time"], plan.model, args.resume,
+                          args.quiet)
         if not args.no_decode:
             decoding.run(args.out, results, args.quiet)
     except sweep.RunsFailed as e:
@@ -323,8 +358,8 @@ def _train(args, argv, ranks):
         return 130
     # Written last: its presence tells the analysis that the CSVs are those of a finished sweep.
     sweep.write_json(os.path.join(args.out, "training.json"),
-                     metadata(args, argv, started, source, corpus_info, ranks.world_size,
-                              ranks.mode))
+                     metadata(args, argv, plan, started, source, corpus_info, group.world_size,
+                              group.mode))
     return 0
 
 

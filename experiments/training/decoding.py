@@ -3,11 +3,10 @@
 For each char_lm training context of the sweep, softmax + RoPE and the linear variant with the
 lowest mean final bpc (the first seed's model, at its best learning rate, plans.best_lr) are
 decoded a token at a time from position 0 to 8 x the context (generate.measure): the time per
-token and the bytes their caches hold, to decode.csv. Every char_lm variant's first-seed model at the shortest
-context samples a short text from one prompt (generate.sample, fixed seed), to samples.json.
-Decoding runs in this process on one thread; the time per token is a median per window."""
-import csv
-import io
+token and the bytes their caches hold, to decode.csv. Every char_lm variant's first-seed model at
+the shortest context samples a short text from one prompt (generate.sample, fixed seed), to
+samples.json. Decoding runs in this process on one thread; the time per token is a median per
+window."""
 import os
 import statistics
 import sys
@@ -15,81 +14,66 @@ import sys
 import torch
 
 import linrope
-from analysis.common import write_atomic, write_json  # experiments/analysis
+from analysis.common import write_csv, write_json  # experiments/analysis
 
-from .generate import load_model, measure, sample
-from .model import VARIANTS
-from .plans import best_lr, final_bpc
+from .generate import PROMPT, load_model, measure, sample
+from .plans import best_lr
+from .variants import SOFTMAX_ROPE, in_catalogue_order
 
-PROMPT = "It is a truth universally acknowledged"
 SAMPLE_TOKENS = 160
 TEMPERATURE = 0.8
+COLUMNS = ["variant", "context", "lr", "position", "seconds_per_token", "cache_bytes"]
 
 
-def _first_seed_models(results, out, context):
+def first_seed_models(results, out, context):
     """variant -> (the path of its first seed's model at its best learning rate, the mean final
-    bpc of its seeds there), over the char_lm runs at `context` (W never redrawn, unless every
-    run was)."""
-    runs = [r for r in results if r["config"]["task"] == "char_lm"
-            and r["config"]["context"] == context]
-    redraw = min((r["config"]["redraw_interval"] for r in runs), default=0)
-    runs = [r for r in runs if r["config"]["redraw_interval"] == redraw]
+    bpc of its seeds there), over the char_lm results at `context`, in catalogue order; a variant
+    with W redrawn only where the same variant with W fixed was not trained."""
+    runs = [r for r in results if r.task == "char_lm" and r.context == context]
+    variants_run = {r.variant for r in runs}
     chosen = {}
-    for variant in dict.fromkeys(r["config"]["variant"] for r in runs):
-        lr = best_lr(runs, variant, context, redraw)
-        mine = sorted((r for r in runs if r["config"]["variant"] == variant
-                       and r["config"]["lr"] == lr), key=lambda r: r["config"]["seed"])
-        path = os.path.join(out, "models", _key(mine[0]) + ".pt")
+    for variant in in_catalogue_order({r.variant for r in runs}):
+        if variant.redraw_interval and variant.replace(redraw_interval=0) in variants_run:
+            continue
+        lr = best_lr(runs, variant, context)
+        at_best = sorted((r for r in runs if r.variant == variant and r.lr == lr),
+                         key=lambda r: r.seed)
+        path = at_best[0].model_path(out)
         if os.path.exists(path):
-            chosen[variant] = (path, statistics.fmean(final_bpc(r) for r in mine))
+            chosen[variant] = (path, statistics.fmean(r.final_bpc() for r in at_best))
     return chosen
 
 
-def _key(result):
-    from .train import Config  # the file name is the run's key
-    config = dict(result["config"])
-    config["extrapolation"] = tuple(config["extrapolation"])
-    config["mqar_settings"] = tuple(tuple(s) for s in config["mqar_settings"])
-    return Config(**config).key()
-
-
 def run(out, results, quiet=False, prompt=PROMPT):
-    """Writes out/decode.csv and out/samples.json from the sweep's char_lm models (results as
-    sweep.run_all returns them)."""
+    """Writes out/decode.csv and out/samples.json from the sweep's char_lm models (results:
+    results.Result, as sweep.run_all returns them)."""
     torch.set_num_threads(1)
     linrope.set_num_threads(1)
-    contexts = sorted({r["config"]["context"] for r in results
-                       if r["config"]["task"] == "char_lm"})
+    contexts = sorted({r.context for r in results if r.task == "char_lm"})
     if not contexts:
         return
     rows, samples = [], []
     for context in contexts:
-        models = _first_seed_models(results, out, context)
-        linear = [v for v in models if VARIANTS[v]["attention"] == "linear"
-                  and models[v][1] < float("inf")]
-        timed = [v for v in ("softmax-rope",) if v in models]
+        models = first_seed_models(results, out, context)
+        linear = [v for v in models if v.linear and models[v][1] < float("inf")]
+        timed = [v for v in (SOFTMAX_ROPE,) if v in models]
         if linear:
             timed.append(min(linear, key=lambda v: models[v][1]))
         for variant in timed:
             model, _, config = load_model(models[variant][0])
             if not quiet:
                 sys.stderr.write("decoding: %s (context %d) to position %d\n" % (
-                    variant, context, 8 * context))
+                    variant.name, context, 8 * context))
             for row in measure(model, 8 * context):
-                rows.append(dict(variant=variant, context=context, lr=config["lr"], **row))
+                rows.append(dict(variant=variant.name, context=context, lr=config.lr, **row))
         if context != contexts[0]:
             continue
-        for variant in [v for v in VARIANTS if v in models]:
-            model, chars, config = load_model(models[variant][0])
+        for variant, (path, _) in models.items():
+            model, chars, config = load_model(path)
             if not set(prompt) <= set(chars):
                 continue  # another corpus without the prompt's characters
-            samples.append(dict(variant=variant, context=context, lr=config["lr"],
-                                seed=config["seed"], prompt=prompt, temperature=TEMPERATURE,
+            samples.append(dict(variant=variant.name, context=context, lr=config.lr,
+                                seed=config.seed, prompt=prompt, temperature=TEMPERATURE,
                                 text=sample(model, chars, prompt, SAMPLE_TOKENS, TEMPERATURE)))
-    text = io.StringIO()
-    writer = csv.DictWriter(text, ["variant", "context", "lr", "position", "seconds_per_token",
-                                   "cache_bytes"], lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(os.path.join(out, "decode.csv"), text.getvalue())
+    write_csv(os.path.join(out, "decode.csv"), rows, COLUMNS)
     write_json(os.path.join(out, "samples.json"), samples)

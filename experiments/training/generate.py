@@ -11,7 +11,6 @@ the same time and memory; a softmax layer carries its keys and values, a row mor
 and writes per position the time per token (median over a window of tokens) and the bytes the
 caches hold, to a CSV (atomically)."""
 import argparse
-import csv
 import io
 import statistics
 import sys
@@ -20,30 +19,32 @@ import time
 import torch
 
 import linrope
-from analysis.common import write_atomic  # experiments/analysis
+from analysis.common import csv_text, write_atomic  # experiments/analysis
 
 from .model import Decoder
+from .train import Config
 
 WINDOW = 32  # tokens per timing window: the median of their times is the position's figure
+PROMPT = "It is a truth universally acknowledged"
 
 
 def save_model(path, config, model, chars):
-    """The file generation reads: configuration (a dict), weights and the corpus's characters."""
+    """The file generation reads: the configuration (train.Config as a dict,
+    dataclasses.asdict), the weights and the corpus's characters."""
     state = io.BytesIO()
     torch.save(dict(config=config, model=model.state_dict(), chars=list(chars)), state)
     write_atomic(path, state.getvalue())
 
 
 def load_model(path):
-    """(Decoder in eval mode, characters, configuration dict) from save_model's file."""
+    """(Decoder in eval mode, characters, train.Config) from save_model's file."""
     try:
         saved = torch.load(path)
     except (OSError, RuntimeError) as e:
         raise SystemExit("training.generate: cannot read %s: %s" % (path, e))
-    c = saved["config"]
-    model = Decoder(len(saved["chars"]), c["variant"], c["d_model"], c["layers"], c["heads"],
-                    c["seed"], c["redraw_interval"], c["stats_threshold"],
-                    c.get("feature_factor", 2))
+    c = Config.from_dict(saved["config"])
+    model = Decoder(len(saved["chars"]), c.variant, c.d_model, c.layers, c.heads, c.seed,
+                    c.stats_threshold)
     model.load_state_dict(saved["model"])
     return model.eval(), saved["chars"], c
 
@@ -70,7 +71,8 @@ def sample(model, chars, prompt, tokens, temperature=1.0, seed=0):
         if temperature <= 0:
             token = int(last.argmax())
         else:
-            token = int(torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator))
+            token = int(torch.multinomial(torch.softmax(last / temperature, -1), 1,
+                                          generator=generator))
         out.append(chars[token])
         logits, caches = model.decode(torch.tensor([[token]]), first_position=position,
                                       caches=caches)
@@ -101,7 +103,7 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python3 -m training.generate",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="a finished run's DIR/models/<key>.pt")
-    p.add_argument("--prompt", default="It is a truth universally acknowledged")
+    p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--tokens", type=int, default=200, help="characters to sample")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
@@ -125,17 +127,14 @@ def main(argv=None):
             print("training.generate: %s" % e, file=sys.stderr)
             return 1
         return 0
-    positions = args.positions or 8 * config["context"]
-    rows = measure(model, positions, args.seed)
-    text = io.StringIO()
-    writer = csv.DictWriter(text, ["variant", "position", "seconds_per_token", "cache_bytes"])
-    writer.writeheader()
-    for row in rows:
-        writer.writerow(dict(variant=config["variant"], **row))
+    positions = args.positions or 8 * config.context
+    text = csv_text([dict(variant=config.variant.name, **row)
+                     for row in measure(model, positions, args.seed)],
+                    ["variant", "position", "seconds_per_token", "cache_bytes"])
     if args.out:
-        write_atomic(args.out, text.getvalue())
+        write_atomic(args.out, text)
     else:
-        sys.stdout.write(text.getvalue())
+        sys.stdout.write(text)
     return 0
 
 

@@ -9,40 +9,47 @@ from torch import nn
 
 from linrope.torch import MultiheadAttention
 
-MAPS = {"elu": "elu+1", "favor": "favor+", "cos": "1+cos"}
+
+def attention_arguments(variant, d_model, heads, seed=0, stats_threshold=1e-3):
+    """The linrope.torch.MultiheadAttention arguments (beyond d_model and heads) of a variant's
+    causal layer: a linear one with num_features = feature_factor x head dim (FAVOR+'s m; the
+    other maps' m follows the head dim), its denominator statistics tracked; the decay and the
+    short convolution passed only when the variant has them."""
+    args = dict(attention=variant.attention, rope=variant.rope)
+    if variant.linear:
+        args.update(feature_map=variant.feature_map, placement=variant.placement,
+                    denominator=variant.denominator,
+                    num_features=variant.feature_factor * (d_model // heads), seed=seed,
+                    redraw_interval=variant.redraw_interval, track_stats=True,
+                    stats_threshold=stats_threshold)
+    if variant.decay is not None:
+        args["decay"] = variant.decay
+    if variant.short_conv:
+        args["short_conv"] = variant.short_conv
+    return args
 
 
-def _variants():
-    table = {"softmax-rope": dict(attention="softmax", rope=True),
-             "softmax-nopos": dict(attention="softmax", rope=False)}
-    for short in ("elu", "favor"):
-        for placement in ("none", "before_map", "numerator_only", "full"):
-            table["%s-%s" % (short, placement)] = dict(
-                attention="linear", feature_map=MAPS[short], placement=placement,
-                rope=placement != "none")
-    for placement in ("numerator_only", "full"):
-        table["cos-" + placement] = dict(attention="linear", feature_map="1+cos",
-                                         placement=placement, rope=True)
-    # No denominator (o = num, an RMSNorm per head instead): RoPE on the features, where
-    # numerator_only and full coincide.
-    for short in ("elu", "favor"):
-        table[short + "-nodenom"] = dict(attention="linear", feature_map=MAPS[short],
-                                         placement="numerator_only", rope=True, denominator=False)
-    return table
+def sequence_parallel_problem(variant, d_model, heads):
+    """None if the variant's attention layer can run sequence parallel, else the layer's reason
+    (linrope.torch.MultiheadAttention.sequence_parallel_problem)."""
+    layer = MultiheadAttention(d_model, heads, causal=True,
+                               **attention_arguments(variant, d_model, heads))
+    return layer.sequence_parallel_problem()
 
 
-# name -> MultiheadAttention arguments. Names are "<map>-<placement>" for linear attention, and
-# "<map>-nodenom" for linear attention without a denominator.
-VARIANTS = _variants()
-
-
-def describe(variant):
-    spec = VARIANTS[variant]
-    if spec["attention"] == "softmax":
-        return "softmax, " + ("RoPE" if spec["rope"] else "no positions")
-    if not spec.get("denominator", True):
-        return "%s, no denominator (RoPE on the features, RMSNorm per head)" % spec["feature_map"]
-    return "%s, %s" % (spec["feature_map"], spec["placement"])
+def combine_stats(per_layer_lists):
+    """Denominator statistics (as Decoder.denominator_stats gives them: per layer a dict, or None
+    for softmax) of several batches or shares combined into those of all of them, per layer: the
+    smallest minimum and the summed counts."""
+    combined = []
+    for layer in zip(*per_layer_lists):
+        if layer[0] is None:
+            combined.append(None)
+            continue
+        combined.append(dict(min=min(s["min"] for s in layer),
+                             **{key: sum(s[key] for s in layer)
+                                for key in ("nonpositive", "below_threshold", "count")}))
+    return combined
 
 
 class RMSNorm(nn.Module):
@@ -82,29 +89,19 @@ class Decoder(nn.Module):
     did not learn MQAR (64 tokens, 4 pairs, 1000 steps at lr 1e-3: 0.25 accuracy tied, 0.90
     untied), while a plain PyTorch decoder with an untied output layer did."""
 
-    def __init__(self, vocab_size, variant, d_model, layers, heads, seed, redraw_interval=0,
-                 stats_threshold=1e-3, feature_factor=2):
+    def __init__(self, vocab_size, variant, d_model, layers, heads, seed, stats_threshold=1e-3):
+        """variant: a variants.Variant. Every layer's FAVOR+ W is its own, all fixed by the seed:
+        layer l's seed is (1000 seed + l) 10^6, and a redraw adds 1 to it, so that the layers'
+        seeds never meet."""
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError("unknown variant %r; the variants are %s" %
-                             (variant, ", ".join(VARIANTS)))
-        spec = dict(VARIANTS[variant])
-        linear = spec["attention"] == "linear"
         torch.manual_seed(seed)
+        self.variant = variant
         self.embedding = nn.Embedding(vocab_size, d_model)
-        blocks = []
-        for layer in range(layers):
-            args = dict(spec)
-            if linear:
-                # FAVOR+ with m = feature_factor x head dim; each layer its own W, all fixed by
-                # the seed. Redraws add 1 to a layer's seed: layers are 10^6 apart so they never
-                # meet.
-                args.update(num_features=feature_factor * (d_model // heads),
-                            seed=(1000 * seed + layer) * 1_000_000,
-                            redraw_interval=redraw_interval, track_stats=True,
-                            stats_threshold=stats_threshold)
-            blocks.append(Block(d_model, heads, args))
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = nn.ModuleList(
+            Block(d_model, heads, attention_arguments(variant, d_model, heads,
+                                                      (1000 * seed + layer) * 1_000_000,
+                                                      stats_threshold))
+            for layer in range(layers))
         self.final_norm = RMSNorm(d_model)
         self.output = nn.Linear(d_model, vocab_size, bias=False)
         self._initialise(layers)
@@ -141,10 +138,10 @@ class Decoder(nn.Module):
     def sequence_parallel(self, group=None):
         """Every attention layer sequence parallel over group (None: the whole world): each
         process then holds a contiguous slice of every sequence, and the layers exchange their
-        states (parallel.py). Softmax attention cannot (it needs every earlier key): refused."""
-        if any(block.attention.attention != "linear" for block in self.blocks):
-            raise ValueError("sequence parallelism needs linear attention, not softmax (which "
-                             "needs every earlier key, not a state)")
+        states (parallel.py). ValueError with the layer's reason if it cannot."""
+        problem = self.blocks[0].attention.sequence_parallel_problem()
+        if problem is not None:
+            raise ValueError("sequence parallelism: %s" % problem)
         for block in self.blocks:
             block.attention.sequence_parallel, block.attention.sequence_group = True, group
 

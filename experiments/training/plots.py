@@ -1,65 +1,68 @@
-"""The training report's plots (PNG, written atomically), drawn from the CSVs and summary.json;
-each returned with its caption. Captions name the corpus the runs trained on."""
+"""The training report's plots (PNG, written atomically), drawn from the runs (results.Result)
+and summary.json; each returned with its caption. Captions name the corpus the runs trained on."""
 import collections
 import math
 import os
 import statistics
 
-from .model import VARIANTS, describe
-from .summary import _num, _rows
+from .step_time import VARIANTS_TIMED
+from .variants import FEATURE_MAPS, SOFTMAX_ROPE, from_name
 
-FAMILIES = (("elu+1", "elu"), ("FAVOR+", "favor"), ("1+cos", "cos"))
 PLACEMENT_COLOURS = {"none": "tab:gray", "before_map": "tab:orange",
                      "numerator_only": "tab:blue", "full": "tab:red"}
-FAMILY_MARKERS = {"elu+1": "s", "favor+": "o", "1+cos": "^"}
+MAP_MARKERS = {"elu+1": "s", "favor+": "o", "1+cos": "^"}
 
 
 def colour(variant):
     """The placement's colour (the same in every map's panel); no denominator green; softmax
     black (RoPE) or brown (no positions)."""
-    spec = VARIANTS[variant]
-    if spec["attention"] == "softmax":
-        return "black" if spec["rope"] else "tab:brown"
-    if not spec.get("denominator", True):
+    if not variant.linear:
+        return "black" if variant.rope else "tab:brown"
+    if not variant.denominator:
         return "tab:green"
-    return PLACEMENT_COLOURS[spec["placement"]]
+    return PLACEMENT_COLOURS[variant.placement]
 
 
 def marker(variant):
-    return FAMILY_MARKERS.get(VARIANTS[variant].get("feature_map"), "*")
+    return MAP_MARKERS.get(variant.feature_map, "*")
+
+
+def _families(variants):
+    """(panel title, its variants): softmax, then each map's."""
+    families = [("softmax", [v for v in variants if not v.linear])] + [
+        (names.label, [v for v in variants if v.feature_map == kind])
+        for kind, names in FEATURE_MAPS.items()]
+    return [f for f in families if f[1]]
 
 
 def _groups(variants):
-    """(panel title, its variants): softmax, then each map's with softmax + RoPE for scale."""
-    groups = [("softmax", [v for v in variants if v.startswith("softmax")])] + [
-        (label, [v for v in variants if v.startswith(prefix + "-")] +
-         [v for v in variants if v == "softmax-rope"]) for label, prefix in FAMILIES]
-    return [g for g in groups if g[1] and not (g[0] != "softmax" and len(g[1]) == 1 and
-                                                g[1][0] == "softmax-rope")]
+    """_families, each map's with softmax + RoPE for scale."""
+    with_softmax = [SOFTMAX_ROPE] if SOFTMAX_ROPE in variants else []
+    return [(label, names if label == "softmax" else names + with_softmax)
+            for label, names in _families(variants)]
 
 
 def _band(rows, key):
     by_step = collections.defaultdict(list)
     for r in rows:
-        if r.get(key, "") != "":
-            by_step[int(r["step"])].append(_num(r[key]))
+        if r[key] is not None:
+            by_step[r["step"]].append(r[key])
     steps = sorted(by_step)
     return (steps, [statistics.fmean(by_step[s]) for s in steps],
             [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps])
 
 
-def _in_cell(rows, context, variant, lr, redraw=0):
-    return [r for r in rows if r["task"] == "char_lm" and int(r["context"]) == context
-            and r["variant"] == variant and float(r["lr"]) == lr
-            and int(r["redraw_interval"]) == redraw]
+def _records(results, cell, name):
+    """The rows of record `name` (curves, layers, evaluations) of every run of a cell."""
+    return [row for r in results if r.cell == cell for row in r.records[name]]
 
 
-def plot(out, summary, corpus):
-    """Draws every plot the summary has data for; returns [(file name, caption)]."""
+def plot(out, summary, corpus, results):
+    """Draws every plot the summary has data for, the runs' records (results.Result) giving the
+    curves; returns [(file name, caption)]."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    curves, evaluations, layers = (_rows(out, n) for n in ("curves", "evaluations", "layers"))
     figures = []
 
     def save(fig, name, caption):
@@ -72,22 +75,23 @@ def plot(out, summary, corpus):
 
     for context, lm in summary.get("char_lm", {}).items():
         context = int(context)
-        cells = lm["cells"]
+        cells = {from_name(name): cell for name, cell in lm["cells"].items()}
         groups = _groups(list(cells))
         fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), sharey=True,
                                  squeeze=False)
         for ax, (label, names) in zip(axes[0], groups):
             for v in names:
                 lr = cells[v]["lr"]
-                val = [dict(e, bpc=e["value"]) for e in _in_cell(evaluations, context, v, lr)
-                       if int(e["length"]) == context]
-                for rows, key, style in ((_in_cell(curves, context, v, lr), "train_loss", ":"),
+                cell = ("char_lm", context, v, lr)
+                val = [dict(e, bpc=e["value"]) for e in _records(results, cell, "evaluations")
+                       if e["length"] == context]
+                for rows, key, style in ((_records(results, cell, "curves"), "train_loss", ":"),
                                          (val, "bpc", "-")):
                     steps, mean, low, high = _band(rows, key)
                     if key == "train_loss":
                         mean, low, high = ([x / math.log(2) for x in y] for y in (mean, low, high))
                     ax.plot(steps, mean, style, color=colour(v),
-                            label="%s (lr %g)" % (describe(v), lr) if key == "bpc" else None)
+                            label="%s (lr %g)" % (v.describe(), lr) if key == "bpc" else None)
                     ax.fill_between(steps, low, high, color=colour(v), alpha=0.2, linewidth=0)
             ax.set_title(label)
             ax.set_xlabel("step")
@@ -103,24 +107,22 @@ def plot(out, summary, corpus):
                  corpus, context))
 
         if any(len(g) > 1 for g in lm["grid"].values()):
-            families = [(label, [v for v in cells if v.startswith(prefix)])
-                        for label, prefix in (("softmax", "softmax"),) + FAMILIES]
-            families = [f for f in families if f[1]]
+            families = _families(list(cells))
             fig, axes = plt.subplots(1, len(families), figsize=(3.6 * len(families), 3.2),
                                      sharey=True, squeeze=False)
             for ax, (label, names) in zip(axes[0], families):
                 for v in names:
-                    rates = sorted(lm["grid"][v], key=float)
+                    grid = lm["grid"][v.name]
+                    rates = sorted(grid, key=float)
                     ax.plot([float(r) for r in rates],
-                            [lm["grid"][v][r] if lm["grid"][v][r] is not None else math.nan
-                             for r in rates], "-", marker=marker(v), color=colour(v),
-                            label=describe(v))
+                            [grid[r] if grid[r] is not None else math.nan for r in rates], "-",
+                            marker=marker(v), color=colour(v), label=v.describe())
                     for r in rates:  # diverged: an x at the top of the panel
-                        if lm["grid"][v][r] is None:
+                        if grid[r] is None:
                             ax.plot([float(r)], [1.0], "x", color=colour(v),
                                     transform=ax.get_xaxis_transform())
                 ax.set_xscale("log")
-                rates = sorted({float(r) for v in names for r in lm["grid"][v]})
+                rates = sorted({float(r) for v in names for r in lm["grid"][v.name]})
                 ax.set_xticks(rates, ["%g" % r for r in rates])
                 ax.minorticks_off()
                 ax.set_title(label)
@@ -136,7 +138,7 @@ def plot(out, summary, corpus):
             ext = c["extrapolation"]
             xs = [int(n) for n in ext if ext[n]["n"]]
             ax.plot(xs, [ext[str(n)]["mean"] for n in xs], "-", marker=marker(v),
-                    color=colour(v), label=describe(v))
+                    color=colour(v), label=v.describe())
         ax.set_xscale("log", base=2)
         ax.set_xlabel("evaluation context (characters; trained at %d)" % context)
         ax.set_ylabel("validation bpc")
@@ -148,25 +150,25 @@ def plot(out, summary, corpus):
     lm = summary.get("char_lm", {})
     if lm:
         context = min(lm, key=int)
-        cells = lm[context]["cells"]
-        families = [(label, prefix) for label, prefix in FAMILIES
-                    if any(v.startswith(prefix + "-") for v in cells)]
+        cells = {from_name(name): cell for name, cell in lm[context]["cells"].items()}
+        families = [f for f in _families(list(cells)) if f[0] != "softmax"]
         if families:
             fig, axes = plt.subplots(len(families), 3, figsize=(12, 2.6 * len(families)),
                                      squeeze=False)
-            layer_ids = sorted({r["layer"] for r in layers}, key=int)
-            for row, (label, prefix) in zip(axes, families):
-                for v in [v for v in cells if v.startswith(prefix + "-")]:
+            layer_ids = sorted({i for r in results for i in r.layer_ids()})
+            for row, (label, names) in zip(axes, families):
+                for v in names:
+                    rows = _records(results, ("char_lm", int(context), v, cells[v]["lr"]),
+                                    "layers")
                     for layer in layer_ids:
-                        mine = [r for r in _in_cell(layers, int(context), v, cells[v]["lr"])
-                                if r["layer"] == layer]
+                        layer_rows = [r for r in rows if r["layer"] == layer]
                         for ax, key in zip(row, ("den_min", "nonpositive_share", "grad_norm")):
-                            steps, mean, low, _ = _band(mine, key)
+                            steps, mean, low, _ = _band(layer_rows, key)
                             if key == "den_min":
                                 mean = low  # the smallest over the seeds too
                             ax.plot(steps, mean, "-" if layer == layer_ids[0] else "--",
                                     color=colour(v), linewidth=1,
-                                    label=describe(v) if layer == layer_ids[0] else None)
+                                    label=v.describe() if layer == layer_ids[0] else None)
                 row[0].set_yscale("symlog", linthresh=1e-3)
                 row[2].set_yscale("log")
                 row[0].set_ylabel(label)
@@ -205,12 +207,11 @@ def plot(out, summary, corpus):
              "bars: min to max).")
 
     if "step_time" in summary:
-        from .step_time import VARIANTS_TIMED
         st = summary["step_time"]
         fig, ax = plt.subplots(figsize=(5, 3.4))
         for v in VARIANTS_TIMED:
-            ax.plot(st["lengths"], [1e3 * s for s in st["seconds"][v]], "o-", color=colour(v),
-                    label=describe(v))
+            ax.plot(st["lengths"], [1e3 * s for s in st["seconds"][v.name]], "o-",
+                    color=colour(v), label=v.describe())
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context length")
@@ -223,8 +224,9 @@ def plot(out, summary, corpus):
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
         styles = ["-", "--", ":"]
         for style, (context, per) in zip(styles, summary["decoding"].items()):
-            for v, d in per.items():
-                label = "%s (trained at %s)" % (describe(v), context)
+            for name, d in per.items():
+                v = from_name(name)
+                label = "%s (trained at %s)" % (v.describe(), context)
                 axes[0].plot(d["positions"], [1e3 * s for s in d["seconds_per_token"]], style,
                              color=colour(v), label=label)
                 axes[1].plot(d["positions"], [b / 2 ** 20 for b in d["cache_bytes"]], style,

@@ -1,20 +1,22 @@
 """The training experiment's analysis, called by experiments/analysis/report.py (which writes
 REPORT.md): from a training output directory's CSVs and training.json, summary.json (every number
 the report quotes, summary.py), the plots (plots.py) and the REPORT.md section, its sentences
-written from summary.json. The training run itself (python3 -m training) writes only the CSVs and
-the JSON."""
+written from summary.json (cells by variant name, read back into variants.Variant). The training
+run itself (python3 -m training) writes only the CSVs and the JSON."""
 import json
 import os
 
 from analysis.common import write_json  # experiments/analysis
 
-from .model import VARIANTS, describe
-from .plots import FAMILIES, plot
-from .step_time import VARIANTS_TIMED
+from .plots import plot
+from .results import read_tables
 from .summary import paired, spread, summarise
+from .variants import DEFAULT_FEATURE_FACTOR, FEATURE_MAPS, SOFTMAX_ROPE, Variant, from_name
+
+REFERENCE = SOFTMAX_ROPE.name
 
 
-def fmt(s, digits=3):
+def format_spread(s, digits=3):
     """'2.345 (2.301-2.389, 3 seeds)', the value alone for one seed, 'n/a' for none."""
     if not s["n"]:
         return "n/a"
@@ -45,11 +47,21 @@ def compare(a, b, key="final_bpc"):
         "" if len(signs) == 1 else ", the sign changes between seeds")
 
 
-def _placement(v):
-    spec = VARIANTS[v]
-    if spec["attention"] == "softmax":
-        return describe(v)
-    return "no denominator" if not spec.get("denominator", True) else spec["placement"]
+def describe(name):
+    return from_name(name).describe()
+
+
+def _placement(name):
+    v = from_name(name)
+    if not v.linear:
+        return v.describe()
+    return "no denominator" if not v.denominator else v.placement
+
+
+def _linear(kind, placement=None):
+    """The name of the linear variant of map `kind` at `placement` (None: no denominator)."""
+    return Variant("linear", kind, placement or "numerator_only",
+                   denominator=placement is not None).name
 
 
 def _denominator_cell(s):
@@ -57,50 +69,53 @@ def _denominator_cell(s):
     step (mean over seeds), or a dash (softmax, no denominator)."""
     if not s["layers"] or not any(d["nonpositive_share"]["n"] for d in s["layers"].values()):
         return "-"
-    worst = lambda key: max(d[key]["mean"] for d in s["layers"].values() if d[key]["n"])
+
+    def worst(key):
+        return max(d[key]["mean"] for d in s["layers"].values() if d[key]["n"])
     return "%.1f%% / %.1f%%" % (100 * worst("nonpositive_share"), 100 * worst("tiny_share"))
 
 
-def _ranked(cells, prefix):
-    names = [v for v in cells if v.startswith(prefix + "-") and cells[v]["final_bpc"]["n"]]
+def _ranked(cells, kind):
+    """The cells of map `kind`'s variants that have a final bpc, best first."""
+    names = [v for v in cells if from_name(v).feature_map == kind and cells[v]["final_bpc"]["n"]]
     return sorted(names, key=lambda v: cells[v]["final_bpc"]["mean"])
 
 
 def _table(cells, context):
-    ref = cells.get("softmax-rope")
+    ref = cells.get(REFERENCE)
     lines = ["| variant | best lr | final val bpc | vs softmax + RoPE (paired) | diverged | "
              "den <= 0 / tiny (worst layer) | bpc at %d / %d | tokens/s |" % (
                  2 * context, 4 * context), "|---|---|---|---|---|---|---|---|"]
     for v, s in cells.items():
         ext = s["extrapolation"]
         lines.append("| %s | %g | %s | %s | %d of %d | %s | %s / %s | %.0f |" % (
-            describe(v), s["lr"], fmt(s["final_bpc"]),
-            "-" if v == "softmax-rope" or not ref else compare(s, ref), s["diverged"],
-            s["seeds"], _denominator_cell(s), fmt(ext.get(str(2 * context), spread([]))),
-            fmt(ext.get(str(4 * context), spread([]))), s["tokens_per_s"]["mean"]))
+            describe(v), s["lr"], format_spread(s["final_bpc"]),
+            "-" if v == REFERENCE or not ref else compare(s, ref), s["diverged"],
+            s["seeds"], _denominator_cell(s), format_spread(ext.get(str(2 * context), spread([]))),
+            format_spread(ext.get(str(4 * context), spread([]))), s["tokens_per_s"]["mean"]))
     return "\n".join(lines)
 
 
 def _placements(cells):
     sentences = []
-    for label, prefix in FAMILIES:
-        ranking = _ranked(cells, prefix)
+    for kind, names in FEATURE_MAPS.items():
+        ranking = _ranked(cells, kind)
         if len(ranking) < 2:
             continue
         first = cells[ranking[0]]
         sentences.append("for %s, **%s** (%.3f), then %s" % (
-            label, _placement(ranking[0]), first["final_bpc"]["mean"], "; ".join(
+            names.label, _placement(ranking[0]), first["final_bpc"]["mean"], "; ".join(
                 "%s %s" % (_placement(v), compare(cells[v], first)) for v in ranking[1:])))
     return sentences
 
 
 def _full(cells, threshold):
     out = []
-    for label, prefix in FAMILIES:
-        f, n = cells.get(prefix + "-full"), cells.get(prefix + "-numerator_only")
+    for kind, names in FEATURE_MAPS.items():
+        f, n = cells.get(_linear(kind, "full")), cells.get(_linear(kind, "numerator_only"))
         if not f or not n:
             continue
-        text = "%s: full %s" % (label, "diverged in %d of %d seeds (at step %s)" % (
+        text = "%s: full %s" % (names.label, "diverged in %d of %d seeds (at step %s)" % (
             f["diverged"], f["seeds"], ", ".join(map(str, f["diverged_steps"])))
             if f["diverged"] else "never diverged")
         text += ", ended %s bpc from numerator_only" % compare(f, n)
@@ -111,11 +126,11 @@ def _full(cells, threshold):
                     100 * d["tiny_share"]["mean"]) for layer, d in f["layers"].items())
             text += " (numerator_only's smallest: %s)" % ", ".join(
                 "%.3g" % d["den_min"] for d in n["layers"].values())
-        nodenom = cells.get(prefix + "-nodenom")
+        nodenom = cells.get(_linear(kind))
         if nodenom and nodenom["final_bpc"]["n"]:
-            text += ". Without a denominator (RoPE on the features, an RMSNorm per head): %s " \
-                    "bpc from full, %s from numerator_only" % (compare(nodenom, f),
-                                                              compare(nodenom, n))
+            text += (". Without a denominator (RoPE on the features, an RMSNorm per head): %s "
+                     "bpc from full, %s from numerator_only" % (compare(nodenom, f),
+                                                                compare(nodenom, n)))
         out.append(text)
     if not out:
         return None
@@ -125,16 +140,16 @@ def _full(cells, threshold):
 
 
 def _softmax_gap(cells):
-    if "softmax-rope" not in cells or not cells["softmax-rope"]["final_bpc"]["n"]:
+    if REFERENCE not in cells or not cells[REFERENCE]["final_bpc"]["n"]:
         return None
-    ref = cells["softmax-rope"]
+    ref = cells[REFERENCE]
     parts = []
-    for label, prefix in FAMILIES:
-        ranking = _ranked(cells, prefix)
+    for kind, names in FEATURE_MAPS.items():
+        ranking = _ranked(cells, kind)
         if ranking:
-            parts.append("%s at its best (%s) %s" % (label, _placement(ranking[0]),
+            parts.append("%s at its best (%s) %s" % (names.label, _placement(ranking[0]),
                                                      compare(cells[ranking[0]], ref)))
-    nopos = cells.get("softmax-nopos")
+    nopos = cells.get(Variant("softmax", rope=False).name)
     if nopos and nopos["final_bpc"]["n"]:
         parts.append("softmax without positions %s" % compare(nopos, ref))
     return "**Against softmax + RoPE** (%.3f bpc), paired by seed: %s." % (
@@ -173,23 +188,25 @@ def _long_context(char_lm):
         return None
     short, long = char_lm[contexts[0]]["cells"], char_lm[contexts[-1]]["cells"]
     changes = []
-    for label, prefix in FAMILIES:
-        at_long = _ranked(long, prefix)
-        at_short = [v for v in _ranked(short, prefix) if v in at_long]
+    for kind, names in FEATURE_MAPS.items():
+        at_long = _ranked(long, kind)
+        at_short = [v for v in _ranked(short, kind) if v in at_long]
         if len(at_long) >= 2:
             changes.append("%s: %s at %s (at %s: %s)%s" % (
-                label, ", ".join(_placement(v) for v in at_long), contexts[-1], contexts[0],
+                names.label, ", ".join(_placement(v) for v in at_long), contexts[-1], contexts[0],
                 ", ".join(_placement(v) for v in at_short),
                 " -- **the order changes**" if at_long != at_short else ""))
         elif at_long:
-            changes.append("%s: %s alone at %s" % (label, _placement(at_long[0]), contexts[-1]))
-    ref_s, ref_l = short.get("softmax-rope"), long.get("softmax-rope")
+            changes.append("%s: %s alone at %s" % (
+                names.label, _placement(at_long[0]), contexts[-1]))
+    ref_s, ref_l = short.get(REFERENCE), long.get(REFERENCE)
     gaps = []
     if ref_s and ref_l:
         for v in long:
-            if v != "softmax-rope" and v in short:
-                gaps.append("%s %s -> %s" % (describe(v), compare(short[v], ref_s).split(" ")[0],
-                                              compare(long[v], ref_l).split(" ")[0]))
+            if v != REFERENCE and v in short:
+                gaps.append("%s %s -> %s" % (describe(v),
+                                             compare(short[v], ref_s).split(" ")[0],
+                                             compare(long[v], ref_l).split(" ")[0]))
     text = "**Long context** (%s against %s; the same tokens per step, the learning rate of %s): " \
            "the placements trained at both, best first: %s." % (
                contexts[-1], contexts[0], contexts[0], "; ".join(changes) or "n/a")
@@ -210,33 +227,35 @@ def _extrapolation(cells, context):
     ext.sort()
     return ("**Extrapolation from %d** (validation bpc at the training context -> at 4x it, best "
             "at 4x first): " % context + ", ".join(
-                "%s %.3f -> %.3f (%+.3f)" % (describe(v), one, four, four - one)
-                for four, one, v in ext) + ".")
+                "%s %.3f -> %.3f (%+.3f)" % (describe(v), at_1x, at_4x, at_4x - at_1x)
+                for at_4x, at_1x, v in ext) + ".")
 
 
 def _redraws(lm):
     if not lm["redrawn"]:
         return None
     parts = []
-    for v, r in lm["redrawn"].items():
-        fixed = lm["cells"].get(v)
+    for name, r in lm["redrawn"].items():
+        redrawn = from_name(name)
+        fixed_name = redrawn.replace(redraw_interval=0).name
+        fixed = lm["cells"].get(fixed_name)
         if fixed:
             parts.append("%s: redrawn every %d steps %s, %s bpc against W fixed (%s)" % (
-                describe(v), r["redraw_interval"], fmt(r["final_bpc"]), compare(r, fixed),
-                fmt(fixed["final_bpc"])))
+                describe(fixed_name), redrawn.redraw_interval, format_spread(r["final_bpc"]),
+                compare(r, fixed), format_spread(fixed["final_bpc"])))
     return "**Feature redraws** (FAVOR+'s two best placements, at their best rate): " + \
         "; ".join(parts) + "."
 
 
-def _state_floats(cell, meta):
+def _state_floats(name, meta):
     """Floats of one head's linear attention state at inference (S and z): m (d_v + 1), m the
     head dim for elu+1 and 1+cos, feature_factor x head dim for FAVOR+; None for softmax."""
-    spec = VARIANTS[cell["variant"]]
-    if spec["attention"] == "softmax":
+    v = from_name(name)
+    if not v.linear:
         return None
     model = meta.get("model", {})
     head = model.get("d_model", 64) // model.get("heads", 2)
-    m = cell["feature_factor"] * head if spec["feature_map"] == "favor+" else head
+    m = v.feature_factor * head if v.feature_map == "favor+" else head
     return m * (head + 1)
 
 
@@ -246,34 +265,34 @@ def _mqar(mq, meta):
         "length %s, %s pairs" % tuple(s.split("/")) for s in settings) + " | diverged |",
         "|---|---|" + "---|" * (len(settings) + 1)]
     for name, s in mq.items():
-        floats = _state_floats(s, meta)
-        more = s["feature_factor"] != 2 and VARIANTS[s["variant"]].get("feature_map") == "favor+"
-        lines.append("| %s%s | %s | %s | %d of %d |" % (
-            describe(s["variant"]), ", m = %d x head dim" % s["feature_factor"] if more else "",
-            floats if floats else "all keys and values", " | ".join(
-                fmt(s["accuracy"][k]) for k in settings), s["diverged"], s["seeds"]))
+        floats = _state_floats(name, meta)
+        lines.append("| %s | %s | %s | %d of %d |" % (
+            describe(name), floats if floats else "all keys and values", " | ".join(
+                format_spread(s["accuracy"][k]) for k in settings), s["diverged"], s["seeds"]))
     out = ["MQAR (Zoology's multi-query associative recall), its (length, pairs) settings "
            "trained in turn, step by step: query accuracy on held-out sequences, mean over seeds "
            "(range):\n\n" + "\n".join(lines)]
     words = []
-    soft = mq.get("softmax-rope")
+    soft = mq.get(REFERENCE)
     if soft:
         reached = [k for k in settings if soft["accuracy"][k]["n"] and
                    soft["accuracy"][k]["min"] >= 0.95]
         words.append("softmax + RoPE reaches >= 0.95 in every seed at %s" % (
             ", ".join("(%s)" % k.replace("/", ", ") for k in reached) if reached else
             "no setting"))
-    linear = [n for n in mq if n != "softmax-rope" and n != "softmax-nopos"]
+    linear = [n for n in mq if from_name(n).linear]
     if linear and len(settings) > 1:
         best = max(linear, key=lambda n: mq[n]["accuracy"][settings[0]]["mean"])
         words.append("the best linear cell, %s, %s" % (best, ", ".join(
             "%.3f at (%s)" % (mq[best]["accuracy"][k]["mean"], k.replace("/", ", "))
             for k in settings)))
     for name, s in mq.items():
-        base = mq.get(s["variant"])  # the same variant at the default features
+        v = from_name(name)
+        base_name = v.replace(feature_factor=DEFAULT_FEATURE_FACTOR).name
+        base = mq.get(base_name)  # the same variant at the default features
         if base is not None and base is not s:
-            words.append("%s with %dx the features against 2x: %s" % (
-                s["variant"], s["feature_factor"], ", ".join("%+.3f at (%s)" % (
+            words.append("%s with %dx the features against %dx: %s" % (
+                base_name, v.feature_factor, DEFAULT_FEATURE_FACTOR, ", ".join("%+.3f at (%s)" % (
                     s["accuracy"][k]["mean"] - base["accuracy"][k]["mean"],
                     k.replace("/", ", ")) for k in settings)))
     out.append("**Recall.** " + "; ".join(words) + ". Guessing among the sequence's values "
@@ -315,15 +334,14 @@ def _samples(summary):
 
 
 def _step_time(st):
-    ratio = {v: st["seconds"]["softmax-rope"][-1] / st["seconds"][v][-1]
-             for v in VARIANTS_TIMED[1:]}
+    ratio = {v: st["seconds"][REFERENCE][-1] / st["seconds"][v][-1] for v in st["crossover"]}
 
-    def crossing(c):
-        if c is None:
+    def crossing(c):  # analysis.common.crossover's
+        if c["kind"] == "not_reached":
             return "not within the lengths measured"
-        if c == st["lengths"][0]:
-            return "already at n = %d, the shortest length measured" % c
-        return "from n = %.0f" % c
+        if c["kind"] == "faster_throughout":
+            return "already at n = %d, the shortest length measured" % c["n"]
+        return "from n = %.0f" % c["n"]
 
     return ("**Step time of one layer** (the training's layer shape, forward + backward, batch 1, "
             "%d threads; the 1-minute load average was %.2f when it began): at n = %d, %s. In "
@@ -385,7 +403,8 @@ def section(out, plot_note=None, link_prefix="training/"):
             meta = json.load(f)
     summary = summarise(out)
     write_json(os.path.join(out, "summary.json"), summary)
-    figures = plot(out, summary, corpus_name(meta)) if plot_note is None else []
+    figures = plot(out, summary, corpus_name(meta), read_tables(out)) \
+        if plot_note is None else []
     md = "## Training: numerator-only against full normalisation\n\n"
     if meta:
         processes = meta.get("processes", 1)  # under torchrun

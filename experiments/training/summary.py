@@ -1,36 +1,33 @@
 """Every number the training report quotes, derived once from a training output directory's
-CSVs (summary.json): per cell -- a task, context, variant, FAVOR+'s features, redraws and
-learning rate -- the mean, range and per-seed values over its seeds.
+tables (summary.json): per cell -- a task, context, variant and learning rate -- the mean, range
+and per-seed values over its seeds.
 
 char_lm, per training context: the learning-rate grid (the first seed's final bpc at every
 rate), each variant's best rate (plans.best_lr, the rule the plan chose by), the cells at the best
-rate with W fixed, and those with W redrawn. mqar: a cell per variant and feature count. Then the
-one-layer step times, the decoding cost against position and the text samples."""
-import collections
+rate with W fixed, and those with W redrawn. mqar: a cell per variant. Then the one-layer step
+times, the decoding cost against position and the text samples."""
 import json
 import math
 import os
 import statistics
 
-from analysis.common import read_rows  # experiments/analysis
+from analysis.common import crossover, num, read_rows  # experiments/analysis
 
-from .model import VARIANTS
-from .plans import best_lr
-from .step_time import VARIANTS_TIMED, crossover
+from .plans import best_lr, grid_runs
+from .results import read_tables
+from .step_time import VARIANTS_TIMED
+from .variants import SOFTMAX_ROPE, in_catalogue_order
 
 
 def _rows(out, name):
-    """The CSV's rows, or none when the run did not write it (--no-step-time, one task)."""
+    """The CSV's rows, or none when the run did not write it (--no-step-time, --no-decode)."""
     return read_rows(out, name) if os.path.exists(os.path.join(out, name + ".csv")) else []
 
 
-def _num(text):
-    return float(text) if text not in ("", None) else math.nan
-
-
 def spread(values):
-    """mean, min, max and count of the finite values (NaN mean when there are none)."""
-    values = [v for v in values if math.isfinite(v)]
+    """mean, min, max and count of the finite values (None counts as missing; NaN mean when
+    there are none)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
         return dict(mean=math.nan, min=math.nan, max=math.nan, n=0)
     return dict(mean=statistics.fmean(values), min=min(values), max=max(values), n=len(values))
@@ -44,137 +41,92 @@ def paired(a, b):
             and math.isfinite(a[s]) and math.isfinite(b[s])}
 
 
-def cell_name(variant, feature_factor):
-    return variant if int(feature_factor) == 2 or not variant.startswith("favor") else \
-        "%s-m%dx" % (variant, int(feature_factor))
+def _last_final(result, length):
+    values = [e["value"] for e in result.finals(length)]
+    return values[-1] if values else None
 
 
-def _cell_key(row):
-    return (row["task"], int(row["context"]), row["variant"], int(row["feature_factor"]),
-            int(row["redraw_interval"]), float(row["lr"]))
-
-
-def _as_result(run, finals):
-    """A runs.csv row as plans.best_lr reads a run (its config, status and final evaluations)."""
-    config = dict(task=run["task"], context=int(run["context"]), variant=run["variant"],
-                  redraw_interval=int(run["redraw_interval"]), lr=float(run["lr"]),
-                  seed=int(run["seed"]))
-    return dict(config=config, summary=dict(status=run["status"]),
-                records=dict(evaluations=[dict(final=True, length=int(e["length"]),
-                                               value=_num(e["value"])) for e in finals]))
-
-
-def _cell(task, runs, evaluations, layers):
-    """The summary of one cell's runs (one per seed)."""
-    seeds = [r["seed"] for r in runs]
-    finals = [e for e in evaluations if e["final"] == "True"]
-    s = dict(seeds=len(runs), diverged=sum(r["status"] == "diverged" for r in runs),
-             diverged_steps=[int(r["diverged_step"]) for r in runs if r["status"] == "diverged"],
-             clip_share=spread(_num(r["clip_share"]) for r in runs),
-             tokens_per_s=spread(_num(r["tokens_per_s"]) for r in runs),
-             lr=float(runs[0]["lr"]))
-    if task == "char_lm":
-        context = int(runs[0]["context"])
-        per_seed = {seed: None for seed in seeds}
-        for e in finals:
-            if int(e["length"]) == context:
-                per_seed[e["seed"]] = _num(e["value"])
-        s["final_bpc_per_seed"] = per_seed
-        s["final_bpc"] = spread(v for v in per_seed.values() if v is not None)
-        best = collections.defaultdict(lambda: math.inf)
-        for e in evaluations:
-            if int(e["length"]) == context:
-                best[e["seed"]] = min(best[e["seed"]], _num(e["value"]))
-        s["best_bpc"] = spread(best.values())
-        s["extrapolation"] = {
-            str(n): spread(_num(e["value"]) for e in finals if int(e["length"]) == n)
-            for n in sorted({int(e["length"]) for e in finals})}
+def _cell(runs):
+    """The summary of one cell's runs (results.Result, one per seed)."""
+    first = runs[0]
+    s = dict(seeds=len(runs), diverged=sum(not r.complete for r in runs),
+             diverged_steps=[r.summary["diverged_step"] for r in runs if not r.complete],
+             clip_share=spread(r.summary["clip_share"] for r in runs),
+             tokens_per_s=spread(r.summary["tokens_per_s"] for r in runs), lr=first.lr)
+    if first.task == "char_lm":
+        context = first.context
+        s["final_bpc_per_seed"] = {str(r.seed): _last_final(r, context) for r in runs}
+        s["final_bpc"] = spread(s["final_bpc_per_seed"].values())
+        s["best_bpc"] = spread(min((e["value"] for e in r.records["evaluations"]
+                                    if e["length"] == context and e["value"] is not None),
+                                   default=math.inf) for r in runs)
+        lengths = sorted({e["length"] for r in runs for e in r.finals()})
+        s["extrapolation"] = {str(n): spread(e["value"] for r in runs for e in r.finals(n))
+                              for n in lengths}
     else:
-        settings = sorted({(int(e["length"]), int(e["pairs"])) for e in finals})
+        settings = sorted({(e["length"], e["pairs"]) for r in runs for e in r.finals()})
         s["accuracy"] = {"%d/%d" % (n, p): spread(
-            _num(e["value"]) for e in finals if (int(e["length"]), int(e["pairs"])) == (n, p))
+            e["value"] for r in runs for e in r.finals(n) if e["pairs"] == p)
             for n, p in settings}
-        s["accuracy_per_seed"] = {seed: statistics.fmean(
-            _num(e["value"]) for e in finals if e["seed"] == seed) if any(
-            e["seed"] == seed for e in finals) else None for seed in seeds}
-    den = {}
-    numbered = {k[len("layer"):-len("_den_min")] for r in runs for k in r
-                if k.startswith("layer") and k.endswith("_den_min") and r[k] != ""}
-    for layer in sorted(numbered | {r["layer"] for r in layers}, key=int):
-        key = "layer%s_" % layer
-        den[layer] = dict(
-            den_min=min((_num(r[key + "den_min"]) for r in runs if r.get(key + "den_min")),
-                        default=math.nan),
-            nonpositive_share=spread(_num(r.get(key + "nonpositive_share", "")) for r in runs),
-            tiny_share=spread(_num(r.get(key + "tiny_share", "")) for r in runs),
-            grad_norm=spread(_num(r["grad_norm"]) for r in layers if r["layer"] == layer))
-    s["layers"] = den
+        s["accuracy_per_seed"] = {str(r.seed): statistics.fmean(
+            e["value"] for e in r.finals()) if r.finals() else None for r in runs}
+    s["layers"] = {}
+    for layer in sorted({i for r in runs for i in r.layer_ids()}):
+        totals = ["layer%d_%s" % (layer, name) for name in ("den_min", "nonpositive_share",
+                                                            "tiny_share")]
+        s["layers"][str(layer)] = dict(
+            den_min=min((r.summary[totals[0]] for r in runs
+                         if r.summary.get(totals[0]) is not None), default=math.nan),
+            nonpositive_share=spread(r.summary.get(totals[1]) for r in runs),
+            tiny_share=spread(r.summary.get(totals[2]) for r in runs),
+            grad_norm=spread(row["grad_norm"] for r in runs for row in r.records["layers"]
+                             if row["layer"] == layer))
     return s
 
 
-def _ordered(variants):
-    return [v for v in VARIANTS if v in variants]
+def _char_lm(results, context):
+    """One training context's grid, best rates, cells (W fixed) and redrawn cells."""
+    variants = in_catalogue_order({r.variant for r in results})
+    grid, best, cells, redrawn = {}, {}, {}, {}
+    for v in variants:
+        rate = best_lr(results, v, context)
+        cell = _cell([r for r in results if r.variant == v and r.lr == rate])
+        if v.redraw_interval:
+            redrawn[v.name] = cell
+            continue
+        best[v.name], cells[v.name] = rate, cell
+        grid[v.name] = {"%g" % r.lr: r.final_bpc() if math.isfinite(r.final_bpc()) else None
+                        for r in sorted(grid_runs(results, v, context), key=lambda r: r.lr)}
+    return dict(grid=grid, best_lr=best, cells=cells, redrawn=redrawn)
+
+
+def _step_time(rows):
+    lengths = sorted({int(r["length"]) for r in rows})
+    times = {v.name: [num(r, "seconds") for r in rows if r["variant"] == v.name]
+             for v in VARIANTS_TIMED}
+    return dict(lengths=lengths, seconds=times, threads=int(rows[0]["threads"]),
+                load_average_before=num(rows[0], "load_average_before"),
+                crossover={v: crossover(lengths, times[v], times[SOFTMAX_ROPE.name])
+                           for v in times if v != SOFTMAX_ROPE.name})
 
 
 def summarise(out):
-    runs, evaluations = _rows(out, "runs"), _rows(out, "evaluations")
-    layers, steps = _rows(out, "layers"), _rows(out, "step_time")
-    by_cell = collections.defaultdict(list)
-    for r in runs:
-        by_cell[_cell_key(r)].append(r)
-    ev_by_cell, layers_by_cell = collections.defaultdict(list), collections.defaultdict(list)
-    for e in evaluations:
-        ev_by_cell[_cell_key(e)].append(e)
-    for row in layers:
-        layers_by_cell[_cell_key(row)].append(row)
-
-    def cell(key):
-        return _cell(key[0], by_cell[key], ev_by_cell[key], layers_by_cell[key])
-
+    results = read_tables(out)
     summary = {}
-    char_lm = {}
-    for context in sorted({k[1] for k in by_cell if k[0] == "char_lm"}):
-        keys = [k for k in by_cell if k[:2] == ("char_lm", context)]
-        results = [_as_result(r, [e for e in ev_by_cell[k] if e["final"] == "True"
-                                  and e["seed"] == r["seed"]]) for k in keys for r in by_cell[k]]
-        fixed = [k for k in keys if not k[4]]
-        variants = _ordered({k[2] for k in fixed})
-        grid, chosen, cells = {}, {}, {}
-        for v in variants:
-            mine = [k for k in fixed if k[2] == v]
-            first = min(int(r["seed"]) for k in mine for r in by_cell[k])
-            grid[v] = {}
-            for k in sorted(mine, key=lambda k: k[5]):
-                at_first = [r for r in by_cell[k] if int(r["seed"]) == first]
-                if at_first:
-                    value = [e for e in ev_by_cell[k] if e["final"] == "True" and
-                             int(e["seed"]) == first and int(e["length"]) == context]
-                    grid[v]["%g" % k[5]] = _num(value[-1]["value"]) if value and \
-                        at_first[0]["status"] == "complete" else None
-            chosen[v] = best_lr(results, v, context)
-            cells[v] = cell(next(k for k in mine if k[5] == chosen[v]))
-        redrawn = {}
-        for k in sorted(k for k in keys if k[4]):
-            redrawn[k[2]] = dict(cell(k), redraw_interval=k[4])
-        char_lm[str(context)] = dict(grid=grid, best_lr={v: chosen[v] for v in variants},
-                                     cells=cells, redrawn=redrawn)
-    if char_lm:
-        summary["char_lm"] = char_lm
-    mqar_keys = sorted((k for k in by_cell if k[0] == "mqar"),
-                       key=lambda k: (list(VARIANTS).index(k[2]), k[3], k[5]))
-    mqar = {cell_name(k[2], k[3]): dict(cell(k), variant=k[2], feature_factor=k[3])
-            for k in mqar_keys}
-    if mqar:
-        summary["mqar"] = mqar
+    contexts = sorted({r.context for r in results if r.task == "char_lm"})
+    if contexts:
+        summary["char_lm"] = {str(context): _char_lm(
+            [r for r in results if r.task == "char_lm" and r.context == context], context)
+            for context in contexts}
+    mqar = [r for r in results if r.task == "mqar"]
+    cells = sorted({r.cell for r in mqar}, key=lambda cell: (
+        in_catalogue_order({r.variant for r in mqar}).index(cell[2]), cell[3]))
+    if cells:
+        summary["mqar"] = {cell[2].name: _cell([r for r in mqar if r.cell == cell])
+                           for cell in cells}
+    steps = _rows(out, "step_time")
     if steps:
-        lengths = sorted({int(r["length"]) for r in steps})
-        times = {v: [_num(r["seconds"]) for r in steps if r["variant"] == v]
-                 for v in VARIANTS_TIMED}
-        summary["step_time"] = dict(
-            lengths=lengths, seconds=times, threads=int(steps[0]["threads"]),
-            load_average_before=_num(steps[0]["load_average_before"]),
-            crossover={v: crossover(lengths, times["softmax-rope"], times[v])
-                       for v in VARIANTS_TIMED[1:]})
+        summary["step_time"] = _step_time(steps)
     decode = _rows(out, "decode")
     if decode:
         summary["decoding"] = _decoding(decode)
@@ -186,15 +138,15 @@ def summarise(out):
 
 
 def _decoding(rows):
-    """Per (context, variant): the time per token and cache bytes at the first and last
-    windows, and the positions measured."""
+    """Per (context, variant): the time per token and cache bytes at each window measured."""
     out = {}
     for context in sorted({int(r["context"]) for r in rows}):
-        per = {}
-        for v in _ordered({r["variant"] for r in rows if int(r["context"]) == context}):
-            mine = [r for r in rows if int(r["context"]) == context and r["variant"] == v]
-            per[v] = dict(positions=[int(r["position"]) for r in mine],
-                          seconds_per_token=[_num(r["seconds_per_token"]) for r in mine],
-                          cache_bytes=[int(r["cache_bytes"]) for r in mine])
-        out[str(context)] = per
+        at_context = [r for r in rows if int(r["context"]) == context]
+        per_variant = {}
+        for r in at_context:
+            per_variant.setdefault(r["variant"], []).append(r)
+        out[str(context)] = {v: dict(positions=[int(r["position"]) for r in rows],
+                                     seconds_per_token=[num(r, "seconds_per_token") for r in rows],
+                                     cache_bytes=[int(r["cache_bytes"]) for r in rows])
+                             for v, rows in per_variant.items()}
     return out

@@ -1,26 +1,26 @@
-"""Every run of a plan, `jobs` at a time in separate processes (one thread each by default), then
-the tables. Each finished run is kept as runs/<key>.json (and a char_lm run's model as
-models/<key>.pt, for training.generate); an unfinished one as checkpoints/<key>.pt. With resume=True a run whose file exists with the same configuration is not
-run again and an unfinished one continues from its checkpoint; otherwise both are discarded.
+"""Every run of a plan, `jobs` at a time in separate processes (one thread each by default). Each
+finished run is kept as runs/<key>.json (and a char_lm run's model as models/<key>.pt, for
+training.generate); an unfinished one as checkpoints/<key>.pt. With resume=True a run whose file
+exists with the same configuration is not run again and an unfinished one continues from its
+checkpoint; otherwise both are discarded. The finished runs come back as results.Result (whose
+write_tables writes the tables).
 
-Under torchrun (ranks distributed, see parallel.py) there is no process pool: the runs are
+Under torchrun (the group distributed, see parallel.py) there is no process pool: the runs are
 trained one after another, each by all the ranks together; rank 0 alone decides which runs are
 left (it alone reads and writes the files), and a run that fails stops every rank."""
 import concurrent.futures
-import csv
 import dataclasses
-import io
 import json
-import math
 import multiprocessing
 import os
 import sys
 import time
 
-from analysis.common import clean, write_atomic, write_json  # experiments/analysis
+from analysis.common import clean, write_json  # experiments/analysis
 
 from .generate import save_model
-from .parallel import SINGLE
+from .parallel import ONE_PROCESS
+from .results import from_saved
 from .train import Run
 
 _corpora = {}
@@ -44,16 +44,16 @@ def _model_path(out, config):
 
 
 def finished(out, config):
-    """The saved result of this configuration's run, or None."""
+    """The saved result (results.Result) of this configuration's run, or None."""
     path, _ = _paths(out, config)
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        result = json.load(f)
-    return result if result["config"] == clean(_normal(config)) else None
+        saved = json.load(f)
+    return from_saved(saved) if saved["config"] == clean(_normal(config)) else None
 
 
-def _run_one(config, out, text, quiet, ranks=SINGLE):
+def _run_one(config, out, text, quiet, group=ONE_PROCESS, hooks=None):
     """In a worker process, or in every rank together: trains one run (from its checkpoint if
     there is one) and saves it (rank 0)."""
     corpus = None
@@ -63,12 +63,12 @@ def _run_one(config, out, text, quiet, ranks=SINGLE):
             _corpora[text] = load_corpus(text)
         corpus = _corpora[text]
     result_path, checkpoint = _paths(out, config)
-    run = Run(config, corpus, ranks)
+    run = Run(config, corpus, group, hooks)
     resumed = run.load(checkpoint)
     started = run.step
 
     def progress(r):
-        if quiet or not ranks.main:
+        if quiet or not group.main:
             return
         if r.step % max(1, config.steps // 4) and r.step != config.steps:
             return
@@ -76,7 +76,7 @@ def _run_one(config, out, text, quiet, ranks=SINGLE):
             config.key(), r.step, config.steps, r.records["curves"][-1]["train_loss"]))
 
     summary = run.train(checkpoint=checkpoint, progress=progress)
-    if not ranks.main:
+    if not group.main:
         return summary
     if corpus is not None:  # char_lm: the model, for training.generate
         save_model(_model_path(out, config), _normal(config), run.model, corpus.chars)
@@ -106,21 +106,20 @@ def _todo(configs, out, resume):
     return todo
 
 
-def _in_pool(todo, out, jobs, text, quiet):
-    """(config, its summary or the exception it raised), as the worker processes finish them."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(_run_one, c, out, text, quiet): c for c in todo}
+def _in_pool(todo, out, pool, text, quiet, hooks):
+    """(config, its summary or the exception it raised), as the pool finishes them."""
+    with pool:
+        futures = {pool.submit(_run_one, c, out, text, quiet, ONE_PROCESS, hooks): c for c in todo}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.exception() or future.result()
 
 
-def _in_turn(todo, out, text, quiet, ranks):
+def _in_turn(todo, out, text, quiet, group, hooks):
     """(config, its summary), each run trained by every rank together, one after another. A run
     that raises stops them all: a rank cannot go on to the next run alone."""
     for config in todo:
         try:
-            yield config, _run_one(config, out, text, quiet, ranks)
+            yield config, _run_one(config, out, text, quiet, group, hooks)
         except Exception as e:
             raise RunsFailed("%s failed: %s: %s; under torchrun every process stops: mend the "
                              "cause and run again with --resume" % (
@@ -131,20 +130,25 @@ def _first_line(error):
     return str(error).splitlines()[0] if str(error) else ""
 
 
-def run_all(configs, out, jobs, text=None, resume=False, quiet=False, ranks=SINGLE):
-    """Runs what is not finished; returns the results of every config, in order (on rank 0;
-    None on the other ranks)."""
-    todo = _todo(configs, out, resume) if ranks.main else None
-    todo = ranks.broadcast(todo)
+def run_all(configs, out, jobs, text=None, resume=False, quiet=False, group=ONE_PROCESS,
+            pool=None, hooks=None):
+    """Runs what is not finished; returns the results.Result of every config, in order (on rank 0;
+    None on the other ranks). pool: the concurrent.futures.Executor to train the runs in (None:
+    `jobs` spawned processes; not under torchrun, where the ranks train each run together); hooks:
+    a test's train.RunHooks, for every run."""
+    todo = _todo(configs, out, resume) if group.main else None
+    todo = group.broadcast(todo)
     done = len(configs) - len(todo)
-    if ranks.distributed:
+    if group.distributed:
         how = "one after another, each on %d processes (torchrun, %s parallel)" % (
-            ranks.world_size, ranks.mode)
-        runs = _in_turn(todo, out, text, quiet, ranks)
+            group.world_size, group.mode)
+        runs = _in_turn(todo, out, text, quiet, group, hooks)
     else:
         how = "in %d processes" % jobs
-        runs = _in_pool(todo, out, jobs, text, quiet)
-    if ranks.main:
+        pool = pool or concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=multiprocessing.get_context("spawn"))
+        runs = _in_pool(todo, out, pool, text, quiet, hooks)
+    if group.main:
         sys.stderr.write("training: %d runs, %d already finished, %d to run %s\n" % (
             len(configs), done, len(todo), how))
     started, failed = time.time(), []
@@ -156,47 +160,11 @@ def run_all(configs, out, jobs, text=None, resume=False, quiet=False, ranks=SING
             continue
         elapsed = time.time() - started
         left = elapsed / count * (len(todo) - count)
-        if ranks.main:
+        if group.main:
             sys.stderr.write("training: [%d/%d] %s %s in %.0f s; %.0f s elapsed, ~%.0f s left\n"
                              % (done + count, len(configs), config.key(), summary["status"],
                                 summary["train_seconds"], elapsed, left))
     if failed:
         raise RunsFailed("%d run(s) failed (%s); the finished ones are kept: mend the cause and "
                          "run again with --resume" % (len(failed), ", ".join(failed)))
-    return [finished(out, c) for c in configs] if ranks.main else None
-
-
-def _csv(rows, columns):
-    text = io.StringIO()
-    writer = csv.DictWriter(text, columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
-                         for k, v in row.items()})
-    return text.getvalue()
-
-
-# What tells one run from another in the tables: the cell (task, context, variant, FAVOR+'s
-# features, redraws, learning rate) and the seed.
-IDS = ("task", "context", "variant", "feature_factor", "redraw_interval", "lr", "seed")
-
-
-def write_tables(results, out):
-    """runs.csv (one row per run), curves.csv, layers.csv and evaluations.csv (per step)."""
-    runs, curves, layers, evaluations = [], [], [], []
-    for result in results:
-        ids = {k: result["config"][k] for k in IDS}
-        runs.append(dict(ids, **result["summary"]))
-        curves += [dict(ids, **row) for row in result["records"]["curves"]]
-        layers += [dict(ids, **row) for row in result["records"]["layers"]]
-        evaluations += [dict(ids, **row) for row in result["records"]["evaluations"]]
-    run_columns = list(dict.fromkeys(list(IDS) + ["status"] + [k for r in runs for k in r]))
-    ids = list(IDS)
-    tables = dict(
-        runs=(runs, run_columns),
-        curves=(curves, ids + ["step", "train_loss", "scheduled_lr", "grad_norm", "clipped_so_far"]),
-        layers=(layers, ids + ["step", "layer", "den_min", "nonpositive_share", "tiny_share",
-                               "grad_norm"]),
-        evaluations=(evaluations, ids + ["step", "final", "length", "pairs", "metric", "value"]))
-    for name, (rows, columns) in tables.items():
-        write_atomic(os.path.join(out, name + ".csv"), _csv(rows, columns))
+    return [finished(out, c) for c in configs] if group.main else None

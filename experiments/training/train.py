@@ -6,11 +6,13 @@ as diverged, at that step, before the optimiser could apply it. Every `checkpoin
 whole state (model, optimiser, records) is written atomically; a run started again with the same
 configuration continues from it and gives the same numbers as an uninterrupted one.
 
-Under torchrun (parallel.py) each rank trains on its share of the same global batch through
-DistributedDataParallel -- a block of its sequences (data parallel), or a slice of every sequence
-along its length (sequence parallel: the attention layers exchange states between the ranks); the
-loss curve is the single process's to float32 rounding, rank 0 alone evaluates and writes, and a
-checkpoint written in any mode continues in any other."""
+Under torchrun (parallel.py) each rank trains on its share of the same global batch -- a block of
+its sequences (data parallel), or a slice of every sequence along its length (sequence parallel:
+the attention layers exchange states between the ranks) -- and the ranks average their gradients
+after each backward; the loss curve is the single process's to float32 rounding, rank 0 alone
+evaluates and writes, and a checkpoint written in any mode continues in any other.
+
+RunHooks is the trainer's seam for tests that must reach runs built inside other processes."""
 import dataclasses
 import io
 import math
@@ -24,8 +26,9 @@ import linrope
 from analysis.common import write_atomic  # experiments/analysis
 
 from . import mqar
-from .model import Decoder
-from .parallel import SINGLE, combine_stats
+from .model import Decoder, combine_stats
+from .parallel import ONE_PROCESS
+from .variants import Variant
 
 LN2 = math.log(2.0)
 
@@ -33,7 +36,7 @@ LN2 = math.log(2.0)
 @dataclasses.dataclass
 class Config:
     task: str                    # "char_lm" or "mqar"
-    variant: str                 # a key of model.VARIANTS
+    variant: Variant
     seed: int
     steps: int
     batch_size: int
@@ -53,8 +56,6 @@ class Config:
     mqar_test_size: int = 256
     log_every: int = 10
     checkpoint_every: int = 100
-    redraw_interval: int = 0
-    feature_factor: int = 2      # FAVOR+: m = feature_factor x head dim random features
     stats_threshold: float = 1e-3
     threads: int = 1
     text_digest: str = ""        # char_lm: the corpus's (data.Corpus.digest), so that --resume
@@ -63,16 +64,38 @@ class Config:
 
     def key(self):
         """The run's name, unique within a plan: what it trains and how (file names, logs)."""
-        parts = [self.task]
-        if self.task == "char_lm":
-            parts.append("n%d" % self.context)
-        parts.append(self.variant)
-        if self.variant.startswith("favor") and self.feature_factor != 2:
-            parts.append("m%dx" % self.feature_factor)
-        if self.redraw_interval:
-            parts.append("redraw%d" % self.redraw_interval)
-        parts += ["lr%g" % self.lr, "s%d" % self.seed]
-        return "-".join(parts)
+        return run_key(self.task, self.context, self.variant, self.lr, self.seed)
+
+    @classmethod
+    def from_dict(cls, saved):
+        """The Config that dataclasses.asdict gave `saved` (also after a round trip through JSON,
+        which makes tuples lists)."""
+        return cls(**dict(saved, variant=Variant(**saved["variant"]),
+                          extrapolation=tuple(saved["extrapolation"]),
+                          mqar_settings=tuple(tuple(s) for s in saved["mqar_settings"])))
+
+
+def run_key(task, context, variant, lr, seed):
+    """A run's name: the task, char_lm's context, the variant's name, the learning rate and the
+    seed, e.g. char_lm-n256-favor-numerator_only-lr0.003-s1."""
+    context = ["n%d" % context] if task == "char_lm" else []
+    return "-".join([task, *context, variant.name, "lr%g" % lr, "s%d" % seed])
+
+
+class RunHooks:
+    """The trainer's seam for tests: a Run calls started(run) once its model and optimiser exist
+    (before a checkpoint is loaded into them) and finished(run) when train() returns. A test that
+    cannot reach the runs themselves -- under torchrun they are built inside each process -- passes
+    a subclass to training.__main__.main (tests/torchrun_entry.py) and acts on run.model through
+    PyTorch's public module hooks: an interrupt at a step, a backward that raises on one rank, the
+    digests of what each rank computed. Runs from the command line have none (these do nothing).
+    Runs trained in worker processes (--jobs) get a pickled copy."""
+
+    def started(self, run):
+        pass
+
+    def finished(self, run):
+        pass
 
 
 def learning_rate(config, step):
@@ -131,20 +154,20 @@ def gradient_norm(parameters):
 
 
 def _refused(error):
-    """The divergence reason for a kernel's ValueError; any other ValueError is raised again."""
-    # linrope's kernels refuse non-finite inputs (weights that overflowed, a NaN gradient
-    # reaching a backward): the same divergence, found one call earlier.
-    if "non-finite" not in str(error):
-        raise error
+    """The divergence reason for a kernel's linrope.NonFiniteError: weights that overflowed, or a
+    NaN gradient reaching a backward -- the same divergence as a non-finite loss, found one call
+    earlier."""
     return "non-finite values in a kernel's input: %s" % str(error).splitlines()[0]
 
 
 class Run:
     """The state of one run; `records` holds what it measured so far (saved in checkpoints).
-    ranks (parallel.Ranks): the processes training it together, SINGLE by default."""
+    group (parallel.TrainingGroup): the processes training it together, ONE_PROCESS by default;
+    hooks: a test's RunHooks."""
 
-    def __init__(self, config, corpus=None, ranks=SINGLE):
-        self.config, self.corpus, self.ranks = config, corpus, ranks
+    def __init__(self, config, corpus=None, group=ONE_PROCESS, hooks=None):
+        self.config, self.corpus, self.group = config, corpus, group
+        self.hooks = hooks or RunHooks()
         vocab = corpus.vocab_size if config.task == "char_lm" else config.mqar_vocab
         if config.task == "char_lm":
             if config.text_digest and config.text_digest != corpus.digest:
@@ -153,21 +176,19 @@ class Run:
             # Fail now, not after training, if the final evaluation's longest window won't fit.
             corpus.validation_windows(max(config.extrapolation) * config.context, 1)
         self.model = Decoder(vocab, config.variant, config.d_model, config.layers, config.heads,
-                             config.seed, config.redraw_interval, config.stats_threshold,
-                             config.feature_factor)
-        # What the training forward runs through (DistributedDataParallel under torchrun); the
-        # model itself is what is evaluated and saved, so checkpoints are the same either way.
-        self.trained = ranks.wrap(self.model)
+                             config.seed, config.stats_threshold)
+        group.prepare(self.model)
         self.optimiser = optimiser(self.model, config)
         self.step = 0
         self.records = dict(curves=[], layers=[], evaluations=[], clipped=0, train_seconds=0.0,
                             diverged_step=None, diverged_reason=None, den_totals=None,
                             window=[])
+        self.hooks.started(self)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, path):
         """Writes the checkpoint (rank 0 only: the other ranks hold the same state)."""
-        if not self.ranks.main:
+        if not self.group.main:
             return
         state = io.BytesIO()
         torch.save(dict(config=dataclasses.asdict(self.config), step=self.step,
@@ -180,10 +201,10 @@ class Run:
         (returns whether it did). Rank 0 reads the file and sends its bytes to the other ranks:
         every rank continues from the same state, and only rank 0 needs to see the file."""
         data = None
-        if self.ranks.main and os.path.exists(path):
+        if self.group.main and os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
-        data = self.ranks.broadcast(data)
+        data = self.group.broadcast(data)
         if data is None:
             return False
         state = torch.load(io.BytesIO(data))
@@ -196,6 +217,8 @@ class Run:
 
     # ---- training ---------------------------------------------------------------------------
     def batch(self, step):
+        """The step's global batch (inputs, targets) [batch_size, n], drawn from (seed, step); a
+        subclass may draw others (the tests do, to score the shares unevenly)."""
         c = self.config
         if c.task == "char_lm":
             return self.corpus.batch(c.seed, step, c.batch_size, c.context)
@@ -238,49 +261,49 @@ class Run:
             self.records["layers"].append(row)
 
     def _accumulate_denominators(self, stats):
-        # Over every training step, per layer: smallest denominator and counts.
-        if stats[0] is None:
-            return
-        totals = self.records["den_totals"]
-        if totals is None:
-            totals = self.records["den_totals"] = [
-                dict(min=math.inf, nonpositive=0, below_threshold=0, count=0) for _ in stats]
-        for total, s in zip(totals, stats):
-            total["min"] = min(total["min"], s["min"])
-            for key in ("nonpositive", "below_threshold", "count"):
-                total[key] += s[key]
+        """The statistics over every training step so far, per layer (none for softmax)."""
+        if stats[0] is not None:
+            totals = self.records["den_totals"]
+            self.records["den_totals"] = combine_stats([stats] if totals is None else
+                                                       [totals, stats])
 
-    def _forward(self, step):
-        """This rank's loss on its share of the step's batch and, if a kernel refused its input,
-        the reason (the loss is then None)."""
+    def forward(self, tokens):
+        """The logits of this rank's share of a training batch: the model's (a subclass may
+        compute them otherwise: the tests stand in for the other ranks of a sequence)."""
+        return self.model(tokens)
+
+    def step_loss(self, step):
+        """This rank's loss on its share of the step's batch, weighted so that the ranks' losses
+        average to the batch's mean, and, if a kernel refused its input, the reason (the loss is
+        then None)."""
         inputs, targets = self.batch(step)
         scored = int((targets != mqar.IGNORE).sum())
-        inputs, targets = self.ranks.share(inputs, targets)
-        # DistributedDataParallel averages the W ranks' gradients, so the losses the ranks
-        # differentiate must average to the batch's mean, sum / scored: rank r's must be
-        # l_r = W sum_r / scored = mean_r x W scored_r / scored, sum_r and scored_r its share's
-        # summed token losses and scored tokens. Split by sequences the weight is exactly 1
-        # (every char_lm position is scored, every MQAR sequence scores exactly `pairs` queries).
-        # Split along the length it is not: slices hold n/W rounded either way, and MQAR's
-        # queries follow its pairs, so early slices score few or none.
+        inputs, targets = self.group.share(inputs, targets)
+        # The ranks average their gradients, so the losses the ranks differentiate must average
+        # to the batch's mean, sum / scored: rank r's must be l_r = W sum_r / scored = mean_r x
+        # W scored_r / scored, sum_r and scored_r its share's summed token losses and scored
+        # tokens. Split by sequences the weight is exactly 1 (every char_lm position is scored,
+        # every MQAR sequence scores exactly `pairs` queries). Split along the length it is not:
+        # slices hold n/W rounded either way, and MQAR's queries follow its pairs, so early
+        # slices score few or none.
         # Sequence parallel, l_r depends on the parameters also through the earlier ranks'
         # slices (their states, gathered in each attention layer's forward); the layer's
         # backward all-reduces the gradients with respect to every rank's state and hands rank p
         # the sum over r of dl_r/dstate_p. So rank p's gradient is d(sum_r l_r)/dtheta along
         # every path through rank p's computations (its own loss's and the later ranks' through
-        # its states); summed over p, every path: d(sum_r l_r)/dtheta. DDP's average divides by
+        # its states); summed over p, every path: d(sum_r l_r)/dtheta. The average divides by
         # W: the gradient of sum_r l_r / W = sum / scored, the batch mean's, for ANY split.
-        mine = int((targets != mqar.IGNORE).sum())
-        weight = self.ranks.world_size * mine / scored
+        share_scored = int((targets != mqar.IGNORE).sum())
+        weight = self.group.world_size * share_scored / scored
         try:
-            if mine:
-                return loss_of(self.trained, inputs, targets) * weight, None
+            if share_scored:
+                return loss_of(self.forward, inputs, targets) * weight, None
             # No scored token in the share: its mean is 0/0, its sum, 0, is l_r. A zero still
             # computed through the model, so that this rank's backward runs too: it joins the
-            # attention layers' all-reduces and the gradient all-reduce, and its parameters
-            # get the later slices' gradients through its states.
-            return loss_of(self.trained, inputs, targets, reduction="sum"), None
-        except ValueError as e:
+            # attention layers' all-reduces and the gradients' average, and its parameters get
+            # the later slices' gradients through its states.
+            return loss_of(self.forward, inputs, targets, reduction="sum"), None
+        except linrope.NonFiniteError as e:
             return None, _refused(e)
 
     def _exchange(self, loss, reason):
@@ -288,23 +311,23 @@ class Run:
         rank's failure (None if none failed) and the whole batch's denominator statistics, the
         same on every rank, and so are the decisions taken on them (a rank that stopped alone
         would leave the others waiting in the next collective)."""
-        mine = (math.nan if loss is None else float(loss) / self.ranks.world_size, reason,
-                self.model.denominator_stats())
-        everyone = self.ranks.gather(mine)
+        share = (math.nan if loss is None else float(loss) / self.group.world_size, reason,
+                 self.model.denominator_stats())
+        everyone = self.group.gather(share)
         reasons = [r for _, r, _ in everyone if r is not None]
         return (sum(part for part, _, _ in everyone), reasons[0] if reasons else None,
                 combine_stats([stats for _, _, stats in everyone]))
 
-    def _backward(self, loss, logged):
-        """Gradients (all-reduced between ranks during the backward), the attention blocks'
-        gradient norms when logged, clipping: (norm, layer norms or None, divergence reason).
-        A kernel refusing a non-finite gradient on one rank only gives the others NaN gradients
-        (Ranks.backward): every rank ends the run at this step, the others' reason being
+    def _backward(self, loss, exchanges, logged):
+        """Gradients (averaged over the ranks after the backward: TrainingGroup.backward), the
+        attention blocks' gradient norms when logged, clipping: (norm, layer norms or None,
+        divergence reason). A kernel refusing a non-finite gradient on one rank only gives the
+        others NaN gradients: every rank ends the run at this step, the others' reason being
         "gradient norm nan"."""
         self.optimiser.zero_grad(set_to_none=True)
         try:
-            self.ranks.backward(self.trained, loss)
-        except ValueError as e:
+            self.group.backward(loss, exchanges, self.model.parameters())
+        except linrope.NonFiniteError as e:
             return math.nan, None, _refused(e)
         layer_norms = None
         if logged:  # before clipping rescales the gradients in place
@@ -320,10 +343,11 @@ class Run:
         while self.step < c.steps and self.records["diverged_step"] is None:
             step = self.step
             started = time.perf_counter()
-            for group in self.optimiser.param_groups:
-                group["lr"] = learning_rate(c, step)
+            for param_group in self.optimiser.param_groups:
+                param_group["lr"] = learning_rate(c, step)
             logged = (step + 1) % c.log_every == 0 or step + 1 == c.steps
-            loss, reason = self._forward(step)
+            with self.group.recording() as exchanges:
+                loss, reason = self.step_loss(step)
             mean_loss, reason, stats = self._exchange(loss, reason)
             norm, layer_norms = math.nan, None
             if reason is None:
@@ -331,7 +355,7 @@ class Run:
                 if not math.isfinite(mean_loss):
                     reason = "loss %s" % mean_loss
             if reason is None:
-                norm, layer_norms, reason = self._backward(loss, logged)
+                norm, layer_norms, reason = self._backward(loss, exchanges, logged)
             logged = logged or reason is not None
             if logged:
                 if layer_norms is None:  # the step failed before its backward
@@ -353,12 +377,13 @@ class Run:
                     scheduled_lr=learning_rate(c, step),
                     grad_norm=norm, clipped_so_far=self.records["clipped"]))
                 window.clear()
-            if self.ranks.main and (self.step % c.eval_every == 0 or self.step == c.steps):
+            if self.group.main and (self.step % c.eval_every == 0 or self.step == c.steps):
                 self.evaluate(final=self.step == c.steps)  # rank 0 alone: no collective inside
             if progress and logged:
                 progress(self)
             if checkpoint and (self.step % c.checkpoint_every == 0):
                 self.save(checkpoint)
+        self.hooks.finished(self)
         return self.summary()
 
     # ---- results ----------------------------------------------------------------------------
@@ -368,7 +393,7 @@ class Run:
         tokens = steps_done * c.batch_size * (
             c.context if c.task == "char_lm" else
             sum(length for length, _ in c.mqar_settings) / len(c.mqar_settings))
-        out = dict(task=c.task, variant=c.variant, seed=c.seed, steps=steps_done,
+        out = dict(steps=steps_done,
                    status="diverged" if r["diverged_step"] is not None else "complete",
                    diverged_step=r["diverged_step"], diverged_reason=r["diverged_reason"],
                    clip_share=r["clipped"] / steps_done if steps_done else math.nan,

@@ -11,6 +11,7 @@
 #include <linrope/rope.hpp>
 #include <linrope/types.hpp>
 #include <memory>
+#include <span>
 #include <string_view>
 
 namespace linrope {
@@ -71,6 +72,18 @@ struct LinearOptions {
   // linrope.torch.MultiheadAttention adds). eps is then unused. NumeratorOnly and Full are then
   // one function: NumeratorOnly is the one kept, Full is refused.
   bool denominator = true;
+  // Decay (RetNet's retention, TransNormerLLM's Lightning attention): causal only, the state is
+  // multiplied by g = decay at every position, S_t = g S_{t-1} + psi_t v_t^T, so that with
+  // p_i = q_offset + i, p_j = k_offset + j and w_ij = g^(p_i - p_j)
+  //   o_i = sum_{j<=i} w_ij <num_i, num_j> v_j / (sum_{j<=i} w_ij <den_i, den_j> + eps)
+  // for every placement, and the numerator alone without a denominator. g in (0, 1]; 1, the
+  // default, is no decay (and runs exactly the code without one). Long sequences stay finite: g^n
+  // is never formed, log g enters the stabiliser's log scales (docs/DESIGN.md, "Decay").
+  double decay = 1.0;
+  // One g per head for the batched calls: empty means `decay` for every head, else exactly H
+  // values, head h taking head_decays[h]; the single-head calls and the stream take none or one.
+  // Read during the call (the stream keeps its one value, not the span).
+  std::span<const double> head_decays = {};
 };
 
 // Statistics of den_i over the query rows, on the unstabilised scale and without eps.
@@ -117,7 +130,10 @@ struct DenominatorStats {
 // the shifts are undone exactly in eps and in the statistics.
 // Throws std::invalid_argument on shape mismatch, non-finite inputs, eps < 0 or not finite,
 // a placement other than None without a rope, or a rope whose width does not fit the placement
-// (d for BeforeMap, map.output_dim() for NumeratorOnly and Full), chunk_size < 1.
+// (d for BeforeMap, map.output_dim() for NumeratorOnly and Full), chunk_size < 1, a decay outside
+// (0, 1] or NaN, a decay < 1 on a non-causal call (it would weight later keys by g^(negative),
+// without bound: RetNet's decay is a causal recurrence), or head_decays of more than one value
+// (the batched calls: other than H).
 MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
                          const FeatureMap& map, const LinearOptions& options = {},
                          DenominatorStats* stats = nullptr);
@@ -170,6 +186,14 @@ AttentionGradients<double> linear_attention_backward(const MatrixD& q, const Mat
 // need none: elu+1, relu, 1+cos), and log_scale is the largest c_j so far, so every entry stays
 // finite for large inputs: the sums themselves are exp(log_scale) S and exp(log_scale) z. The empty
 // state (no key yet) has log_scale = -inf; its S and z are then ignored and may be of size 0.
+// With a decay g (LinearOptions::decay), a state is the decayed sum at a position t, the position
+// of the last key it holds: exp(log_scale) S = sum_j g^(t - p_j) num_j v_j^T and likewise z, so
+// that the next key (at t + 1) continues the recurrence S_{t+1} = g S_t + ... . A call leaves the
+// state at t = k_offset + n_k - 1 (its last key, within the lengths for batched calls; with no
+// key, the state it was given) and reads its initial state as the state at t = k_offset - 1: the
+// part after n tokens again has q_offset = k_offset = n. S and z are the same numbers as without a
+// decay; log_scale alone carries the g^(t - p_j), so a state's gradient (LinearStateGradient)
+// means what it means without one.
 template <class T>
 struct LinearAttentionState {
   Matrix<T> S;

@@ -39,10 +39,11 @@ def cpu_flags(path="/proc/cpuinfo"):
 
 
 # Flags a kernel may leave out of /proc/cpuinfo although the CPU has them, and a flag that every
-# CPU having it also has. "abm" is LZCNT, which gcc's -march=native turns on from CPUID: a Firecracker
-# guest on an AMD EPYC (Zen 5, Linux 6.18) has the ABM bit in CPUID (leaf 0x80000001, ECX bit 5) but
-# no "abm" in its flags, so a build made on it refused to import on it. Every x86 CPU with BMI2 has
-# LZCNT (Intel since Haswell, which brought both; AMD since Excavator, which had ABM since K10).
+# CPU having it also has. "abm" is LZCNT, which gcc's -march=native turns on from CPUID: a
+# Firecracker guest on an AMD EPYC (Zen 5, Linux 6.18) has the ABM bit in CPUID (leaf 0x80000001,
+# ECX bit 5) but no "abm" in its flags, so a build made on it refused to import on it. Every x86
+# CPU with BMI2 has LZCNT (Intel since Haswell, which brought both; AMD since Excavator, which had
+# ABM since K10).
 IMPLIED = {"abm": "bmi2"}
 
 

@@ -2,24 +2,41 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "attention_inputs.hpp"
 #include "bindings.hpp"
+#include "decay.hpp"
 #include "options.hpp"
 #include "states.hpp"
 
 namespace linrope::python {
 namespace {
 
+// The options of both functions, decay= read in; `head_decays` keeps the values that
+// options.head_decays views while the call runs.
+LinearOptions options_of(std::string_view fn, const py::array& q, bool causal,
+                         const std::string& placement, const Rope* rope, double eps, Index q_offset,
+                         Index k_offset, const std::string& method, Index chunk_size,
+                         bool denominator, const py::object& decay,
+                         std::vector<double>& head_decays) {
+  return with_decay(fn,
+                    linear_options(fn, causal, placement, rope, eps, q_offset, k_offset, method,
+                                   chunk_size, denominator),
+                    decay, q, head_decays);
+}
+
 py::object linear_forward(const py::array& q, const py::array& k, const py::array& v,
                           const FeatureMap& map, bool causal, const std::string& placement,
                           const Rope* rope, double eps, Index q_offset, Index k_offset,
                           bool return_stats, double stats_threshold, const std::string& method,
                           Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths,
-                          const py::object& initial_state, bool return_state, bool denominator) {
+                          const py::object& initial_state, bool return_state, bool denominator,
+                          const py::object& decay) {
   constexpr std::string_view fn = "linear_attention";
-  const LinearOptions options = linear_options(fn, causal, placement, rope, eps, q_offset, k_offset,
-                                               method, chunk_size, denominator);
+  std::vector<double> head_decays;
+  const LinearOptions options = options_of(fn, q, causal, placement, rope, eps, q_offset, k_offset,
+                                           method, chunk_size, denominator, decay, head_decays);
   return with_inputs(fn, q, k, v, nullptr, q_lengths, k_lengths, [&]<class T>() -> py::object {
     const Inputs<T> in = inputs<T>(q, k, v, nullptr, q_lengths, k_lengths);
     CArray<T> out = in.new_output();
@@ -55,10 +72,11 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
                            Index q_offset, Index k_offset, const std::string& method,
                            Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths,
                            const py::object& initial_state, const py::object& d_final_state,
-                           bool return_state_gradient, bool denominator) {
+                           bool return_state_gradient, bool denominator, const py::object& decay) {
   constexpr std::string_view fn = "linear_attention_backward";
-  const LinearOptions options = linear_options(fn, causal, placement, rope, eps, q_offset, k_offset,
-                                               method, chunk_size, denominator);
+  std::vector<double> head_decays;
+  const LinearOptions options = options_of(fn, q, causal, placement, rope, eps, q_offset, k_offset,
+                                           method, chunk_size, denominator, decay, head_decays);
   return with_inputs(fn, q, k, v, &d_out, q_lengths, k_lengths, [&]<class T>() -> py::object {
     const Inputs<T> in = inputs<T>(q, k, v, &d_out, q_lengths, k_lengths);
     const Heads<const T> q_heads = in.q_heads();
@@ -100,8 +118,11 @@ void bind_linear_attention(py::module_& m) {
         "return_stats"_a = false, "stats_threshold"_a = stats_defaults.threshold,
         "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size, "q_lengths"_a = py::none(),
         "k_lengths"_a = py::none(), "initial_state"_a = py::none(), "return_state"_a = false,
-        "denominator"_a = o.denominator,
-        "Linear attention (denominator=False: o = num, no normalisation); with return_stats=True "
+        "denominator"_a = o.denominator, "decay"_a = o.decay,
+        "Linear attention (denominator=False: o = num, no normalisation; causal calls may decay, "
+        "decay=g in (0, 1] or one g per head for (B, H, n, d) arrays: key j weighs g^(p_i - p_j) "
+        "at query i, and a state is the decayed sum at its last key's position); with "
+        "return_stats=True "
         "returns (out, denominator statistics). Causal "
         "calls can continue from initial_state=(S, z, log_scale) and, with return_state=True, "
         "also return the state after their keys, last in the tuple (include/linrope/attention.hpp, "
@@ -113,7 +134,7 @@ void bind_linear_attention(py::module_& m) {
         "k_offset"_a = o.k_offset, "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size,
         "q_lengths"_a = py::none(), "k_lengths"_a = py::none(), "initial_state"_a = py::none(),
         "d_final_state"_a = py::none(), "return_state_gradient"_a = false,
-        "denominator"_a = o.denominator,
+        "denominator"_a = o.denominator, "decay"_a = o.decay,
         "(dq, dk, dv) of sum(d_out * linear_attention(...)) (+ <dS, S> + <dz, z> of the final "
         "state when d_final_state=(dS, dz)); with return_state_gradient=True also (dS, dz) of "
         "initial_state, last. Holds feature_map while it runs, as linear_attention does.");

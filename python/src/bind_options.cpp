@@ -104,7 +104,8 @@ void bind_options(py::module_& m) {
       .name(
           "method", [](LinearOptions* o) { return &o->method; }, causal_method_from_string)
       .field("chunk_size", &LinearOptions::chunk_size)
-      .field("denominator", &LinearOptions::denominator);
+      .field("denominator", &LinearOptions::denominator)
+      .field("decay", &LinearOptions::decay);
 
   StructBinding<DenominatorStats>(
       m, "DenominatorStats",

@@ -19,7 +19,8 @@ namespace {
 class Stream {
  public:
   Stream(const FeatureMap& map, Index value_dim, const std::string& dtype,
-         const std::string& placement, const Rope* rope, double eps, Index offset, bool denominator)
+         const std::string& placement, const Rope* rope, double eps, Index offset, bool denominator,
+         double decay)
       : map_(&map),
         stream_(make(map, value_dim, dtype,
                      {.causal = true,
@@ -29,7 +30,8 @@ class Stream {
                       .eps = eps,
                       .q_offset = offset,
                       .k_offset = offset,
-                      .denominator = denominator})) {}
+                      .denominator = denominator,
+                      .decay = decay})) {}
 
   // q [t, d], k [t, d], v [t, d_v] of the stream's dtype -> [t, d_v] (and the statistics).
   py::object step(const py::array& q, const py::array& k, const py::array& v, bool return_stats,
@@ -94,11 +96,11 @@ void bind_stream(py::module_& m) {
                      "Causal linear attention for decoding, a few tokens per step; "
                      "see include/linrope/attention.hpp.")
       .def(py::init<const FeatureMap&, Index, const std::string&, const std::string&, const Rope*,
-                    double, Index, bool>(),
+                    double, Index, bool, double>(),
            "feature_map"_a, "value_dim"_a, py::kw_only(), "dtype"_a = "float32",
            "placement"_a = name_of(o.placement), "rope"_a = py::none(), "eps"_a = o.eps,
-           "offset"_a = o.q_offset, "denominator"_a = o.denominator, py::keep_alive<1, 2>(),
-           py::keep_alive<1, 6>())
+           "offset"_a = o.q_offset, "denominator"_a = o.denominator, "decay"_a = o.decay,
+           py::keep_alive<1, 2>(), py::keep_alive<1, 6>())
       .def("step", &Stream::step, "q"_a, "k"_a, "v"_a, py::kw_only(), "return_stats"_a = false,
            "stats_threshold"_a = stats_defaults.threshold,
            "Appends t tokens (q, k [t, d], v [t, d_v]) and returns their outputs [t, d_v].")

@@ -111,6 +111,43 @@ def linear_attention(q, k, v, kind, W=None, causal=False, placement="numerator_o
     return (num / (den + eps) if denominator else num), den.squeeze(-1)
 
 
+def decay_matrix(n, n_k, decay, q_offset=0, k_offset=0):
+    """The explicit [n, n_k] decay matrix of causal attention with a decay g (docs/DESIGN.md,
+    "Decay"): g^(p_i - p_j) where key j stands at or before query i, 0 elsewhere."""
+    distance = ((q_offset + torch.arange(n, dtype=D)).unsqueeze(1)
+                - (k_offset + torch.arange(n_k, dtype=D)).unsqueeze(0))
+    return torch.where(distance >= 0, decay ** distance.clamp(min=0), torch.zeros((), dtype=D))
+
+
+def decayed_linear_attention(q, k, v, kind, decay, W=None, placement="numerator_only", rope=None,
+                             eps=1e-6, q_offset=0, k_offset=0, denominator=True):
+    """Causal linear attention with a decay: linear_attention's weights times decay_matrix. decay: a
+    float, or for [B, H, n, d] inputs one per head. Row i is linear_attention's numerator for query
+    i alone, v_j weighted by row i of the matrix (and its denominator the same with the values 1
+    and the placement whose numerator is the denominator's weights), so every product is
+    linear_attention's own. Returns (out, den), as linear_attention does."""
+    if q.dim() == 4:
+        decays = list(decay) if isinstance(decay, (list, tuple)) else [decay] * q.shape[1]
+        heads = [decayed_linear_attention(q[:, h], k[:, h], v[:, h], kind, decays[h], W, placement,
+                                          rope, eps, q_offset, k_offset, denominator)
+                 for h in range(q.shape[1])]
+        return torch.stack([o for o, _ in heads], 1), torch.stack([d for _, d in heads], 1)
+    G = decay_matrix(q.shape[-2], k.shape[-2], decay, q_offset, k_offset)
+    weights_of_den = "none" if placement == "numerator_only" else placement
+    ones = torch.ones(*k.shape[:-1], 1, dtype=D)
+    nums, dens = [], []
+    for i in range(q.shape[-2]):
+        row = dict(kind=kind, W=W, causal=True, rope=rope, q_offset=q_offset + i,
+                   k_offset=k_offset, denominator=False)
+        weight = G[i].unsqueeze(-1)
+        nums.append(linear_attention(q[..., i:i + 1, :], k, v * weight, placement=placement,
+                                     **row)[0])
+        dens.append(linear_attention(q[..., i:i + 1, :], k, ones * weight,
+                                     placement=weights_of_den, **row)[0])
+    num, den = torch.cat(nums, -2), torch.cat(dens, -2)
+    return (num / (den + eps) if denominator else num), den.squeeze(-1)
+
+
 def short_convolution(x, weight, bias=None, past=None, activation="silu"):
     """The causal depthwise convolution of x [B, n, C] by weight [C, 1, k], term by term:
     y[b, t, c] = silu(sum_s weight[c, 0, s] x[b, t - (k - 1) + s, c] + bias[c]), the rows before x

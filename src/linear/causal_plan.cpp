@@ -44,7 +44,7 @@ std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearSt
   for (Index t = 1; t < segments; ++t) {
     LinearState<T> keys_of_previous = std::move(prefix[t]);
     prefix[t] = prefix[t - 1];
-    merge(prefix[t], keys_of_previous);
+    merge(prefix[t], keys_of_previous, setup.headroom);
   }
   return prefix;
 }

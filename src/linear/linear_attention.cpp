@@ -3,17 +3,34 @@
 #include <cmath>
 #include <linrope/attention.hpp>
 #include <linrope/batched.hpp>
+#include <string>
 
 #include "common/check.hpp"
 #include "common/enum_names.hpp"
+#include "linear/linear_checks.hpp"
 #include "linear/linear_kernel.hpp"
 #include "linear/state_views.hpp"
 
 namespace linrope {
 namespace detail {
 
+namespace {
+
+// A decay g: in (0, 1], and 1 on a non-causal call.
+void check_decay(std::string_view fn, std::string_view name, double decay, bool causal) {
+  if (!(decay > 0 && decay <= 1))
+    throw_invalid(fn, name, " is ", decay, " but expected a decay in (0, 1] (1: none)");
+  if (decay < 1 && !causal)
+    throw_invalid(fn, name, " is ", decay,
+                  " but options.causal is false: a decay is causal only (RetNet's recurrence "
+                  "S_t = g S_{t-1} + ...); a non-causal sum would weight later keys by g^(negative "
+                  "distance), which grows without bound");
+}
+
+}  // namespace
+
 void check_linear_setup(std::string_view fn, const FeatureMap& map, const LinearOptions& options,
-                        Index d) {
+                        Index d, Index heads) {
   if (d != map.input_dim())
     throw_invalid(fn, "q has d = ", d, " but map.input_dim() is ", map.input_dim());
   if (!std::isfinite(options.eps) || options.eps < 0)
@@ -28,6 +45,14 @@ void check_linear_setup(std::string_view fn, const FeatureMap& map, const Linear
   if (options.method != CausalMethod::Chunked && options.method != CausalMethod::Scan)
     throw_invalid(fn, "options.method is ", method,
                   " but expected a CausalMethod (0 Chunked, 1 Scan)");
+  check_decay(fn, "options.decay", options.decay, options.causal);
+  const Index decays = Index(options.head_decays.size());
+  if (decays != 0 && decays != heads)
+    throw_invalid(fn, "options.head_decays has ", decays, " values but expected ", heads,
+                  heads == 1 ? " (a single head) or none" : " (one per head) or none");
+  for (Index h = 0; h < decays; ++h)
+    check_decay(fn, "options.head_decays[" + std::to_string(h) + "]",
+                options.head_decays[std::size_t(h)], options.causal);
   if (!options.denominator && options.placement == RopePlacement::Full)
     throw_invalid(fn,
                   "options.placement is full with options.denominator false; without a "
@@ -59,21 +84,12 @@ PlacementPlan plan_placement(const LinearOptions& options) {
 namespace {
 
 template <class T>
-void check_single_inputs(std::string_view fn, const Matrix<T>& q, const Matrix<T>& k,
-                         const Matrix<T>& v) {
-  if (k.cols() != q.cols())
-    detail::throw_invalid(fn, "k is ", detail::shape_of(k), " but q has d = ", q.cols());
-  if (v.rows() != k.rows())
-    detail::throw_invalid(fn, "v is ", detail::shape_of(v), " but k has ", k.rows(), " rows");
-}
-
-template <class T>
 Matrix<T> linear_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                         const FeatureMap& map, const LinearOptions& options,
                         DenominatorStats* stats) {
   constexpr std::string_view fn = "linear_attention";
-  check_single_inputs(fn, q, k, v);
-  detail::check_linear_setup(fn, map, options, q.cols());
+  detail::check_single_inputs(fn, q, k, v);
+  detail::check_linear_setup(fn, map, options, q.cols(), 1);
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.rows());
   // Non-finite inputs are found by the kernel as it reads them (common/nonfinite.hpp).
@@ -103,7 +119,7 @@ Matrix<T> linear_single_continued(const Matrix<T>& q, const Matrix<T>& k, const 
                                   const FeatureMap& map, const LinearOptions& options,
                                   LinearAttentionState<T>& state, DenominatorStats* stats) {
   constexpr std::string_view fn = "linear_attention";
-  check_single_inputs(fn, q, k, v);
+  detail::check_single_inputs(fn, q, k, v);
   const Index m = map.output_dim(), d_v = v.cols();
   detail::check_state(fn, "state", state, m, d_v);
   Matrix<T> out(q.rows(), d_v);

@@ -8,6 +8,7 @@
 #include "common/check.hpp"
 #include "common/heads.hpp"
 #include "linear/linear_backward.hpp"
+#include "linear/linear_checks.hpp"
 #include "linear/state_views.hpp"
 
 namespace linrope {
@@ -25,23 +26,11 @@ void run_head(const detail::LinearGradientHead<T>& head, const detail::LinearSet
 }
 
 template <class T>
-void check_single_inputs(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
-                         const Matrix<T>& d_out) {
-  if (k.cols() != q.cols())
-    detail::throw_invalid(kFn, "k is ", detail::shape_of(k), " but q has d = ", q.cols());
-  if (v.rows() != k.rows())
-    detail::throw_invalid(kFn, "v is ", detail::shape_of(v), " but k has ", k.rows(), " rows");
-  if (d_out.rows() != q.rows() || d_out.cols() != v.cols())
-    detail::throw_invalid(kFn, "d_out is ", detail::shape_of(d_out), " but expected ",
-                          detail::Shape{q.rows(), v.cols()}, " (q's rows x v's columns)");
-}
-
-template <class T>
 AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                                       const Matrix<T>& d_out, const FeatureMap& map,
                                       const LinearOptions& options) {
-  check_single_inputs(q, k, v, d_out);
-  detail::check_linear_setup(kFn, map, options, q.cols());
+  detail::check_single_inputs(kFn, q, k, v, &d_out);
+  detail::check_linear_setup(kFn, map, options, q.cols(), 1);
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.rows());
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.rows());
   // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp), as in the
@@ -57,36 +46,6 @@ AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, co
   return grads;
 }
 
-// The states of a stateful backward: causal, shaped for the call, the inputs finite, d_initial in
-// memory of its own.
-template <class T>
-void check_state_views(const Heads<const T>& q, const Heads<const T>& k, const Heads<const T>& v,
-                       const Heads<const T>& d_out, const detail::LinearSetup& setup,
-                       const HeadStates<const T>& initial, const HeadStates<const T>& d_final,
-                       const HeadStates<T>& d_initial) {
-  if (!setup.options.causal)
-    detail::throw_invalid(kFn, "options.causal is false but a state in, state out call is causal");
-  const Index m = setup.m, d_v = setup.d_v;
-  detail::check_states(kFn, "initial_state", initial, q, m, d_v, true);
-  detail::check_states(kFn, "d_final", d_final, q, m, d_v, false);
-  detail::check_states(kFn, "d_initial", d_initial, q, m, d_v, false);
-  detail::require_finite_states(kFn, "initial_state", initial, true);
-  detail::require_finite_states(kFn, "d_final", d_final, false);
-  if (d_initial.S == nullptr) return;
-  for (const auto& [name, part] : {std::pair{"d_initial.S", detail::S_heads(d_initial)},
-                                   std::pair{"d_initial.z", detail::z_heads(d_initial)}}) {
-    for (const auto& [other, input] :
-         {std::pair{"q", q}, std::pair{"k", k}, std::pair{"v", v}, std::pair{"d_out", d_out},
-          std::pair{"initial_state.S", detail::S_heads(initial)},
-          std::pair{"initial_state.z", detail::z_heads(initial)},
-          std::pair{"d_final.S", detail::S_heads(d_final)},
-          std::pair{"d_final.z", detail::z_heads(d_final)}})
-      detail::require_separate(kFn, name, part, other, input);
-  }
-  detail::require_separate(kFn, "d_initial.z", detail::z_heads(d_initial), "d_initial.S",
-                           detail::S_heads(d_initial));
-}
-
 // initial, d_final, d_initial: the stateful call's (attention.hpp, "State in, state out"); null for
 // the plain call.
 template <class T>
@@ -99,11 +58,13 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
   using detail::slice_out;
   using detail::valid_rows;
   detail::check_backward_heads(kFn, q, k, v, d_out, dq, dk, dv);
-  detail::check_linear_setup(kFn, map, options, q.d);
+  detail::check_linear_setup(kFn, map, options, q.d, q.heads);
   detail::require_positions(kFn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(kFn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup(map, options, q.d, v.d);
-  if (initial) check_state_views(q, k, v, d_out, setup, *initial, *d_final, *d_initial);
+  if (initial)
+    detail::check_state_views(kFn, q, k, v, "d_out", d_out, setup, *initial, *d_final, "d_initial",
+                              *d_initial, false);
   const HeadStates<const T> from = initial ? *initial : HeadStates<const T>{},
                             final_gradient = d_final ? *d_final : HeadStates<const T>{};
   const HeadStates<T> initial_gradient = d_initial ? *d_initial : HeadStates<T>{};
@@ -115,6 +76,7 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
     const Index s = b * q.heads + h, n = valid_rows(q, b), n_k = valid_rows(k, b);
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[s];
+    setup_of_slice.use_decay(detail::decay_of(options, h));
     const detail::StatePorts<T> ports{detail::S_of(from, s),
                                       detail::z_of(from, s),
                                       detail::log_scale_of(from, s),
@@ -147,7 +109,7 @@ AttentionGradients<T> backward_single_continued(const Matrix<T>& q, const Matrix
                                                 const LinearAttentionState<T>& initial,
                                                 const LinearStateGradient<T>& d_final,
                                                 LinearStateGradient<T>* d_initial) {
-  check_single_inputs(q, k, v, d_out);
+  detail::check_single_inputs(kFn, q, k, v, &d_out);
   const Index m = map.output_dim(), d_v = v.cols();
   detail::check_state(kFn, "initial_state", initial, m, d_v);
   detail::check_gradient(kFn, "d_final", d_final, m, d_v);

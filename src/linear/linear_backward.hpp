@@ -14,7 +14,8 @@
 //   Gc_j = sum_{i sees j} exp(gamma_j - M_i) (g~_i . v_j) a~_i     = exp(gamma_j) dL/dc_j
 //   Ge_j = sum_{i sees j} exp(gamma_j - M_i) delta_i b~_i          = exp(gamma_j) dL/de_j
 //   dv_j = sum_{i sees j} exp(gamma_j - M_i) <a~_i, c~_j> g~_i
-// Every weight exp(gamma_j - M_i) is at most 1 (M_i is the largest scale query i sees), so large
+// Every weight exp(gamma_j - M_i) is at most 1 (M_i is the largest scale query i sees; e^H with a
+// decay's headroom H, linear_kernel.hpp), so large
 // inputs give finite gradients, and a causal key's gradient, like a causal output, reads only what
 // may see it. The feature gradients are on the features' reciprocal scale, the form
 // FeatureMap::backward_rows takes: input_gradient turns them into dq and dk (through R^T where the
@@ -219,8 +220,8 @@ struct CausalGradients {
       : head(h),
         setup(s),
         shift(h.q_offset - h.k_offset),
-        queries(s, h.n, Plain::Kept),
-        keys(s, h.n_k, Plain::Kept),
+        queries(s, Role::Queries, h.n, Plain::Kept),
+        keys(s, Role::Keys, h.n_k, Plain::Kept),
         g_(h.n * s.d_v, Lifetime::Thread),
         delta_(h.n, Lifetime::Thread),
         scale_(h.n, Lifetime::Thread),
@@ -272,6 +273,25 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
 template <class T>
 void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index q_end,
                         QueryState<T>& state);
+
+// The denominator's terms of a block of queries, from their Ga [rows x m] (S~_i g~_i) and divisors
+// D~_i (0: a zero output row): delta_i = -<a~_i, Ga_i> / D~_i into delta[r] (0 for a zero row,
+// and without a denominator), and Gb_i = delta_i z~_i (z_of(r): row r's z~, [1 x m]) into gb,
+// overwritten, where the denominator side is other rows (NumeratorOnly), else added into ga.
+template <class T, class ZOf>
+void denominator_terms(const FeatureRows<T>& queries, const double* divisor, ZOf z_of,
+                       RowMap<T>& ga, RowMap<T>& gb, double* delta) {
+  const LinearSetup& setup = queries.setup();
+  const bool separate = setup.plan.separate_denominator;
+  RowMap<T>& den_side = separate ? gb : ga;
+  if (separate) gb.setZero();
+  for (Index r = 0; r < queries.rows(); ++r) {
+    delta[r] = divisor[r] == 0 || !setup.options.denominator
+                   ? 0.0
+                   : -double(queries.num().row(r).dot(ga.row(r))) / divisor[r];
+    den_side.row(r) += T(delta[r]) * z_of(r);
+  }
+}
 
 // g~_i = g_i / D~_i for one row (zeros when the output row is zero: divisor 0).
 template <class T>

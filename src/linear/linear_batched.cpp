@@ -3,6 +3,7 @@
 #include <linrope/batched.hpp>
 
 #include "common/heads.hpp"
+#include "linear/linear_checks.hpp"
 #include "linear/linear_kernel.hpp"
 #include "linear/state_views.hpp"
 
@@ -14,38 +15,6 @@ using detail::slice;
 using detail::slice_out;
 using detail::valid_rows;
 
-// The states of a stateful forward: causal, shaped for the call, the initial one finite, the final
-// one in its own memory (or the initial one's: each slice reads its initial state before it writes
-// its final one).
-template <class T>
-void check_state_views(std::string_view fn, const Heads<const T>& q, const Heads<const T>& k,
-                       const Heads<const T>& v, const Heads<T>& out,
-                       const detail::LinearSetup& setup, const HeadStates<const T>& initial,
-                       const HeadStates<T>& final) {
-  if (!setup.options.causal)
-    detail::throw_invalid(fn, "options.causal is false but a state in, state out call is causal");
-  detail::check_states(fn, "initial_state", initial, q, setup.m, setup.d_v, true);
-  detail::check_states(fn, "final_state", final, q, setup.m, setup.d_v, true);
-  detail::require_finite_states(fn, "initial_state", initial, true);
-  if (final.S == nullptr) return;
-  const bool in_place =
-      final.S == initial.S && final.z == initial.z && final.log_scale == initial.log_scale;
-  const auto separate = [&](std::string_view name, const Heads<T>& part) {
-    detail::require_separate(fn, name, part, "q", q);
-    detail::require_separate(fn, name, part, "k", k);
-    detail::require_separate(fn, name, part, "v", v);
-    detail::require_separate(fn, name, part, "out", out);
-    if (!in_place) {
-      detail::require_separate(fn, name, part, "initial_state.S", detail::S_heads(initial));
-      detail::require_separate(fn, name, part, "initial_state.z", detail::z_heads(initial));
-    }
-  };
-  separate("final_state.S", detail::S_heads(final));
-  separate("final_state.z", detail::z_heads(final));
-  detail::require_separate(fn, "final_state.z", detail::z_heads(final), "final_state.S",
-                           detail::S_heads(final));
-}
-
 // initial and final: the stateful call's (attention.hpp, "State in, state out"); null for the
 // plain call, whose causal slices start empty and discard their state.
 template <class T>
@@ -55,11 +24,13 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
                     const HeadStates<T>* final = nullptr) {
   constexpr std::string_view fn = "linear_attention";
   check_heads(fn, q, k, v, out);
-  detail::check_linear_setup(fn, map, options, q.d);
+  detail::check_linear_setup(fn, map, options, q.d, q.heads);
   detail::require_positions(fn, "options.q_offset", options.q_offset, q.n);
   detail::require_positions(fn, "options.k_offset", options.k_offset, k.n);
   const detail::LinearSetup setup(map, options, q.d, v.d);
-  if (initial) check_state_views(fn, q, k, v, out, setup, *initial, *final);
+  if (initial)
+    detail::check_state_views(fn, q, k, v, "out", out, setup, *initial, HeadStates<const T>{},
+                              "final_state", *final, true);
   const HeadStates<const T> from = initial ? *initial : HeadStates<const T>{};  // none: empty
   const bool keep_state = final && final->S;
   const double threshold = stats ? stats->threshold : 0.0;
@@ -72,6 +43,7 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     detail::DenominatorTally* tally = stats ? &tallies[s] : nullptr;
     detail::LinearSetup setup_of_slice = setup;
     setup_of_slice.nonfinite = &nonfinite[s];
+    setup_of_slice.use_decay(detail::decay_of(options, h));
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
     const detail::LinearHead<T> head{
         slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, n_k,
@@ -85,8 +57,8 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
           keep_state ? detail::FinalState::EveryKey : detail::FinalState::Discarded, tally,
           threading);
       if (keep_state)
-        detail::store_state(state, detail::S_of(*final, s), detail::z_of(*final, s),
-                            final->log_scale + s);
+        detail::store_state(state, setup_of_slice, n_k, detail::S_of(*final, s),
+                            detail::z_of(*final, s), final->log_scale + s);
     } else {
       detail::linear_noncausal(head, setup_of_slice, tally, threading);
     }

@@ -78,13 +78,19 @@ class LastingScratch : public Scratch<T> {
 // need it (Full): the backward's map gradient reads it.
 enum class Plain { Dropped, Kept };
 
+// Which side of the products a FeatureBlock's rows stand on. With a decay (LinearSetup), a query's
+// log scale takes + log_decay (p - origin) and a key's - log_decay (p - origin), so that
+// exp(a_i + c_j) carries g^(p_i - p_j) (linear_kernel.hpp).
+enum class Role { Queries, Keys };
+
 // The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
 // per-thread scratch (scratch.hpp: no allocation after a thread's first call), or LastingScratch.
 template <class T, template <class> class Buffer = Scratch>
 class FeatureBlock {
  public:
-  FeatureBlock(const LinearSetup& setup, Index capacity, Plain plain = Plain::Dropped)
+  FeatureBlock(const LinearSetup& setup, Role role, Index capacity, Plain plain = Plain::Dropped)
       : setup_(setup),
+        role_(role),
         capacity_(capacity),
         separate_plain_(setup.plan.rotate_features &&
                         (setup.plan.separate_denominator || plain == Plain::Kept)),
@@ -126,6 +132,10 @@ class FeatureBlock {
       map_rows(input, num);
       RopeAccess::rotate_rows(*rope, num, rows, m, offset, Turn::Apply);
     }
+    if (setup_.log_decay != 0) {
+      const double slope = role_ == Role::Queries ? setup_.log_decay : -setup_.log_decay;
+      for (Index r = 0; r < rows; ++r) log_scale[r] += slope * double(offset + r - setup_.origin);
+    }
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
   void fill(Index rows) { rows_ = rows; }
@@ -159,6 +169,7 @@ class FeatureBlock {
   }
 
   const LinearSetup& setup_;
+  Role role_;
   Index capacity_;
   bool separate_plain_;
   Buffer<T> features_;
@@ -170,33 +181,24 @@ class FeatureBlock {
 template <class T>
 using KeptFeatures = FeatureBlock<T, LastingScratch>;
 
-// Rescales the state to log scale new_max (>= state.M).
-template <class T>
-void raise_scale(LinearState<T>& state, double new_max) {
-  if (new_max <= state.M) return;
-  if (state.M != kEmpty) {
-    const T factor = T(std::exp(state.M - new_max));
-    state.S *= factor;
-    state.z *= factor;
-  }
-  state.M = new_max;
-}
-
 // What admitting one key did to the running scale: the numerator side must be rescaled by
-// `factor` (1: no change) before it takes the key with `weight` = exp(c_j - M).
+// `factor` (1: no change) before it takes the key with `weight` = exp(c_j - M) (at most
+// e^headroom).
 template <class T>
 struct Admitted {
   T factor = T(1), weight = T(1);
 };
 
 // The causal forms' prefix, one key at a time: z = sum_j exp(c_j - M) e_j at M, the largest c_j
-// admitted so far. Admits key j (log scale c, denominator-side features e [m]). Every causal form
-// calls this, forward (the scan, the chunked form's denominators) and backward (its sweep over the
-// queries), so that their denominators see the same operations in the same order.
+// admitted so far (with a headroom H > 0: the last c_j that passed M by more than H, so that a
+// decay's rising scales rescale z every H / |log g| keys rather than at each). Admits key j (log
+// scale c, denominator-side features e [m]). Every causal form calls this, forward (the scan, the
+// chunked form's denominators) and backward (its sweep over the queries), so that their
+// denominators see the same operations in the same order.
 template <class T>
-Admitted<T> admit_key(Vector<T>& z, double& M, double c, const T* e) {
+Admitted<T> admit_key(Vector<T>& z, double& M, double c, const T* e, double headroom) {
   Admitted<T> a;
-  if (c > M) {
+  if (c > M + headroom) {
     if (M != kEmpty) {
       a.factor = T(std::exp(M - c));
       z *= a.factor;
@@ -211,7 +213,8 @@ Admitted<T> admit_key(Vector<T>& z, double& M, double c, const T* e) {
 // Adds the keys of `keys` (features) with values v [rows x d_v] to the state:
 // S += num^T diag(w) V, z += den^T w, with w_j = exp(c_j - M). The weights scale the rows of V
 // (d_v wide) rather than those of the features (m wide), and are skipped when every w_j is 1
-// (maps that need no stabilisation, elu+1, relu and 1+cos, have c_j = 0 = M throughout).
+// (maps that need no stabilisation, elu+1, relu and 1+cos, have c_j = 0 = M throughout, without a
+// decay).
 // `next`: what the caller reads next, fetched during the product (gemm.hpp).
 template <class T, class Keys>
 void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weighted_v,
@@ -219,7 +222,7 @@ void absorb(LinearState<T>& state, const Keys& keys, const T* v, Matrix<T>& weig
   const Index rows = keys.rows(), d_v = keys.setup().d_v;
   if (rows == 0) return;
   check_input(keys.setup(), v, rows, d_v);
-  raise_scale(state, keys.max_log_scale());
+  raise_scale(state, keys.max_log_scale(), keys.setup().headroom);
   const ConstRowMap<T> values(v, rows, d_v);
   bool unit = true;
   for (Index j = 0; j < rows && unit; ++j) unit = keys.log_scale(j) == state.M;
@@ -318,7 +321,7 @@ template <class T>
 void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
                  const LinearSetup& setup, KeptFeatures<T>* keep = nullptr, Index keep_at = 0) {
   const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n_k, 1));
-  FeatureBlock<T> keys(setup, keep ? 0 : block);
+  FeatureBlock<T> keys(setup, Role::Keys, keep ? 0 : block);
   Matrix<T> weighted;
   Vector<T> weights;
   for (Index js = 0; js < n_k; js += block) {
@@ -362,11 +365,13 @@ template <class T>
 void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
                       const LinearSetup& setup, int threads, KeptFeatures<T>* keep = nullptr);
 
-// state += other, both brought to the larger of their two scales.
+// state += other, both brought to the larger of their two scales (state's own, when other's
+// passes it by at most `headroom`: raise_scale).
 template <class T>
-void merge(LinearState<T>& state, const LinearState<T>& other) {
+void merge(LinearState<T>& state, const LinearState<T>& other, double headroom) {
   if (other.M == kEmpty) return;
-  raise_scale(state, other.M);
+  raise_scale(state, other.M, headroom);
+  state.peak = std::max(state.peak, other.peak);
   const T factor = T(std::exp(other.M - state.M));
   state.S += factor * other.S;
   state.z += factor * other.z;

@@ -25,7 +25,7 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
   const Index L = std::min(setup.options.chunk_size, std::max<Index>({n, n_k, 1}));
   const Index d = setup.d, d_v = setup.d_v;
   const Index shift = q_offset - k_offset;  // query i sees key j iff j <= i + shift
-  FeatureBlock<T> queries(setup, L), keys(setup, L);
+  FeatureBlock<T> queries(setup, Role::Queries, L), keys(setup, Role::Keys, L);
   Matrix<T> weighted, numerator, scores;
   Vector<T> weights, z_running;
   std::vector<double> query_max(L), den(L);
@@ -54,7 +54,8 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
     Index next = 0;  // next key of the chunk, relative to js
     for (Index r = 0; r < rows; ++r) {
       for (; next < kb && js + next <= qs + r + shift; ++next)
-        admit_key(z_running, m_running, keys.log_scale(next), keys.den().data() + next * setup.m);
+        admit_key(z_running, m_running, keys.log_scale(next), keys.den().data() + next * setup.m,
+                  setup.headroom);
       query_max[r] = m_running;
       den[r] = m_running == kEmpty ? 0.0 : double(queries.den().row(r).dot(z_running));
     }

@@ -13,7 +13,7 @@ template <class T>
 void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_offset,
               const LinearSetup& setup, DenominatorTally* tally) {
   const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n, 1));
-  FeatureBlock<T> queries(setup, block);
+  FeatureBlock<T> queries(setup, Role::Queries, block);
   Matrix<T> numerator;
   Vector<T> den;
   for (Index qs = 0; qs < n; qs += block) {
@@ -49,7 +49,7 @@ void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, 
     absorb_keys(parts[t], k + begin * d, v + begin * d_v, end - begin, k_offset + begin, setup,
                 keep, begin);
   });
-  for (const auto& part : parts) merge(state, part);
+  for (const auto& part : parts) merge(state, part, setup.headroom);
 }
 
 template void absorb_key_parts<float>(LinearState<float>&, const float*, const float*, Index, Index,

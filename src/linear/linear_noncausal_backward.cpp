@@ -17,7 +17,7 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
                 Index q_offset, const LinearSetup& setup, QueryState<T>& queries_state) {
   const Index m = setup.m, d = setup.d, d_v = setup.d_v;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(n, 1));
-  FeatureBlock<T> queries(setup, block, Plain::Kept);
+  FeatureBlock<T> queries(setup, Role::Queries, block, Plain::Kept);
   Scratch<T> g_scratch(block * d_v), ga_scratch(block * m), gb_scratch(block * m),
       weighted(block * d_v);
   std::vector<double> delta(block), scale(block);
@@ -37,14 +37,9 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
       scaled_gradient(d_out + (qs + r) * d_v, g.data() + r * d_v, d_v, divisor[r]);
     }
     gemm(const_view(g), const_view(keys_state.S).transposed(), view(ga), Write::Overwrite);
-    RowMap<T>& den_side = separate ? gb : ga;
-    if (separate) gb.setZero();
-    for (Index r = 0; r < rows; ++r) {
-      delta[r] = divisor[r] == 0 || !setup.options.denominator
-                     ? 0.0
-                     : -double(queries.num().row(r).dot(ga.row(r))) / divisor[r];
-      den_side.row(r) += T(delta[r]) * keys_state.z.transpose();
-    }
+    denominator_terms(
+        queries.all(), divisor.data(), [&](Index) { return keys_state.z.transpose(); }, ga, gb,
+        delta.data());
     absorb_queries(queries_state, queries.all(),
                    QueryTerms<T>{g.data(), delta.data(), scale.data()}, weighted.data());
     input_gradient(queries.all(), q + qs * d, q_offset + qs, ga.data(),
@@ -82,7 +77,7 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
   const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v;
   const int threads = usable_threads(threading);
   LinearState<T> keys_state;
-  KeptFeatures<T> key_features(setup, n_k, Plain::Kept);
+  KeptFeatures<T> key_features(setup, Role::Keys, n_k, Plain::Kept);
   absorb_key_parts(keys_state, head.k, head.v, n_k, head.k_offset, setup, threads, &key_features);
   key_features.fill(n_k);
 

@@ -23,7 +23,7 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
   const Index n = head.n, n_k = head.n_k, q_offset = head.q_offset, k_offset = head.k_offset;
   const Index d = setup.d, d_v = setup.d_v, m = setup.m;
   const Index shift = q_offset - k_offset;  // query i sees key j iff j <= i + shift
-  FeatureBlock<T> queries(setup, kScanBlock), keys(setup, kScanBlock);
+  FeatureBlock<T> queries(setup, Role::Queries, kScanBlock), keys(setup, Role::Keys, kScanBlock);
   ScanSteps<T> steps;
   double scale[kScanBlock], den[kScanBlock];  // the state's log scale M and den~ at each read
   Scratch<T> numerator(kScanBlock * d_v);     // the block's numerators, row-major
@@ -41,6 +41,7 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
     if (last > first) {
       keys.compute(k + first * d, last - first, k_offset + first);
       check_input(setup, v + first * d_v, last - first, d_v);
+      state.peak = std::max(state.peak, keys.max_log_scale());  // each is admitted below
     }
     queries.compute(q + qs * d, rows, q_offset + qs);
     steps.count = rows;
@@ -51,8 +52,8 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
       steps.key[r] = nullptr;
       steps.factor[r] = T(1);
       if (j >= 0 && j < last - first) {
-        const Admitted<T> a =
-            admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
+        const Admitted<T> a = admit_key(state.z, state.M, keys.log_scale(j),
+                                        keys.den().data() + j * m, setup.headroom);
         steps.key[r] = keys.num().data() + j * m;
         steps.value[r] = v + (first + j) * d_v;
         steps.factor[r] = a.factor;

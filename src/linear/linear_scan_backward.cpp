@@ -13,7 +13,10 @@
 // The stabiliser: the queries' sweep keeps the forward's running maximum M (admit_key, as the
 // forward does); the keys' sweep keeps K, the smallest M_i absorbed (M_i never grows going back),
 // so that each query enters with weight exp(K - M_i) <= 1 and key j reads the state times
-// exp(gamma_j - K) <= 1. Every weight is at most 1: large inputs give finite gradients.
+// exp(gamma_j - K) <= 1. Every weight is at most 1: large inputs give finite gradients. With a
+// decay, gamma_j passes M_i by at most the headroom H (admit_key), so key j's factor is at most
+// e^H; the M_i are then the lazily raised ones, which change every H / |log g| queries, so the
+// exact rule of the keys' sweep (K = the smallest M_i) rescales as rarely and needs no headroom.
 #include <algorithm>
 
 #include "linear/linear_backward.hpp"
@@ -57,7 +60,7 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       steps.factor[r] = T(1);
       if (j >= 0 && j < h.n_k) {
         const Admitted<T> a =
-            admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m);
+            admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m, s.headroom);
         steps.key[r] = h.v + j * d_v;
         steps.value[r] = keys.num().data() + j * m;
         steps.factor[r] = a.factor;
@@ -74,15 +77,8 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
     }
     scan_steps(st.data(), d_v, m, steps);  // Ga = S~_i g~_i, at each row's own scale M_i
     // delta and Gb = delta z~, then dq.
-    RowMap<T>& den_side = separate ? gb : ga;
-    if (separate) gb.setZero();
-    for (Index r = 0; r < rows; ++r) {
-      const double D = divisor[r];
-      const double delta =
-          D == 0 || !s.options.denominator ? 0.0 : -double(queries.num().row(r).dot(ga.row(r))) / D;
-      c.delta[qs + r] = delta;
-      den_side.row(r) += T(delta) * z.row(r);
-    }
+    denominator_terms(
+        queries, divisor, [&](Index r) { return z.row(r); }, ga, gb, c.delta + qs);
     input_gradient(queries, h.q + qs * d, h.q_offset + qs, ga.data(),
                    separate ? gb.data() : nullptr, h.dq + qs * d);
   }

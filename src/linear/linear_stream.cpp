@@ -23,9 +23,12 @@ LinearAttentionStream<T>::LinearAttentionStream(const FeatureMap& map, Index val
   if (options.q_offset != options.k_offset)
     detail::throw_invalid(fn, "options.q_offset is ", options.q_offset, " but options.k_offset is ",
                           options.k_offset, "; a stream needs them equal");
-  detail::check_linear_setup(fn, map, options, map.input_dim());
   LinearOptions causal = options;
   causal.causal = true;
+  detail::check_linear_setup(fn, map, causal, map.input_dim(), 1);
+  // The stream outlives the caller's span: it keeps its one decay as a number.
+  causal.decay = detail::decay_of(options, 0);
+  causal.head_decays = {};
   state_ = std::make_unique<State>(State{{map, causal, map.input_dim(), value_dim}, {}, 0});
   reset();
 }
@@ -70,7 +73,7 @@ Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k,
                                          DenominatorStats* stats) {
   constexpr std::string_view fn = "LinearAttentionStream::step";
   require_state(state_, fn);
-  const detail::LinearSetup& setup = state_->setup;
+  detail::LinearSetup& setup = state_->setup;
   if (q.cols() != setup.d)
     detail::throw_invalid(fn, "q is ", detail::shape_of(q), " but the map has input_dim ", setup.d);
   if (k.rows() != q.rows() || k.cols() != setup.d)
@@ -86,8 +89,12 @@ Matrix<T> LinearAttentionStream<T>::step(const Matrix<T>& q, const Matrix<T>& k,
   detail::DenominatorTally tally(stats ? stats->threshold : 0.0);
   const detail::LinearHead<T> head{q.data(), k.data(), v.data(),         out.data(),
                                    q.rows(), k.rows(), state_->position, state_->position};
+  // The running state is kept as the public state is, at the position of its last key (a decay's
+  // frame, linear_kernel.hpp): each step starts there and moves it past its own keys.
+  setup.origin = state_->position - 1;
   detail::linear_causal(head, setup, state_->running, detail::FinalState::EveryKey,
                         stats ? &tally : nullptr, detail::Threads::Parallel);
+  detail::move_frame(state_->running, setup.log_decay, q.rows());
   state_->position += q.rows();
   if (stats) tally.store(*stats);
   return out;

@@ -6,6 +6,8 @@
 // masked by k_offset + j <= q_offset + i when causal, then
 //   num_i = sum_j A_ij v_j,  den_i = sum_j B_ij,  o_i = num_i / (den_i + eps).
 // A row with no admissible key has num_i = 0, den_i = 0 and o_i = 0 (also for eps = 0).
+// With a decay g (causal only), A_ij and B_ij are multiplied by the explicit decay matrix
+// G_ij = g^(p_i - p_j), p_i = q_offset + i, p_j = k_offset + j (`decay_matrix`).
 //
 //   placement       A_ij                             B_ij
 //   None            <phi_i, psi_j>                   <phi_i, psi_j>
@@ -152,7 +154,25 @@ struct LinearSpec {
   double eps = 1e-6;
   Index q_offset = 0, k_offset = 0;
   bool denominator = true;  // false: o_i = num_i
+  double decay = 1.0;       // g in (0, 1]; < 1 causal only
 };
+
+// G [n x n_k]: g^(p_i - p_j) for every pair the causal mask admits, 0 for the others (1 and no
+// mask when not causal, which admits no decay). pow in double: an entry below 1e-308 is 0, as the
+// term it weights is then far below any other of its row.
+inline MatrixD decay_matrix(const LinearSpec& spec, Index n, Index n_k) {
+  if (!spec.causal) {
+    if (spec.decay != 1.0) throw std::logic_error("reference::decay_matrix: a non-causal decay");
+    return MatrixD::Ones(n, n_k);
+  }
+  MatrixD g = MatrixD::Zero(n, n_k);
+  for (Index i = 0; i < n; ++i)
+    for (Index j = 0; j < n_k; ++j) {
+      const Index distance = (spec.q_offset + i) - (spec.k_offset + j);
+      if (distance >= 0) g(i, j) = std::pow(spec.decay, double(distance));
+    }
+  return g;
+}
 
 struct LinearResult {
   MatrixD numerator_weights;    // A [n x n_k], 0 where masked
@@ -255,6 +275,14 @@ inline LinearResult linear_attention(const MatrixD& q, const MatrixD& k, const M
       }
     }
 
+  if (spec.decay != 1.0) {
+    const MatrixD g = decay_matrix(spec, n, n_k);
+    a = a.cwiseProduct(g);
+    b = b.cwiseProduct(g);
+    mag = mag.cwiseProduct(g);
+    mag_den = mag_den.cwiseProduct(g);
+  }
+
   VectorD vmax(n_k);
   for (Index j = 0; j < n_k; ++j) vmax(j) = v.cols() > 0 ? v.row(j).cwiseAbs().maxCoeff() : 0.0;
 
@@ -337,6 +365,24 @@ inline double exponent_size(const FeatureMap& map, const MatrixD& x) {
 template <class T>
 double rounding_gamma(Index m, Index d, Index n_k, double z_size) {
   return 8 * (kUnitRoundoff<T> + kUnitRoundoff<double>)*(double(m + d + n_k + 16) + 2 * z_size);
+}
+
+// |log g| P: the size of a decay's exponents, P the span of the call's positions (plus one, for
+// the state's position k_offset - 1); 0 without a decay.
+inline double decay_exponent_size(const LinearSpec& spec, Index n, Index n_k) {
+  if (spec.decay == 1.0) return 0;
+  const Index first = std::min(spec.q_offset, spec.k_offset - 1);
+  const Index last = std::max(spec.q_offset + n, spec.k_offset + n_k);
+  return std::abs(std::log(spec.decay)) * double(last - first + 1);
+}
+
+// The decay's part of gamma. A kernel carries g^(p_i - p_j) in its log scales, shifted by
+// log g (p - o) (o a position of the call): each weight's exponent is formed, in double, by at
+// most 4 roundings of terms of size <= |log g| P (decay_exponent_size), and the reference's pow
+// errs by about one more: 5 u_double |log g| P relative, times the margin of 8. Not scaled by the
+// kernel's precision: the shifts are doubles whatever T is.
+inline double decay_gamma(const LinearSpec& spec, Index n, Index n_k) {
+  return 40 * kUnitRoundoff<double> * decay_exponent_size(spec, n, n_k);
 }
 
 // Per-row bound on |o_i error|_inf:

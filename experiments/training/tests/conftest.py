@@ -7,6 +7,7 @@ puts experiments/ (the home of `training` and `analysis`) on sys.path itself.
 
 Every model here is tiny (d_model 16, one layer, one head) so the whole suite takes seconds."""
 import dataclasses
+import json
 import os
 import random
 import sys
@@ -15,8 +16,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from training.data import Corpus
-from training.train import Config
+from training.data import Corpus  # noqa: E402
+from training.train import Config  # noqa: E402
+from training.variants import from_name  # noqa: E402
 
 WORDS = ("the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran ")
 
@@ -63,9 +65,13 @@ TINY = dict(task="char_lm", variant="softmax-rope", seed=0, steps=12, batch_size
 
 @pytest.fixture(scope="session")
 def tiny():
-    """A factory of tiny Configs: tiny(variant="favor-full", steps=20, ...)."""
+    """A factory of tiny Configs: tiny(variant="favor-full", steps=20, ...), the variant by name.
+    Each comes back from its JSON form (what checkpoints, runs/<key>.json and saved models
+    hold) as itself: Config.from_dict, which resuming and training.generate rely on, is checked
+    on every config a test uses."""
     def make(**overrides):
-        config = Config(**dict(TINY, **overrides))
-        assert dataclasses.asdict(config)  # a valid dataclass
+        fields = dict(TINY, **overrides)
+        config = Config(**dict(fields, variant=from_name(fields["variant"])))
+        assert Config.from_dict(json.loads(json.dumps(dataclasses.asdict(config)))) == config
         return config
     return make

@@ -3,10 +3,11 @@ values) gives the logits of the parallel forward, for every variant."""
 import pytest
 import torch
 
-from training.model import VARIANTS, Decoder
+from training.model import Decoder
+from training.variants import CATALOGUE
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", CATALOGUE, ids=lambda v: v.name)
 def test_decoding_token_by_token_equals_the_parallel_forward(variant):
     model = Decoder(40, variant, d_model=16, layers=2, heads=2, seed=1).double().eval()
     tokens = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(2))

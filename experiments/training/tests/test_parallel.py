@@ -1,29 +1,24 @@
 """training.parallel and data parallel training under torchrun.
 
 The first tests run in this process: the batch shares, the statistics' combination, and the loss
-weighting derived in train.Run._forward, checked by computing each rank's share in turn. The
-others launch `python3 -m torch.distributed.run --nproc_per_node 2` on 127.0.0.1 (gloo), each
-bounded by a timeout that kills the whole process group, and compare with a single process."""
+weighting of train.Run.step_loss, checked by computing each rank's share in turn. The others
+launch `python3 -m torch.distributed.run --nproc_per_node 2` on 127.0.0.1 (gloo) through
+linrope.torch.launch (torchrun_support), and compare with a single process."""
 import hashlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-import linrope
 from training import mqar, parallel
 from training.data import load_corpus
-from training.parallel import Ranks
+from training.model import combine_stats
+from training.parallel import TrainingGroup
 from training.train import Config, Run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EXPERIMENTS = os.path.dirname(os.path.dirname(HERE))
-TIMEOUT = 120  # seconds for one torchrun; a run here takes ~10
+from torchrun_support import (assert_records_match, assert_same_records, first_sweep, lines,
+                              reference, saved_runs, tiny_plan, torchrun, train_in_torchrun)
 
 
 # ---- in this process ----------------------------------------------------------------------
@@ -37,51 +32,54 @@ def test_torchrun_is_detected_by_all_four_variables():
 
 def test_shares_are_contiguous_and_make_up_the_batch():
     inputs, targets = torch.arange(24).reshape(6, 4), torch.arange(24).reshape(6, 4) + 100
-    shares = [Ranks(r, 3).share(inputs, targets) for r in range(3)]
+    shares = [TrainingGroup(r, 3).share(inputs, targets) for r in range(3)]
     assert [x.tolist() for x, _ in shares] == [inputs[0:2].tolist(), inputs[2:4].tolist(),
                                                inputs[4:6].tolist()]
     assert torch.equal(torch.cat([y for _, y in shares]), targets)
-    assert all(torch.equal(a, b) for a, b in zip(Ranks().share(inputs, targets), (inputs, targets)))
+    alone = TrainingGroup().share(inputs, targets)
+    assert torch.equal(alone[0], inputs) and torch.equal(alone[1], targets)
     with pytest.raises(ValueError, match="a batch of 6 sequences does not split over 4"):
-        Ranks(1, 4).share(inputs, targets)
+        TrainingGroup(1, 4).share(inputs, targets)
 
 
 def test_statistics_combine_to_the_whole_batch():
+    """Per layer the smallest minimum and the summed counts; softmax layers (None) stay None;
+    one rank's come back with the counts alone (the layer's extra keys dropped)."""
     a = dict(min=0.5, nonpositive=1, below_threshold=2, count=10, threshold=1e-3)
     b = dict(min=-0.25, nonpositive=3, below_threshold=0, count=10, threshold=1e-3)
-    assert parallel.combine_stats([[a, None], [b, None]]) == [
+    assert combine_stats([[a, None], [b, None]]) == [
         dict(min=-0.25, nonpositive=4, below_threshold=2, count=20), None]
-    one = [[a]]
-    assert parallel.combine_stats(one) is one[0]
+    assert combine_stats([[a]]) == [dict(min=0.5, nonpositive=1, below_threshold=2, count=10)]
 
 
 def gradients_of(run, step):
-    loss, reason = run._forward(step)
+    loss, reason = run.step_loss(step)
     assert reason is None
     run.model.zero_grad(set_to_none=True)
     loss.backward()
     return float(loss), [p.grad.clone() for p in run.model.parameters()]
 
 
-def unscored_in_first_half(batch):
-    """A batch whose first half scores a quarter of its positions (the rest IGNORE): the two
-    ranks' shares then hold 1 : 4 of the scored tokens."""
-    def masked(step):
-        inputs, targets = batch(step)
+class UnevenlyScored(Run):
+    """A run whose batches' first half scores a quarter of its positions (the rest IGNORE): the
+    two ranks' shares then hold 1 : 4 of the scored tokens."""
+
+    def batch(self, step):
+        inputs, targets = super().batch(step)
         targets = targets.clone()
         half, length = len(targets) // 2, targets.shape[1]
         targets[:half, :3 * length // 4] = mqar.IGNORE
         return inputs, targets
-    return masked
 
 
 @pytest.mark.parametrize("task", ["char_lm", "mqar"])
 @pytest.mark.parametrize("uneven", [False, True])
 def test_rank_losses_average_to_the_batch_mean(task, uneven, tiny, corpus):
-    """Each rank's weighted loss on its share, as train.Run._forward computes it: the mean over
-    2 ranks of these losses and of their gradients (what DistributedDataParallel applies) is the
-    single process's mean loss and gradient over the whole batch, to float32 rounding (relative
-    1e-5: the same terms summed in another order, ~log2(count) ulps of 6e-8 each).
+    """Each rank's weighted loss on its share, as train.Run.step_loss computes it: the mean over
+    2 ranks of these losses and of their gradients (what TrainingGroup.backward's all-reduce
+    applies) is the single process's mean loss and gradient over the whole batch, to float32
+    rounding (relative 1e-5: the same terms summed in another order, ~log2(count) ulps of 6e-8
+    each).
 
     Split by sequences, the tasks' shares hold equal numbers of scored tokens (every MQAR
     sequence scores exactly `pairs` queries), so the weight is exactly 1; with IGNORE spread
@@ -89,10 +87,8 @@ def test_rank_losses_average_to_the_batch_mean(task, uneven, tiny, corpus):
     the shares' plain means miss the batch mean by far more than rounding."""
     config = tiny(task=task, context=16 if task == "char_lm" else 0, batch_size=8)
     data = corpus if task == "char_lm" else None
-    runs = [Run(config, data)] + [Run(config, data, Ranks(r, 2)) for r in range(2)]
-    if uneven:
-        for run in runs:
-            run.batch = unscored_in_first_half(run.batch)
+    kind = UnevenlyScored if uneven else Run
+    runs = [kind(config, data)] + [kind(config, data, TrainingGroup(r, 2)) for r in range(2)]
     step = 1
     whole_loss, whole_grads = gradients_of(runs[0], step)
     parts = [gradients_of(run, step) for run in runs[1:]]
@@ -126,179 +122,47 @@ def test_jobs_is_refused_under_torchrun(monkeypatch, capsys):
 
 # ---- under torchrun -----------------------------------------------------------------------
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# torch 1.13's torchrun under Python 3.11 (Debian 12) fails at start with "AttributeError:
-# 'NoneType' object has no attribute 'get'" unless --redirects and --tee are both given non-zero
-# (3.11 no longer iterates IntFlag's 0 or combined members, which its Std.from_str relies on):
-# --redirects 1 --tee 1 copies each worker's stdout to a log file and to the console, prefixed
-# with "[default<local rank>]:". experiments/README.md gives the same command.
-TORCHRUN = ("-m", "torch.distributed.run", "--redirects", "1", "--tee", "1")
-
-
-def torchrun(args, cwd, processes=2, env=None):
-    """Runs python3 -m torch.distributed.run with `processes` workers on 127.0.0.1; returns
-    (exit status, stdout, stderr). On a timeout the whole process group (agent and workers)
-    is killed and the test fails instead of hanging. --monitor_interval 0.5: the agent sees the
-    workers end within half a second (5 s by default)."""
-    command = [sys.executable, *TORCHRUN, "--nnodes", "1", "--nproc_per_node", str(processes),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               "--monitor_interval", "0.5", *args]
-    # experiments/ for `training`; the linrope this test imports, for the workers too.
-    path = [EXPERIMENTS, os.path.dirname(os.path.dirname(linrope.__file__))]
-    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-        OMP_NUM_THREADS="1", **(env or {}))
-    process = subprocess.Popen(command, cwd=cwd, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail("torchrun did not finish in %d s:\n%s" % (TIMEOUT, err[-3000:]))
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, out, err
-
-
-# Tiny runs through the real command line (--quick with these sizes): 12 steps, checkpoints
-# every 4, FAVOR+ redrawn every 2 steps.
-PLAN = dict(model=dict(d_model=16, layers=1, heads=1),
-            char_lm=dict(steps=12, batch_size=4, context=16, lrs=(1e-2,), warmup=2, eval_every=4,
-                         eval_tokens=64, final_eval_tokens=128, extrapolation=(1, 2), log_every=1,
-                         checkpoint_every=4, seeds=(0,), long=None),
-            mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
-                      more_features=None,
-                      checkpoint_every=4, mqar_settings=((16, 2), (32, 6)), mqar_vocab=64,
-                      mqar_test_size=16))
+# Tiny runs through the real command line: one layer, one head; FAVOR+ redrawn every 2 steps.
+PLAN = tiny_plan(layers=1, heads=1, context=16, mqar_settings=((16, 2), (32, 6)))
 VARIANT = "favor-numerator_only"
 
 
-def run_key(task, seed=0, variant=VARIANT):
+def run_key(task, seed=0):
     """The run's name (train.Config.key) under PLAN and --redraw-interval 2."""
     context = "-n%d" % PLAN["char_lm"]["context"] if task == "char_lm" else ""
-    return "%s%s-%s-redraw2-lr0.01-s%d" % (task, context, variant, seed)
+    return "%s%s-%s-redraw2-lr0.01-s%d" % (task, context, VARIANT, seed)
 
 
-def train_in_torchrun(tmp_path, text, out, *extra, env=None):
+def train(cwd, text, out, *extra, env=None):
     argv = ["--text", text, "--variants", VARIANT, "--redraw-interval", "2", "--no-step-time",
-            "--out", out, *extra]
-    environment = dict(TRAINING_TEST_PLAN=json.dumps(PLAN), TRAINING_TEST_OUT=out, **(env or {}))
-    return torchrun([os.path.join(HERE, "torchrun_entry.py"), *argv], str(tmp_path),
-                    env=environment)
-
-
-def lines(text, marker):
-    """The words of each stdout line holding marker, from the marker on (torchrun prefixes
-    each line with its rank)."""
-    return [line[line.index(marker):].split() for line in text.splitlines() if marker in line]
-
-
-def as_config(saved):
-    """The Config a runs/<key>.json holds (JSON made its tuples lists)."""
-    saved = dict(saved, extrapolation=tuple(saved["extrapolation"]),
-                 mqar_settings=tuple(tuple(s) for s in saved["mqar_settings"]))
-    return Config(**saved)
+            *extra]
+    return train_in_torchrun(cwd, PLAN, argv, out, env)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, word_text):
     """One uninterrupted sweep (char_lm and mqar) on 2 processes."""
-    root = tmp_path_factory.mktemp("ddp")
-    text = root / "words.txt"
-    text.write_text(word_text(), encoding="utf-8")
-    out = str(root / "out")
-    status, stdout, stderr = train_in_torchrun(root, str(text), out)
-    assert status == 0, stderr[-3000:]
-    results = {}
-    for name in sorted(os.listdir(os.path.join(out, "runs"))):
-        with open(os.path.join(out, "runs", name)) as f:
-            results[name[:-len(".json")]] = json.load(f)
-    return dict(root=root, text=str(text), out=out, stdout=stdout, stderr=stderr,
-                results=results)
-
-
-# Float32 rounding: at step 1 the parameters are equal and only reductions are reordered (the
-# loss's mean over 64 tokens per rank, then over the ranks, against 128 at once): a few ulps of
-# float32 (ulp/value 6e-8 to 1.2e-7). Each update then carries the gradients' rounding into the
-# parameters, and AdamW normalises every gradient element to ~lr, so the difference grows with
-# the steps. Measured (softmax-rope, favor-numerator_only, elu-full, favor-full; both tasks;
-# seeds 0, 1): at step 1 at most 9e-8 relative, over 12 steps at most 2e-7 (gradient norms
-# 8e-7); over 200 steps 1e-6 typically and up to 2e-4 for favor-full, whose near-zero
-# denominators amplify it -- so these tests stay short. 2e-5 over 12 steps is 100 times what was
-# measured, and 50 times below what a wrong share or weighting changes (>= 1e-3, the test above).
-RELATIVE = 2e-5
-
-
-def close(a, b, relative=RELATIVE):
-    return abs(a - b) <= relative * max(abs(a), abs(b))
-
-
-def reference(result, text):
-    config = as_config(result["config"])
-    run = Run(config, load_corpus(text) if config.task == "char_lm" else None)
-    run.train()
-    return run
-
-
-def assert_records_match(key, result, run):
-    """A multi-process run's saved result against `run`, the single process's on the same
-    global batch: the same steps, statuses and clip counts; losses, gradient norms, denominator
-    minima and evaluations equal to float32 rounding (close); the denominator counts exactly
-    (summed over the ranks; numerator_only's denominators are positive and far from the 1e-3
-    threshold). Returns the worst relative loss difference."""
-    records = result["records"]
-    assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 12
-    assert len(records["curves"]) == len(run.records["curves"]) == 12
-    worst = 0.0
-    for got, want in zip(records["curves"], run.records["curves"]):
-        assert got["step"] == want["step"] and got["scheduled_lr"] == want["scheduled_lr"]
-        assert got["clipped_so_far"] == want["clipped_so_far"]
-        assert close(got["train_loss"], want["train_loss"]), (key, got, want)
-        assert close(got["grad_norm"], want["grad_norm"]), (key, got, want)
-        worst = max(worst, abs(got["train_loss"] - want["train_loss"]) / want["train_loss"])
-    assert len(records["layers"]) == len(run.records["layers"])
-    for got, want in zip(records["layers"], run.records["layers"]):
-        assert (got["step"], got["layer"]) == (want["step"], want["layer"])
-        for name in ("den_min", "grad_norm"):
-            assert close(got[name], want[name]), (key, name, got, want)
-        for name in ("nonpositive_share", "tiny_share"):
-            assert got[name] == want[name], (key, name, got, want)
-    evaluations = [(e["step"], e["length"], e["pairs"]) for e in records["evaluations"]]
-    assert evaluations == [(e["step"], e["length"], e["pairs"])
-                           for e in run.records["evaluations"]]
-    for got, want in zip(records["evaluations"], run.records["evaluations"]):
-        if got["metric"] == "bpc":
-            assert close(got["value"], want["value"])
-        else:  # accuracy: a share of 16 x pairs queries, which rounding can tip by one
-            assert abs(got["value"] - want["value"]) <= 1 / (16 * got["pairs"])
-    return worst
+    return first_sweep(tmp_path_factory, "data", word_text, train)
 
 
 def test_two_processes_give_the_single_process_curve(two_ranks):
     """Both tasks: the same steps, statuses and clip counts as one process training the same
     global batch; losses, gradient norms, learning rates, denominator statistics and rank 0's
-    evaluations equal to float32 rounding (RELATIVE). The worst relative loss difference is
-    printed (pytest -s) for the record."""
+    evaluations equal to float32 rounding (torchrun_support.RELATIVE). The worst relative loss
+    difference is printed (pytest -s) for the record."""
     assert sorted(two_ranks["results"]) == [run_key("char_lm"), run_key("mqar")]
-    for key, result in two_ranks["results"].items():
-        worst = assert_records_match(key, result, reference(result, two_ranks["text"]))
+    for key, saved in two_ranks["results"].items():
+        worst = assert_records_match(key, saved, reference(saved, two_ranks["text"]))
         print("%s: largest relative loss difference, 2 processes against 1: %.2e" % (key, worst))
 
 
 def test_each_rank_computes_its_share_of_every_batch(two_ranks):
     """Rank r's training forwards saw, step after step, exactly rows r B/2 to (r + 1) B/2 of the
     single process's batch (the tokens' digests as the ranks printed them)."""
-    for key, result in two_ranks["results"].items():
-        config = as_config(result["config"])
+    for key, saved in two_ranks["results"].items():
+        config = Config.from_dict(saved["config"])
         run = Run(config, load_corpus(two_ranks["text"]) if config.task == "char_lm" else None)
-        seen = {s[1]: s[3] for s in lines(two_ranks["stdout"], "INPUTS") if s[2] == "key=" + key}
+        seen = {s[1]: s[3] for s in lines(two_ranks["output"], "INPUTS") if s[2] == "key=" + key}
         for rank in (0, 1):
             digest = hashlib.sha256()
             for step in range(config.steps):
@@ -311,7 +175,7 @@ def test_each_rank_computes_its_share_of_every_batch(two_ranks):
 def test_ranks_hold_the_same_model(two_ranks):
     """After each run both ranks hold bitwise the same parameters and buffers (FAVOR+'s
     feature_seed, hence W, included), redraws every 2 steps notwithstanding."""
-    states = lines(two_ranks["stdout"], "STATE")
+    states = lines(two_ranks["output"], "STATE")
     assert sorted(s[1] for s in states) == ["rank=0", "rank=0", "rank=1", "rank=1"]
     for key in two_ranks["results"]:
         digests = {s[1]: s[3] for s in states if s[2] == "key=" + key}
@@ -321,7 +185,7 @@ def test_ranks_hold_the_same_model(two_ranks):
 def test_only_rank_0_writes(two_ranks):
     """Rank 0 wrote the outputs (several writes under --out, seen by the audit hook); rank 1
     none (any would have been refused, failing the run); no temporary or checkpoint is left."""
-    writes = {w[1]: int(w[2].split("=")[1]) for w in lines(two_ranks["stdout"], "WRITES")}
+    writes = {w[1]: int(w[2].split("=")[1]) for w in lines(two_ranks["output"], "WRITES")}
     assert writes["rank=1"] == 0 and writes["rank=0"] > 10, writes
     out = two_ranks["out"]
     assert sorted(os.listdir(out)) == ["checkpoints", "curves.csv", "decode.csv",
@@ -329,14 +193,12 @@ def test_only_rank_0_writes(two_ranks):
                                        "runs.csv", "samples.json", "training.json"]
     assert os.listdir(os.path.join(out, "checkpoints")) == []
     # The char_lm runs' models (training.generate), from rank 0 like the rest.
-    assert sorted(os.listdir(os.path.join(out, "models"))) == sorted(
-        name[:-len(".json")] + ".pt" for name in os.listdir(os.path.join(out, "runs"))
-        if name.startswith("char_lm"))
+    assert sorted(os.listdir(os.path.join(out, "models"))) == [run_key("char_lm") + ".pt"]
     with open(os.path.join(out, "training.json")) as f:
         meta = json.load(f)
     assert meta["processes"] == 2 and meta["jobs"] == 1
     assert meta["command"].startswith("python3 -m torch.distributed.run (2 processes) ")
-    assert "one after another, each on 2 processes" in two_ranks["stderr"]
+    assert "one after another, each on 2 processes" in two_ranks["output"]
 
 
 def test_resume_under_two_processes(two_ranks, tmp_path):
@@ -344,56 +206,44 @@ def test_resume_under_two_processes(two_ranks, tmp_path):
     with --resume on 2 processes: each run continues from step 4 and ends with bitwise the
     records and parameters of the uninterrupted 2-process run (its reductions are the same)."""
     out = str(tmp_path / "out")
-    status, _, stderr = train_in_torchrun(tmp_path, two_ranks["text"], out,
-                                          env=dict(TRAINING_TEST_INTERRUPT="6"))
+    status, output = train(tmp_path, two_ranks["text"], out, env=dict(TRAINING_TEST_INTERRUPT="6"))
     assert status != 0
-    assert stderr.count("training: interrupted; finished runs and checkpoints are kept") == 2
+    assert output.count("training: interrupted; finished runs and checkpoints are kept") == 2
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [run_key("char_lm") + ".pt"]
-    status, stdout, stderr = train_in_torchrun(tmp_path, two_ranks["text"], out, "--resume")
-    assert status == 0, stderr[-3000:]
-    skip = ("train_seconds",)
+    status, output = train(tmp_path, two_ranks["text"], out, "--resume")
+    assert status == 0, output[-3000:]
+    resumed = saved_runs(out)
     for key, whole in two_ranks["results"].items():
-        with open(os.path.join(out, "runs", key + ".json")) as f:
-            resumed = json.load(f)
-        assert resumed["resumed_from_step"] == (4 if key.startswith("char_lm") else None)
-        assert {k: v for k, v in resumed["records"].items() if k not in skip} == \
-            {k: v for k, v in whole["records"].items() if k not in skip}
-    assert sorted(lines(stdout, "STATE")) == sorted(lines(two_ranks["stdout"], "STATE"))
+        assert resumed[key]["resumed_from_step"] == (4 if key == run_key("char_lm") else None)
+        assert_same_records(resumed[key], whole)
+    assert sorted(lines(output, "STATE")) == sorted(lines(two_ranks["output"], "STATE"))
 
 
 def test_a_backward_refused_on_one_rank_ends_the_run_on_both(two_ranks, tmp_path):
-    """A kernel refusing a non-finite gradient on one rank only, mid-backward (8 small gradient
-    buckets, some already sent): that rank sends the rest filled with NaN, so the other finishes
-    its backward with NaN gradients and both end the run at that step, as diverged -- rank 0's
-    reason is the refusal when it refused, "gradient norm nan" when rank 1 did. Nobody waits
-    for ever, and the next runs train in step: equal to the uninterrupted 2-process run's."""
+    """A kernel refusing a non-finite gradient on one rank only, mid-backward: that rank sends
+    NaN in the gradients' all-reduce, so the other ends its step with NaN gradients and both end
+    the run at that step, as diverged -- rank 0's reason is the refusal when it refused,
+    "gradient norm nan" when rank 1 did. Nobody waits for ever, and the next runs train in
+    step: equal to the uninterrupted 2-process run's."""
     out = str(tmp_path / "out")
     # char_lm seed 0 then 1, then the MQAR runs; one layer: one attention forward per step.
     # Rank 0 refuses at step 3 of the first run (forward 3), rank 1 at step 5 of the second (3 +
     # 5 = 8); the MQAR runs follow untouched.
-    status, stdout, stderr = train_in_torchrun(
-        tmp_path, two_ranks["text"], out, "--seeds", "0,1",
-        env=dict(TRAINING_TEST_REFUSE="0:3,1:8", TRAINING_TEST_BUCKET="1024"))
-    assert status == 0, stderr[-3000:]
-    refused = sorted(lines(stdout, "REFUSED"))
-    assert [r[1] for r in refused] == ["rank=0", "rank=1"]
-    for r in refused:
-        sent, buckets = int(r[2].split("=")[1]), int(r[3].split("=")[1])
-        assert 0 < sent < buckets, r  # refused in the middle of the backward
-    results = {}
-    for name in os.listdir(os.path.join(out, "runs")):
-        with open(os.path.join(out, "runs", name)) as f:
-            results[name[:-len(".json")]] = json.load(f)
+    status, output = train(tmp_path, two_ranks["text"], out, "--seeds", "0,1",
+                           env=dict(TRAINING_TEST_REFUSE="0:3,1:8"))
+    assert status == 0, output[-3000:]
+    assert sorted(r[1:] for r in lines(output, "REFUSED")) == [["rank=0", "forward=3"],
+                                                               ["rank=1", "forward=8"]]
+    results = saved_runs(out)
     first, second = (results[run_key("char_lm", seed)]["summary"] for seed in (0, 1))
     assert (first["status"], first["diverged_step"], first["steps"]) == ("diverged", 3, 2)
-    assert first["diverged_reason"].startswith("non-finite values in a kernel's input")
+    assert first["diverged_reason"] == ("non-finite values in a kernel's input: linear_attention "
+                                        "backward: non-finite values in grad_out (a test's)")
     assert (second["status"], second["diverged_step"], second["steps"]) == ("diverged", 5, 4)
     assert second["diverged_reason"] == "gradient norm nan"
     mqar_key = run_key("mqar")
     assert results[mqar_key]["summary"]["status"] == "complete"
-    assert {k: v for k, v in results[mqar_key]["records"].items() if k != "train_seconds"} == \
-        {k: v for k, v in two_ranks["results"][mqar_key]["records"].items()
-         if k != "train_seconds"}
+    assert_same_records(results[mqar_key], two_ranks["results"][mqar_key])
 
 
 def test_a_batch_that_does_not_split_is_refused_on_every_rank(tmp_path, word_text):
@@ -402,11 +252,11 @@ def test_a_batch_that_does_not_split_is_refused_on_every_rank(tmp_path, word_tex
     waiting for the others."""
     text = tmp_path / "words.txt"
     text.write_text(word_text(), encoding="utf-8")
-    status, _, stderr = torchrun(["-m", "training", "--text", str(text), "--tasks", "char_lm",
-                                  "--out", str(tmp_path / "out"), "--no-step-time"],
-                                 str(tmp_path), processes=3)
+    status, output = torchrun(["-m", "training", "--text", str(text), "--tasks", "char_lm",
+                               "--out", str(tmp_path / "out"), "--no-step-time"], tmp_path,
+                              processes=3)
     assert status != 0
     line = ("training: the char_lm batch of 16 sequences does not split over 3 processes: use a "
             "process count that divides it")
-    assert stderr.count(line + "\n") == 3, stderr[-3000:]
+    assert output.count(line + "\n") == 3, output[-3000:]
     assert not os.path.exists(tmp_path / "out" / "runs")

@@ -1,8 +1,8 @@
-"""training.sweep (every run in worker processes, resumable, the CSV tables) and the command line
-(training.__main__).
+"""training.sweep (every run in worker processes, resumable), the tables (training.results) and
+the command line (training.__main__).
 
 One real sweep (spawned worker process, jobs=1) is shared by the first tests; the resume logic
-is tested with an in-process stand-in for the process pool so that it can count what is run."""
+is tested with an in-process pool passed to run_all, which counts what it is given to run."""
 import concurrent.futures
 import csv
 import dataclasses
@@ -14,11 +14,12 @@ import types
 
 import pytest
 
+from analysis.common import clean
 from training import mqar, plans, sweep
 from training.data import load_corpus
-from training.model import VARIANTS, describe
+from training.results import IDS, RECORDS, Result, read_tables, write_tables
 from training.train import Run
-
+from training.variants import CATALOGUE, Variant, from_name
 
 
 class Stop(Exception):
@@ -37,20 +38,17 @@ def checkpoint_after(config, corpus, path, steps):
 def as_json(value):
     """What a record looks like after the round trip through runs/<key>.json: tuples become
     lists and non-finite floats null (JSON has no NaN)."""
-    def finite(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: finite(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [finite(x) for x in v]
-        return v
-    return json.loads(json.dumps(finite(value)))
+    return json.loads(json.dumps(clean(value)))
 
 
 def comparable(records):
-    skip = ("train_seconds", "den_totals", "window")
-    return {k: v for k, v in as_json(records).items() if k not in skip}
+    """A run's records as a Result holds them: its curves, layers and evaluations."""
+    return {k: v for k, v in as_json(records).items() if k in RECORDS}
+
+
+def saved(out, config):
+    with open(os.path.join(out, "runs", config.key() + ".json")) as f:
+        return json.load(f)
 
 
 def read_csv(path):
@@ -86,15 +84,18 @@ def swept(tmp_path_factory, tiny, word_text):
 
 def test_run_all_returns_every_result_in_config_order(swept):
     """One result per config, in the order given (not completion order), each saved as
-    runs/<key>.json holding that config; no checkpoint is left once the runs are done."""
+    runs/<key>.json holding that config, its summary and records; no checkpoint is left once the
+    runs are done."""
     assert len(swept.results) == len(swept.configs)
     for config, result in zip(swept.configs, swept.results):
-        assert result["config"] == as_json(dataclasses.asdict(config))
-        path = os.path.join(swept.out, "runs", config.key() + ".json")
-        with open(path) as f:
-            assert json.load(f) == result
-        assert result["summary"]["variant"] == config.variant
-        assert "den_totals" not in result["records"]
+        assert (result.key, result.task, result.context, result.variant, result.lr,
+                result.seed) == (config.key(), config.task, config.context, config.variant,
+                                 config.lr, config.seed)
+        on_disk = saved(swept.out, config)
+        assert on_disk["config"] == as_json(dataclasses.asdict(config))
+        assert (on_disk["summary"], comparable(on_disk["records"])) == (result.summary,
+                                                                        result.records)
+        assert "den_totals" not in on_disk["records"]
     assert os.listdir(os.path.join(swept.out, "checkpoints")) == []
     assert sorted(os.listdir(os.path.join(swept.out, "runs"))) == sorted(
         c.key() + ".json" for c in swept.configs)
@@ -108,11 +109,11 @@ def test_worker_results_equal_in_process_runs(swept):
         run = Run(config, swept.corpus if config.task == "char_lm" else None)
         summary = run.train()
         result = swept.results[index]
-        assert result["summary"]["status"] == "complete"
-        assert result["resumed_from_step"] is None
-        assert comparable(result["records"]) == comparable(run.records)
+        assert result.summary["status"] == "complete"
+        assert result.resumed_from_step is None
+        assert result.records == comparable(run.records)
         timing = ("train_seconds", "tokens_per_s")
-        assert {k: v for k, v in result["summary"].items() if k not in timing} == \
+        assert {k: v for k, v in result.summary.items() if k not in timing} == \
             {k: v for k, v in as_json(summary).items() if k not in timing}
 
 
@@ -121,11 +122,11 @@ def test_a_diverging_run_does_not_stop_the_sweep(swept):
     record saved with JSON nulls for NaN; the runs after it in the list still complete."""
     result = swept.results[2]
     reference = Run(swept.configs[2], swept.corpus).train()
-    assert result["summary"]["status"] == "diverged"
-    assert result["summary"]["diverged_step"] == reference["diverged_step"] is not None
-    assert result["records"]["layers"][-1]["grad_norm"] is None  # NaN in the run
-    assert [r["summary"]["status"] for r in swept.results] == ["complete", "complete",
-                                                               "diverged", "complete"]
+    assert result.summary["status"] == "diverged" and not result.complete
+    assert result.summary["diverged_step"] == reference["diverged_step"] is not None
+    assert result.records["layers"][-1]["grad_norm"] is None  # NaN in the run
+    assert [r.summary["status"] for r in swept.results] == ["complete", "complete",
+                                                            "diverged", "complete"]
 
 
 def test_sweep_continues_an_unfinished_run_from_its_checkpoint(swept):
@@ -134,22 +135,22 @@ def test_sweep_continues_an_unfinished_run_from_its_checkpoint(swept):
     config, result = swept.configs[3], swept.results[3]
     run = Run(config, swept.corpus)
     run.train()
-    assert result["resumed_from_step"] == 4
-    assert result["summary"]["steps"] == 8
-    assert comparable(result["records"]) == comparable(run.records)
+    assert result.resumed_from_step == 4
+    assert result.summary["steps"] == 8
+    assert result.records == comparable(run.records)
 
 
 def test_write_tables(swept):
     """runs.csv (one row per run: ids and status first, then every summary column),
     curves.csv, layers.csv and evaluations.csv (one row per record of every run, with the run's
-    ids), NaN and None written as empty cells."""
-    sweep.write_tables(swept.results, swept.out)
+    ids), NaN and None written as empty cells, "\n" line endings."""
+    write_tables(swept.results, swept.out)
     header, rows = read_csv(os.path.join(swept.out, "runs.csv"))
-    ids = list(sweep.IDS)
+    ids = list(IDS)
+    assert ids == ["task", "context", "variant", "lr", "seed"]
     assert header[:len(ids) + 1] == ids + ["status"]
-    assert set(header) == set(ids).union(*(r["summary"] for r in swept.results))
-    column = {name: header.index(name) for name in ("task", "variant", "seed", "status", "lr",
-                                                     "context")}
+    assert set(header) == set(ids).union(*(r.summary for r in swept.results))
+    column = {name: header.index(name) for name in ids + ["status"]}
     assert [tuple(r[column[k]] for k in ("task", "variant", "seed", "status")) for r in rows] == [
         ("char_lm", "softmax-rope", "0", "complete"), ("mqar", "favor-numerator_only", "0",
                                                        "complete"),
@@ -160,47 +161,72 @@ def test_write_tables(swept):
     den_min = header.index("layer0_den_min")
     assert rows[0][den_min] == "" and float(rows[3][den_min]) > 0  # softmax: none
 
-    expected = dict(
-        curves=ids + ["step", "train_loss", "scheduled_lr", "grad_norm", "clipped_so_far"],
-        layers=ids + ["step", "layer", "den_min", "nonpositive_share", "tiny_share", "grad_norm"],
-        evaluations=ids + ["step", "final", "length", "pairs", "metric", "value"])
-    for name, columns in expected.items():
+    for name, columns in RECORDS.items():
+        with open(os.path.join(swept.out, name + ".csv"), "rb") as f:
+            assert b"\r" not in f.read()
         header, rows = read_csv(os.path.join(swept.out, name + ".csv"))
-        assert header == columns
-        counts = [len(r["records"][name]) for r in swept.results]
+        assert header == ids + list(columns)
+        counts = [len(r.records[name]) for r in swept.results]
         assert len(rows) == sum(counts)
         # Rows grouped run by run, in config order, each carrying its run's ids.
-        keys = [tuple(str(getattr(c, k)) for k in ids) for c in swept.configs]
+        keys = [(c.task, str(c.context), c.variant.name, str(c.lr), str(c.seed))
+                for c in swept.configs]
         assert [tuple(r[:len(ids)]) for r in rows] == [k for k, n in zip(keys, counts)
                                                        for _ in range(n)]
-    k = swept.results[2]["summary"]["diverged_step"]
+    k = swept.results[2].summary["diverged_step"]
     # Records per run: curves one per step done; layers one per step and layer (the diverged
     # run's also for its last step); evaluations as scheduled (none before the diverged end).
-    assert [len(r["records"]["curves"]) for r in swept.results] == [6, 4, k - 1, 8]
-    assert [len(r["records"]["layers"]) for r in swept.results] == [6, 4, k, 8]
-    assert [len(r["records"]["evaluations"]) for r in swept.results] == [3, 4, 0, 3]
+    assert [len(r.records["curves"]) for r in swept.results] == [6, 4, k - 1, 8]
+    assert [len(r.records["layers"]) for r in swept.results] == [6, 4, k, 8]
+    assert [len(r.records["evaluations"]) for r in swept.results] == [3, 4, 0, 3]
     _, layers = read_csv(os.path.join(swept.out, "layers.csv"))
     assert layers[10 + k - 1][-1] == ""  # the diverged step's NaN gradient norm
 
 
+def test_tables_read_back_into_the_results(swept, tmp_path):
+    """read_tables gives back the Results write_tables wrote: the same runs in the same order,
+    the same records (numbers as numbers, NaN and None as None) and summaries, but for
+    resumed_from_step, which the tables do not keep, and the summary columns of the other runs,
+    which a run's row holds empty (None): softmax's layer0_den_min beside FAVOR+'s."""
+    out = str(tmp_path)
+    write_tables(swept.results, out)
+    back = read_tables(out)
+    assert [r.key for r in back] == [r.key for r in swept.results]
+    for got, want in zip(back, swept.results):
+        assert (got.task, got.context, got.variant, got.lr, got.seed, got.records) == (
+            want.task, want.context, want.variant, want.lr, want.seed, want.records)
+        assert got.summary == dict({k: None for k in back[0].summary}, **want.summary)
+    assert back[0].summary["layer0_den_min"] is None and "layer0_den_min" not in \
+        swept.results[0].summary
+    assert read_tables(str(tmp_path / "nothing")) == []
+
+
+def test_tables_with_the_features_and_redraws_in_columns_read_as_such(tmp_path):
+    """The committed study's tables give FAVOR+'s feature count and the redraw interval in
+    columns of their own beside the variant's name: they read as the variant with them."""
+    ids = "task,context,variant,feature_factor,redraw_interval,lr,seed"
+    (tmp_path / "runs.csv").write_text(
+        ids + ",status\nmqar,0,favor-full,4,0,0.001,0,complete\n"
+        "char_lm,256,favor-full,2,100,0.01,1,diverged\n")
+    (tmp_path / "curves.csv").write_text(
+        ids + ",step,train_loss\nmqar,0,favor-full,4,0,0.001,0,10,2.5\n")
+    results = read_tables(str(tmp_path))
+    assert [r.variant.name for r in results] == ["favor-full-m4x", "favor-full-redraw100"]
+    assert results[0].records["curves"] == [dict(step=10, train_loss=2.5)]
+    assert results[1].summary == dict(status="diverged") and not results[1].complete
+
+
 # ---- resume logic, counted with an in-process pool ------------------------------------------
 
-class InProcessPool:
-    """Stands in for ProcessPoolExecutor: runs each submitted call here, at once, and records
-    the keys of the configs it was given."""
-    submitted = []
+class InProcessPool(concurrent.futures.Executor):
+    """A pool for run_all that runs each submitted call here, at once, and records the keys of
+    the configs it was given in `submitted`."""
 
-    def __init__(self, jobs, mp_context=None):
-        assert jobs >= 1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    def __init__(self, submitted):
+        self.submitted = submitted
 
     def submit(self, fn, *args):
-        InProcessPool.submitted.append(args[0].key())
+        self.submitted.append(args[0].key())
         future = concurrent.futures.Future()
         try:
             future.set_result(fn(*args))
@@ -210,10 +236,13 @@ class InProcessPool:
 
 
 @pytest.fixture
-def in_process(monkeypatch):
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", InProcessPool)
-    InProcessPool.submitted = []
-    return InProcessPool.submitted
+def in_process():
+    """run_all with an InProcessPool: in_process(configs, out, **options) -> results; what it
+    was given to run is in in_process.submitted."""
+    def run_all(configs, out, **options):
+        return sweep.run_all(configs, out, 1, pool=InProcessPool(run_all.submitted), **options)
+    run_all.submitted = []
+    return run_all
 
 
 @pytest.fixture
@@ -234,30 +263,31 @@ def edit_result(out, config, change):
 
 def test_resume_keeps_finished_runs_and_reruns_the_others(in_process, tiny, text_file, tmp_path):
     """resume=True skips a run whose runs/<key>.json holds the same configuration (its file is
-    returned as it is: the marker written into it survives) and reruns one whose file holds
-    another configuration; resume=False reruns everything, discarding results and checkpoints
-    (a corrupt checkpoint left behind is not even read)."""
+    returned as it is: the marker written into its summary survives) and reruns one whose file
+    holds another configuration; resume=False reruns everything, discarding results and
+    checkpoints (a corrupt checkpoint left behind is not even read)."""
     out = str(tmp_path / "out")
     a, b = tiny(steps=4), tiny(variant="favor-numerator_only", steps=4)
-    first = sweep.run_all([a, b], out, 1, text=text_file)
-    assert in_process == [a.key(), b.key()]
+    first = in_process([a, b], out, text=text_file)
+    assert in_process.submitted == [a.key(), b.key()]
 
-    edit_result(out, a, lambda r: r.update(marker="kept"))
-    edit_result(out, b, lambda r: r.update(marker="kept") or r["config"].update(lr=0.5))
-    in_process.clear()
-    again = sweep.run_all([a, b], out, 1, text=text_file, resume=True)
-    assert in_process == [b.key()]
-    assert again[0]["marker"] == "kept"
-    assert "marker" not in again[1]
-    assert comparable(again[1]["records"]) == comparable(first[1]["records"])
+    edit_result(out, a, lambda r: r["summary"].update(marker="kept"))
+    edit_result(out, b, lambda r: r["summary"].update(marker="kept") or
+                r["config"].update(lr=0.5))
+    in_process.submitted.clear()
+    again = in_process([a, b], out, text=text_file, resume=True)
+    assert in_process.submitted == [b.key()]
+    assert again[0].summary["marker"] == "kept"
+    assert "marker" not in again[1].summary
+    assert again[1].records == first[1].records
 
     with open(os.path.join(out, "checkpoints", a.key() + ".pt"), "wb") as f:
         f.write(b"not a checkpoint")
-    in_process.clear()
-    fresh = sweep.run_all([a], out, 1, text=text_file, resume=False)
-    assert in_process == [a.key()]
-    assert "marker" not in fresh[0] and fresh[0]["resumed_from_step"] is None
-    assert comparable(fresh[0]["records"]) == comparable(first[0]["records"])
+    in_process.submitted.clear()
+    fresh = in_process([a], out, text=text_file, resume=False)
+    assert in_process.submitted == [a.key()]
+    assert "marker" not in fresh[0].summary and fresh[0].resumed_from_step is None
+    assert fresh[0].records == first[0].records
     assert os.listdir(os.path.join(out, "checkpoints")) == []
 
 
@@ -274,38 +304,39 @@ def test_checkpoints_are_used_only_with_resume_and_the_same_config(in_process, t
     outcomes = []
     for writer, resume in ((config, False), (config, True), (tiny(steps=8, lr=2e-2), True)):
         checkpoint_after(writer, corpus, checkpoint, 5)
-        result = sweep.run_all([config], out, 1, text=text_file, resume=resume)[0]
-        outcomes.append(result["resumed_from_step"])
-        assert result["summary"]["steps"] == 8
+        result = in_process([config], out, text=text_file, resume=resume)[0]
+        outcomes.append(result.resumed_from_step)
+        assert result.summary["steps"] == 8
         assert not os.path.exists(checkpoint)
         if len(outcomes) == 1:
-            reference = comparable(result["records"])
-        assert comparable(result["records"]) == reference
+            reference = result.records
+        assert result.records == reference
         os.remove(os.path.join(out, "runs", config.key() + ".json"))
     assert outcomes == [None, 4, None]
 
 
 def test_a_config_with_an_infinite_value_is_found_again(in_process, tiny, text_file, tmp_path):
     config = tiny(steps=2, clip=math.inf)
-    result = sweep.run_all([config], str(tmp_path), 1, text=text_file)[0]
-    assert result is not None and result["summary"]["clip_share"] == 0.0
+    result = in_process([config], str(tmp_path), text=text_file)[0]
+    assert result is not None and result.summary["clip_share"] == 0.0
 
 
 # ---- the plans ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", sorted(plans.MODES))
 def test_plans_make_valid_distinct_configs(mode):
-    """Every run a plan may make has its own key (its file names), a known variant, a warm-up
-    shorter than the run, valid MQAR settings, and checkpoints at multiples of log_every (a
-    checkpoint between two curve rows would lose the losses in between on resume; see
-    test_train). Every stage has runs, and the grid has every learning rate for every variant."""
+    """Every run a plan may make has its own key (its file names), a variant whose name reads
+    back as itself, a warm-up shorter than the run, valid MQAR settings, and checkpoints at
+    multiples of log_every (a checkpoint between two curve rows would lose the losses in
+    between on resume; see test_train). Every stage has runs, and the grid has every learning
+    rate for every variant."""
     plan = plans.Plan(mode)
     configs = plan.preview()
     assert len({c.key() for c in configs}) == len(configs) > 0
     assert {c.task for c in configs} == set(plans.TASKS)
     assert plan.stage_names() == list(plans.STAGES)
     for c in configs:
-        assert c.variant in VARIANTS
+        assert from_name(c.variant.name) == c.variant
         assert 0 < c.warmup < c.steps
         assert c.checkpoint_every % c.log_every == 0
         if c.task == "mqar":
@@ -313,25 +344,30 @@ def test_plans_make_valid_distinct_configs(mode):
                 mqar.check(c.mqar_vocab, length, pairs)
         else:
             assert c.context > 0
+    assert {c.variant for c in configs} <= set(plan.all_variants())
     rates = plans.MODES[mode]["char_lm"]["lrs"]
     assert len(rates) >= 2 and list(rates) == sorted(rates)
     grid = plan.stage("grid")
-    assert sorted((c.variant, c.lr) for c in grid) == sorted(
-        (v, lr) for v in plans.MODES[mode]["variants"] for lr in rates)
+    assert sorted((c.variant.name, c.lr) for c in grid) == sorted(
+        (v.name, lr) for v in plans.MODES[mode]["variants"] for lr in rates)
 
 
 def fake_results(configs, bpc):
-    """Finished runs of configs, each ending at bpc(config) (None: diverged)."""
+    """Finished runs of configs (results.Result), each ending at bpc(config) (None: diverged)."""
     out = []
     for c in configs:
         value = bpc(c)
-        out.append(dict(config=dataclasses.asdict(c),
-                        summary=dict(status="diverged" if value is None else "complete"),
-                        records=dict(evaluations=[] if value is None else [
-                            dict(final=False, length=c.context, value=value - 1.0),
-                            dict(final=True, length=2 * c.context, value=value - 2.0),
-                            dict(final=True, length=c.context, value=value)])))
+        out.append(Result(c.task, c.context, c.variant, c.lr, c.seed,
+                          summary=dict(status="diverged" if value is None else "complete"),
+                          records=dict(curves=[], layers=[], evaluations=[] if value is None else [
+                              dict(final=False, length=c.context, value=value - 1.0),
+                              dict(final=True, length=2 * c.context, value=value - 2.0),
+                              dict(final=True, length=c.context, value=value)])))
     return out
+
+
+def names(configs):
+    return [c.variant.name for c in configs]
 
 
 def test_stages_follow_the_grid():
@@ -348,57 +384,62 @@ def test_stages_follow_the_grid():
                      "elu-before_map": 2.0, "cos-full": 2.5}
 
     def bpc(c):
-        if c.variant == "favor-full" and c.lr == 1e-2:
+        name = c.variant.name
+        if name == "favor-full" and c.lr == 1e-2:
             return None  # diverged: never the best, though it "ends" nowhere
-        if c.variant == "elu-full":
+        if name == "elu-full":
             return 3.0  # a tie at every rate: the smallest wins
-        return placement_bpc.get(c.variant, 2.9) + (0 if c.lr == best.get(c.variant, 1e-3)
-                                                    else 0.3)
+        return placement_bpc.get(name, 2.9) + (0 if c.lr == best.get(name, 1e-3) else 0.3)
     results = fake_results(grid, bpc)
-    assert plans.best_lr(results, "favor-full", 256) == 1e-3
-    assert plans.best_lr(results, "elu-full", 256) == 1e-3
+    assert plans.best_lr(results, from_name("favor-full"), 256) == 1e-3
+    assert plans.best_lr(results, from_name("elu-full"), 256) == 1e-3
     seeds = plan.stage("seeds", results)
-    assert sorted((c.variant, c.seed) for c in seeds) == sorted(
-        (v, s) for v in VARIANTS for s in (1, 2))
+    assert sorted((c.variant.name, c.seed) for c in seeds) == sorted(
+        (v.name, s) for v in CATALOGUE for s in (1, 2))
     for c in seeds:
-        assert c.lr == best.get(c.variant, 1e-3) and c.context == 256
+        assert c.lr == best.get(c.variant.name, 1e-3) and c.context == 256
     redraw = plan.stage("redraw", results)
-    assert sorted({c.variant for c in redraw}) == ["favor-before_map", "favor-nodenom"]
-    assert {c.redraw_interval for c in redraw} == {100} and {c.seed for c in redraw} == {0, 1, 2}
-    assert all(c.lr == best[c.variant] for c in redraw)
+    assert sorted(set(names(redraw))) == ["favor-before_map-redraw100", "favor-nodenom-redraw100"]
+    assert {c.seed for c in redraw} == {0, 1, 2}
+    assert all(c.lr == best[c.variant.replace(redraw_interval=0).name] for c in redraw)
     long = plan.stage("long", results)
-    assert list(dict.fromkeys(c.variant for c in long)) == [
+    assert list(dict.fromkeys(names(long))) == [
         "softmax-rope", "favor-numerator_only", "favor-full", "elu-before_map",
         "favor-before_map", "cos-full"]
     assert {(c.context, c.batch_size) for c in long} == {(1024, 4)}
     # Chosen by the grid's seed alone: the other seeds' results, however good, change nothing.
-    later = fake_results(seeds, lambda c: 0.0 if c.variant == "favor-full" else 9.0)
+    later = fake_results(seeds, lambda c: 0.0 if c.variant.name == "favor-full" else 9.0)
     assert plan.stage("long", results + later) == long
     assert plan.stage("redraw", results + later) == redraw
-    assert all(c.lr == best.get(c.variant, 1e-3) for c in long)
+    assert all(c.lr == best.get(c.variant.name, 1e-3) for c in long)
     keys = [c.key() for c in grid + seeds + redraw + long + plan.stage("mqar")]
     assert len(set(keys)) == len(keys)
+    # The preview makes the same stages as results in which every grid run ends alike.
+    alike = fake_results(grid, lambda c: 2.0)
+    assert plan.preview() == [c for name in plan.stage_names()
+                              for c in (grid if name == "grid" else plan.stage(name, alike))]
 
 
 def test_plan_overrides():
     """--tasks, --variants, --seeds, --steps (which also shortens the warm-up to a tenth),
-    --redraw-interval (no redraw stage then), --threads and --lrs reach every config; the
-    variants are those named, in their order, in every stage (FAVOR+'s extra features for those
-    of them the mode gives them to)."""
-    plan = plans.Plan("full", ("mqar",), ("favor-full", "softmax-rope", "favor-numerator_only"),
-                      (4, 5), 30, 7, 2, (1e-2, 2e-2))
+    --redraw-interval (FAVOR+'s W redrawn, no redraw stage then), --threads and --lrs reach every
+    config; the variants are those named, in their order, in every stage (FAVOR+'s extra
+    features for those of them the mode gives them to)."""
+    plan = plans.Plan("full", ("mqar",), tuple(map(from_name, (
+        "favor-full", "softmax-rope", "favor-numerator_only"))), (4, 5), 30, 7, 2, (1e-2, 2e-2))
     assert plan.stage_names() == ["mqar"]
     configs = plan.stage("mqar")
-    assert [(c.task, c.variant, c.feature_factor, c.seed) for c in configs] == [
-        ("mqar", "favor-full", 2, 4), ("mqar", "favor-full", 2, 5),
-        ("mqar", "softmax-rope", 2, 4), ("mqar", "softmax-rope", 2, 5),
-        ("mqar", "favor-numerator_only", 2, 4), ("mqar", "favor-numerator_only", 2, 5),
-        ("mqar", "favor-numerator_only", 4, 4), ("mqar", "favor-numerator_only", 4, 5)]
+    assert [(c.task, c.variant.name, c.seed) for c in configs] == [
+        ("mqar", "favor-full-redraw7", 4), ("mqar", "favor-full-redraw7", 5),
+        ("mqar", "softmax-rope", 4), ("mqar", "softmax-rope", 5),
+        ("mqar", "favor-numerator_only-redraw7", 4), ("mqar", "favor-numerator_only-redraw7", 5),
+        ("mqar", "favor-numerator_only-m4x-redraw7", 4),
+        ("mqar", "favor-numerator_only-m4x-redraw7", 5)]
     for c in configs:
-        assert (c.steps, c.warmup, c.redraw_interval, c.threads, c.context) == (30, 3, 7, 2, 0)
-    grid = plans.Plan("full", variants=("cos-full",), lrs=(1e-2, 2e-2)).stage("grid")
-    assert [(c.variant, c.lr, c.seed) for c in grid] == [("cos-full", 1e-2, 0),
-                                                         ("cos-full", 2e-2, 0)]
+        assert (c.steps, c.warmup, c.threads, c.context) == (30, 3, 2, 0)
+    grid = plans.Plan("full", variants=(from_name("cos-full"),), lrs=(1e-2, 2e-2)).stage("grid")
+    assert [(c.variant.name, c.lr, c.seed) for c in grid] == [("cos-full", 1e-2, 0),
+                                                              ("cos-full", 2e-2, 0)]
     assert plans.Plan("full", stages=("long", "grid")).stage_names() == ["grid", "long"]
 
 
@@ -411,8 +452,9 @@ def cli():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--variants", "softmax-alibi"], "unknown softmax-alibi"),
-    (["--variants", "softmax-rope,favor-everything"], "unknown favor-everything"),
+    (["--variants", "softmax-alibi"], "unknown variant 'softmax-alibi'"),
+    (["--variants", "softmax-rope,favor-everything"], "unknown variant 'favor-everything'"),
+    (["--variants", "elu-full-m4x"], "feature_factor is 4 but expected"),
     (["--tasks", "translation"], "unknown translation"),
     (["--steps", "0"], "--steps is 0"),
     (["--jobs", "0"], "--jobs is 0"),
@@ -440,21 +482,24 @@ def test_parse_defaults_and_lists(cli):
     args = cli.parse(["--full", "--variants", "softmax-rope,cos-full", "--seeds", "3,1",
                       "--steps", "7", "--tasks", "mqar"])
     assert (args.mode, args.variants, args.seeds, args.steps, args.tasks) == (
-        "full", ("softmax-rope", "cos-full"), (3, 1), 7, ("mqar",))
+        "full", (Variant("softmax"), Variant("linear", "1+cos", "full")), (3, 1), 7, ("mqar",))
 
 
-def test_list_variants_prints_all_fourteen(cli, capsys):
-    """--list-variants prints one line per variant (14: 2 softmax, 4 placements x elu+1 and
-    FAVOR+, 2 for 1+cos, elu+1 and FAVOR+ without a denominator) with its description, and exits
-    0 without running anything."""
+def test_list_variants_prints_the_catalogue_and_the_name_parts(cli, capsys):
+    """--list-variants prints one line per catalogue variant (14: 2 softmax, 4 placements x elu+1
+    and FAVOR+, 2 for 1+cos, elu+1 and FAVOR+ without a denominator) with its description, then
+    the parts that make other variants' names, and exits 0 without running anything."""
     assert cli.main(["--list-variants"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(VARIANTS) == 14
-    assert [line.split()[0] for line in lines] == list(VARIANTS)
-    assert [line.split(None, 1)[1] for line in lines] == [describe(v) for v in VARIANTS]
-    assert lines[0].split(None, 1)[1] == "softmax, RoPE"
-    assert any(line.endswith("favor+, numerator_only") for line in lines)
-    assert any(line.startswith("favor-nodenom") and "no denominator" in line for line in lines)
+    assert len(CATALOGUE) == 14
+    listed = lines[2:2 + len(CATALOGUE)]
+    assert [line.split()[0] for line in listed] == [v.name for v in CATALOGUE]
+    assert [line.split(None, 1)[1] for line in listed] == [v.describe() for v in CATALOGUE]
+    assert listed[0].split(None, 1)[1] == "softmax, RoPE"
+    assert "  favor-nodenom          favor+, no denominator (RoPE on the features, RMSNorm per " \
+        "head)" in listed
+    for part in ("-m<f>x", "-redraw<k>", "-decay<gamma>", "-retnet", "-conv<w>"):
+        assert any(part in line for line in lines[2 + len(CATALOGUE):]), part
 
 
 def test_missing_text_file_exits_1_naming_it(cli, capsys, tmp_path):
@@ -466,10 +511,10 @@ def test_missing_text_file_exits_1_naming_it(cli, capsys, tmp_path):
 
 def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
     """python3 -m training --text FILE --tasks char_lm --variants softmax-rope --stages grid
-    --lrs 3e-3 --steps 4 --no-step-time --jobs 1: exit status 0, the run saved and complete, the tables and
-    training.json describing the corpus, and nothing derived from them (the analysis,
-    experiments/analysis/report.py, writes that). Then the same command with --resume runs
-    nothing again (the run's file is untouched)."""
+    --lrs 3e-3 --steps 4 --no-step-time --jobs 1: exit status 0, the run saved and complete, the
+    tables and training.json describing the corpus, and nothing derived from them (the
+    analysis, experiments/analysis/report.py, writes that). Then the same command with --resume
+    runs nothing again (the run's file is untouched)."""
     text = tmp_path / "words.txt"
     text.write_text(word_text(words=3000), encoding="utf-8")  # validation >= 4 x 128 + 1
     out = tmp_path / "out"
@@ -493,7 +538,7 @@ def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
     assert meta["corpus"]["characters"] == len(text.read_text(encoding="utf-8"))
     assert meta["corpus"]["vocabulary"] == corpus.vocab_size
     assert meta["corpus"]["sha256_16"] == corpus.digest
-    assert list(meta["variants"]) == ["softmax-rope"]
+    assert meta["variants"] == {"softmax-rope": "softmax, RoPE"}
 
     before = (run_file.stat().st_mtime_ns, run_file.read_bytes())
     assert cli.main(argv + ["--resume"]) == 0

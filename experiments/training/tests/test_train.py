@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from training import train
+import linrope
 from training.train import Run, learning_rate
 
 
@@ -89,11 +89,6 @@ def test_runs_are_deterministic(tiny, corpus):
     assert not torch.equal(c.model.embedding.weight, Run(config, corpus).model.embedding.weight)
 
 
-def test_unknown_variant_is_refused(tiny, corpus):
-    with pytest.raises(ValueError, match="unknown variant"):
-        Run(tiny(variant="softmax-alibi"), corpus)
-
-
 def test_char_lm_evaluations(tiny, corpus):
     """bpc at the training context every eval_every steps, and at the end also at each
     extrapolation multiple, flagged final; bits per character are positive and below
@@ -147,42 +142,43 @@ def test_training_uses_the_schedule(tiny, corpus):
     config = tiny(steps=6, warmup=3)
     run = Run(config, corpus)
     run.train()
-    assert [row["scheduled_lr"] for row in run.records["curves"]] == [learning_rate(config, s)
-                                                            for s in range(6)]
+    assert [row["scheduled_lr"] for row in run.records["curves"]] == [
+        learning_rate(config, s) for s in range(6)]
     assert run.optimiser.param_groups[0]["lr"] == learning_rate(config, 5)
 
 
 # ---- divergence -----------------------------------------------------------------------------
 
-def poison_loss(monkeypatch, at_call, how):
-    """Replaces train.loss_of so that its call number `at_call` (0-based: the training step, as
-    evaluations do not call it) returns a poisoned loss."""
-    real, calls = train.loss_of, []
+class Poisoned(Run):
+    """A run whose training forward number `at_call` (0-based: the training step, as
+    evaluations do not go through Run.forward) gives logits poisoned by how(model, logits)."""
 
-    def loss_of(model, inputs, targets):
-        loss = real(model, inputs, targets)
-        calls.append(None)
-        return how(model, loss) if len(calls) == at_call + 1 else loss
-    monkeypatch.setattr(train, "loss_of", loss_of)
-    return calls
+    def __init__(self, config, corpus, at_call, how):
+        super().__init__(config, corpus)
+        self.at_call, self.how, self.calls = at_call, how, 0
 
-
-def nan_loss(model, loss):
-    return loss * float("nan")
+    def forward(self, tokens):
+        logits = super().forward(tokens)
+        self.calls += 1
+        return self.how(self.model, logits) if self.calls == self.at_call + 1 else logits
 
 
-def nan_gradient(model, loss):
+def nan_loss(model, logits):
+    return logits * float("nan")
+
+
+def nan_gradient(model, logits):
     # sqrt's derivative at 0 is infinite, times 0 is NaN: the loss stays finite, the gradient
     # of the final norm's weight becomes NaN (and nothing non-finite reaches linrope's backward).
     w = model.final_norm.weight
-    return loss + torch.sqrt(w.sum() * 0.0) * 0.0
+    return logits + torch.sqrt(w.sum() * 0.0) * 0.0
 
 
 @pytest.mark.parametrize("how,reason", [(nan_loss, "loss nan"),
                                         (nan_gradient, "gradient norm nan")])
 @pytest.mark.parametrize("variant", ["softmax-rope", "elu-full"])
-def test_divergence_ends_the_run_at_the_first_non_finite_step(monkeypatch, tiny, corpus, how,
-                                                              reason, variant):
+def test_divergence_ends_the_run_at_the_first_non_finite_step(tiny, corpus, how, reason,
+                                                              variant):
     """A NaN loss (or a finite loss with a NaN gradient) at step 7 (steps count from 1: the k-th
     update) ends the run there: status "diverged", diverged_step 7 and the reason, no exception;
     the 6 steps before are kept (curves, the evaluation at step 4, layer rows up to the diverged
@@ -190,10 +186,9 @@ def test_divergence_ends_the_run_at_the_first_non_finite_step(monkeypatch, tiny,
     and the optimiser state are bitwise those of an uninterrupted run after 6 steps."""
     config = tiny(variant=variant)
     reference = trained_until(config, corpus, 6)
-    calls = poison_loss(monkeypatch, 6, how)
-    run = Run(config, corpus)
+    run = Poisoned(config, corpus, 6, how)
     summary = run.train()
-    assert len(calls) == 7  # stopped at once
+    assert run.calls == 7  # stopped at once
     assert summary["status"] == "diverged"
     assert summary["diverged_step"] == 7 and summary["steps"] == 6
     assert summary["diverged_reason"] == reason
@@ -212,7 +207,7 @@ def test_divergence_ends_the_run_at_the_first_non_finite_step(monkeypatch, tiny,
                         reference.optimiser.state_dict()["state"])
     assert summary["clip_share"] == reference.summary()["clip_share"]
     # Training a diverged run again does nothing.
-    assert run.train()["steps"] == 6 and len(calls) == 7
+    assert run.train()["steps"] == 6 and run.calls == 7
 
 
 def test_huge_learning_rate_diverges_without_an_exception(tiny, corpus):
@@ -230,13 +225,41 @@ def test_huge_learning_rate_diverges_without_an_exception(tiny, corpus):
 
 def test_realistic_divergence_is_recorded_not_raised(tiny, corpus):
     """lr = 1e3 overflows the activations: at step 5 the loss is still finite but its gradient
-    is NaN, which linrope's backward refuses (ValueError, "non-finite"). That is recorded as
-    the divergence, at its step, never raised."""
+    is NaN, which linrope's backward refuses (linrope.NonFiniteError). That is recorded as the
+    divergence, at its step, never raised."""
     run = Run(tiny(lr=1e3), corpus)
     summary = run.train()
     assert summary["status"] == "diverged"
     assert summary["diverged_step"] == run.step + 1  # the failing step was not applied
     assert "non-finite" in summary["diverged_reason"] or "nan" in summary["diverged_reason"]
+
+
+class Refusing(Run):
+    """A run whose training forward of step `at` raises `error`, as a kernel refusing its input
+    does."""
+
+    def __init__(self, config, corpus, at, error):
+        super().__init__(config, corpus)
+        self.at, self.error = at, error
+
+    def forward(self, tokens):
+        if self.step == self.at:
+            raise self.error
+        return super().forward(tokens)
+
+
+def test_a_kernel_refusing_non_finite_input_is_a_divergence_by_its_type(tiny, corpus):
+    """linrope.NonFiniteError (a ValueError) ends the run as diverged at that step, its first
+    line the reason; any other ValueError is a failure, raised, even when its text speaks of
+    non-finite values: the error's type decides, not its message."""
+    refusal = linrope.NonFiniteError("linear_attention: q holds non-finite values\nmore")
+    run = Refusing(tiny(), corpus, 3, refusal)
+    summary = run.train()
+    assert (summary["status"], summary["diverged_step"], summary["steps"]) == ("diverged", 4, 3)
+    assert summary["diverged_reason"] == ("non-finite values in a kernel's input: "
+                                          "linear_attention: q holds non-finite values")
+    with pytest.raises(ValueError, match="non-finite values"):
+        Refusing(tiny(), corpus, 3, ValueError("non-finite values, but no kernel's")).train()
 
 
 # ---- clipping -------------------------------------------------------------------------------
@@ -269,7 +292,7 @@ def test_softmax_has_no_denominator_statistics(tiny, corpus):
     run = Run(tiny(layers=2, steps=4), corpus)
     summary = run.train()
     rows = run.records["layers"]
-    assert [(r["step"], r["layer"]) for r in rows] == [(s, l) for s in range(1, 5) for l in (0, 1)]
+    assert [(r["step"], r["layer"]) for r in rows] == [(s, i) for s in range(1, 5) for i in (0, 1)]
     for row in rows:
         assert row["den_min"] is None and row["nonpositive_share"] is None
         assert row["tiny_share"] is None
@@ -288,17 +311,17 @@ def test_linear_denominator_statistics_per_layer(variant, tiny, corpus):
     run = Run(tiny(variant=variant, layers=2, steps=6), corpus)
     summary = run.train()
     rows = run.records["layers"]
-    assert [(r["step"], r["layer"]) for r in rows] == [(s, l) for s in range(1, 7) for l in (0, 1)]
+    assert [(r["step"], r["layer"]) for r in rows] == [(s, i) for s in range(1, 7) for i in (0, 1)]
     for layer in (0, 1):
-        mine = [r for r in rows if r["layer"] == layer]
-        for r in mine:
+        layer_rows = [r for r in rows if r["layer"] == layer]
+        for r in layer_rows:
             assert math.isfinite(r["den_min"])
             assert 0.0 <= r["nonpositive_share"] <= 1.0 and 0.0 <= r["tiny_share"] <= 1.0
             assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
-        assert summary["layer%d_den_min" % layer] == min(r["den_min"] for r in mine)
+        assert summary["layer%d_den_min" % layer] == min(r["den_min"] for r in layer_rows)
         for share in ("nonpositive_share", "tiny_share"):
             assert summary["layer%d_%s" % (layer, share)] == pytest.approx(
-                sum(r[share] for r in mine) / len(mine), abs=1e-12)
+                sum(r[share] for r in layer_rows) / len(layer_rows), abs=1e-12)
     assert "layer2_den_min" not in summary
 
 
@@ -338,14 +361,14 @@ def test_full_placement_denominators_can_be_nonpositive(variant, tiny, corpus):
 
 # ---- checkpoints and resume -----------------------------------------------------------------
 
-@pytest.mark.parametrize("variant,redraw", [("softmax-rope", 0), ("favor-numerator_only", 0),
-                                            ("favor-full", 3)])
-def test_resumed_run_equals_an_uninterrupted_one(variant, redraw, tiny, corpus, tmp_path):
+@pytest.mark.parametrize("variant", ["softmax-rope", "favor-numerator_only",
+                                     "favor-full-redraw3"])
+def test_resumed_run_equals_an_uninterrupted_one(variant, tiny, corpus, tmp_path):
     """Interrupted after step 6 (last checkpoint at step 4), then continued by a new Run from the
     checkpoint: curves, layer rows, evaluations, clip count, denominator totals, the parameters
     (FAVOR+'s current W included, with redraws every 3 steps) and the optimiser state are
     bitwise those of a run never interrupted."""
-    config = tiny(variant=variant, redraw_interval=redraw)
+    config = tiny(variant=variant)
     whole = Run(config, corpus)
     whole_summary = whole.train()
 
@@ -363,7 +386,7 @@ def test_resumed_run_equals_an_uninterrupted_one(variant, redraw, tiny, corpus, 
     timing = ("train_seconds", "tokens_per_s")
     assert {k: v for k, v in summary.items() if k not in timing} == \
         {k: v for k, v in whole_summary.items() if k not in timing}
-    if redraw:
+    if config.variant.redraw_interval:
         seeds = [int(b.attention.feature_seed) for b in resumed.model.blocks]
         assert seeds == [int(b.attention.feature_seed) for b in whole.model.blocks]
         assert seeds[0] != 0  # W was redrawn (layer 0's first seed is 1000 x 0 + 0)
