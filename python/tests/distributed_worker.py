@@ -32,7 +32,7 @@ def slices(n, world, uneven):
     return lengths
 
 
-def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
+def case_inputs(kind, placement, seed, decay=None, d=4, d_v=3, n=23):
     """The whole sequence's inputs, the map, and the options of one case."""
     fm = make_map(kind, d, seed=seed)
     width = d if placement == "before_map" else fm.output_dim
@@ -41,16 +41,22 @@ def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
     q, k, v, d_out = [0.5 * torch.randn(2, 2, n, w, generator=g, dtype=torch.float64)
                       for w in (d, d, d_v, d_v)]
     options = dict(causal=True, placement=placement, rope=rope, q_offset=5, k_offset=5,
-                   eps=1.0 if placement == "full" else 1e-6)
+                   eps=1.0 if placement == "full" else 1e-6, decay=decay)
     return fm, q, k, v, d_out, options
 
 
+# No decay, one for every head, one per head (H = 2): 0.6^22 ~ 1e-5, so the earliest ranks'
+# states still count at the last rank's tokens.
+DECAYS = [None, 0.8, (0.6, 0.95)]
+
+
 def cases():
-    """(kind, placement, uneven, with_state): every map x placement, equal and uneven slices;
-    one initial/final-state case per map."""
+    """(kind, placement, uneven, with_state, decay): every map x placement, equal and uneven
+    slices; one initial/final-state case per map; each decay in turn."""
     for i, kind in enumerate(MAP_KINDS):
         for j, placement in enumerate(PLACEMENTS):
-            yield kind, placement, bool((i + j) % 2), placement == "numerator_only"
+            yield (kind, placement, bool((i + j) % 2), placement == "numerator_only",
+                   DECAYS[(i + j) % 3])
 
 
 def initial_state(fm, seed):
@@ -61,8 +67,8 @@ def initial_state(fm, seed):
     return lt.LinearState(S, z, torch.full((2, 2), 0.25, dtype=torch.float64))
 
 
-def run_case(rank, world, index, kind, placement, uneven, with_state):
-    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index)
+def run_case(rank, world, index, kind, placement, uneven, with_state, decay):
+    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index, decay=decay)
     lengths = slices(q.shape[2], world, uneven)
     begin = sum(lengths[:rank])
     part = [x[:, :, begin:begin + lengths[rank]].clone().requires_grad_() for x in (q, k, v)]
@@ -113,15 +119,18 @@ def run_layer(rank, world, lengths=None, **options):
                 grads={name: p.grad for name, p in layer.named_parameters()})
 
 
-# (short_conv width, slice lengths) for 2 and 3 ranks, n = 11: slices shorter than k - 1 (the
-# halo then comes from several ranks, or reaches the sequence's start), and longer.
-SHORT_CONV_SLICES = {2: [(4, [2, 9]), (2, [9, 2])],
-                     3: [(4, [1, 1, 9]), (4, [5, 1, 5]), (3, [4, 4, 3])]}
+# (layer options, slice lengths) for 2 and 3 ranks, n = 11: short convolutions on slices
+# shorter than k - 1 (the halo then comes from several ranks, or reaches the sequence's start)
+# and longer, and decays.
+SPLIT_LAYERS = {2: [(dict(short_conv=4), [2, 9]), (dict(short_conv=2, decay="retnet"), [9, 2])],
+                3: [(dict(short_conv=4), [1, 1, 9]), (dict(short_conv=4), [5, 1, 5]),
+                    (dict(short_conv=3, decay=0.7), [4, 4, 3]),
+                    (dict(decay=(0.5, 0.9)), [3, 1, 7])]}
 
 
-def run_short_conv_layers(rank, world):
-    return [run_layer(rank, world, lengths, n=11, short_conv=width)
-            for width, lengths in SHORT_CONV_SLICES[world]]
+def run_split_layers(rank, world):
+    return [run_layer(rank, world, lengths, n=11, **options)
+            for options, lengths in SPLIT_LAYERS[world]]
 
 
 def bad_input(rank, world):
@@ -141,12 +150,19 @@ def bad_input(rank, world):
             raised.append(None)
         except ValueError as e:
             raised.append((type(e).__name__, str(e)))
-    # A halo whose rows have 7 channels on rank 1, 6 on the others.
-    try:
-        ltd.halo(torch.randn(1, 4, 7 if rank == 1 else 6), 2)
-        raised.append(None)
-    except ValueError as e:
-        raised.append((type(e).__name__, str(e)))
+    # A halo whose rows have 7 channels on rank 1, 6 on the others; a decay of 0.9 on rank 1,
+    # 0.8 on the others; a decay out of (0, 1] on rank 1.
+    q, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+    calls = [lambda: ltd.halo(torch.randn(1, 4, 7 if rank == 1 else 6), 2)]
+    for decay in (0.9 if rank == 1 else 0.8, 1.5 if rank == 1 else 0.8):
+        calls.append(lambda decay=decay: ltd.linear_attention(q, q, v, fm, placement="none",
+                                                              decay=decay))
+    for call in calls:
+        try:
+            call()
+            raised.append(None)
+        except ValueError as e:
+            raised.append((type(e).__name__, str(e)))
     return raised
 
 
@@ -219,8 +235,8 @@ def main():
             result = [run_case(rank, world, i, *case) for i, case in enumerate(cases())]
         elif scenario == "layer":
             result = run_layer(rank, world)
-        elif scenario == "short_conv":
-            result = run_short_conv_layers(rank, world)
+        elif scenario == "split_layers":
+            result = run_split_layers(rank, world)
         elif scenario == "failed_backward":
             result = failed_backward(rank, world)
         elif scenario == "failed_backward_short_conv":

@@ -12,6 +12,7 @@
     RedrawSchedule      when Performer's feature redrawing draws a new W.
 """
 import functools
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 import linrope
 from linrope.torch import distributed
 from linrope.torch.convolution import ShortConvolution
-from linrope.torch.functional import linear_attention, rope_apply, softmax_attention
+from linrope.torch.functional import _head_decays, linear_attention, rope_apply, softmax_attention
 
 __all__ = ["RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "ShortConvCache",
            "HeadRMSNorm", "RedrawSchedule"]
@@ -134,6 +135,11 @@ class MultiheadAttention(nn.Module):
         attentions (q_conv, k_conv, v_conv: their own weights, no bias); 0: none. Causal, it
         never reads right padding into a real token; sequence parallel, each rank reads the
         k - 1 rows before its slice from the ranks before (linrope.torch.distributed.halo).
+    decay (causal linear attention only; None: none): RetNet's retention, the state multiplied by
+        gamma_h at every step, so that key j weighs gamma_h^(i - j) at query i in head h: a float
+        for every head, a sequence of num_heads floats, or "retnet" for RetNet's
+        gamma_h = 1 - 2^(-5-h). A fixed setting (head_decays, no gradient), through decoding and
+        sequence parallelism alike.
     track_stats=True keeps the last forward's denominator statistics in last_stats (linear only);
     stats_threshold is the |den| below which a denominator counts as tiny (below_threshold).
 
@@ -155,7 +161,7 @@ class MultiheadAttention(nn.Module):
                  num_features=None, orthogonal=_MAP.orthogonal, placement=None, eps=_LINEAR.eps,
                  method=_LINEAR.method, chunk_size=_LINEAR.chunk_size,
                  denominator=_LINEAR.denominator, norm_eps=1e-5, redraw_interval=0,
-                 seed=_MAP.seed, bias=True, short_conv=0, track_stats=False,
+                 seed=_MAP.seed, bias=True, short_conv=0, decay=None, track_stats=False,
                  stats_threshold=_STATS.threshold, device=None, dtype=None):
         super().__init__()
         if attention not in ("softmax", "linear"):
@@ -182,6 +188,7 @@ class MultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.short_conv = short_conv
+        self.decay, self.head_decays = self._decay_setting(decay, attention, causal, num_heads)
         if short_conv:
             self.q_conv, self.k_conv, self.v_conv = (
                 ShortConvolution(embed_dim, short_conv, **factory) for _ in range(3))
@@ -208,6 +215,23 @@ class MultiheadAttention(nn.Module):
             # 1+cos has m = d + 1: the constant feature passes through (rotary width d).
             self.rope = linrope.Rope(width, rotary_dim=width - width % 2, base=rope_base,
                                      layout=rope_layout)
+
+    @staticmethod
+    def _decay_setting(decay, attention, causal, num_heads):
+        """(the setting as given, one gamma per head as a tuple), both None without a decay."""
+        if decay is None:
+            return None, None
+        if attention != "linear" or not causal:
+            raise ValueError("MultiheadAttention: decay needs attention='linear' and causal=True: "
+                             "it decays the state of causal linear attention, which softmax and "
+                             "non-causal attention do not keep")
+        if isinstance(decay, str):
+            if decay != "retnet":
+                raise ValueError(f"MultiheadAttention: decay is {decay!r} but expected a float, "
+                                 f"a sequence of num_heads floats, or 'retnet'")
+            return decay, tuple(1 - 2.0 ** (-5 - h) for h in range(num_heads))
+        heads = tuple(_head_decays(decay, num_heads, "MultiheadAttention"))
+        return (decay if isinstance(decay, numbers.Real) else heads), heads
 
     @property
     def redraw_interval(self):
@@ -346,6 +370,7 @@ class MultiheadAttention(nn.Module):
                         rope=self.rope, eps=self.eps, method=self.method,
                         chunk_size=self.chunk_size, return_stats=self.track_stats,
                         stats_threshold=self.stats_threshold, denominator=self.denominator,
+                        decay=None if self.head_decays is None else list(self.head_decays),
                         **where)
         if not isinstance(result, tuple):
             result = (result,)
@@ -384,6 +409,8 @@ class MultiheadAttention(nn.Module):
                   f"num_features={self.feature_map.num_features}, placement={self.placement!r}")
             if not self.denominator:
                 s += ", denominator=False"
+        if self.decay is not None:
+            s += f", decay={self.decay!r}"
         if self.short_conv:
             s += f", short_conv={self.short_conv}"
         return s + f", causal={self.causal}"
