@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import linrope.torch as lt
+from cases import true_sums
 from distributed_worker import SPLIT_LAYERS, case_inputs, cases, initial_state, layer_inputs
 from linrope.torch.launch import environment, free_port, run_group
 
@@ -50,12 +51,6 @@ def whole(index, kind, placement, with_state, decay):
     if with_state:
         want.update(final=[t.detach() for t in final], dS0=state.S.grad, dz0=state.z.grad)
     return want
-
-
-def true_sums(state):
-    S, z, log_scale = state
-    scale = torch.exp(log_scale)
-    return S * scale[..., None, None], z * scale[..., None]
 
 
 def close(a, b):

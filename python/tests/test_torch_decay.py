@@ -1,6 +1,6 @@
 """The decay at the PyTorch level: linrope.torch.linear_attention(decay=) against reference.py's
-explicit decay matrix in value and gradient, gradcheck in float64 (one decay, one per head, with
-the state in and out), a sequence cut anywhere, bad input; MultiheadAttention(decay=): "retnet",
+explicit decay matrix in value and gradient, gradcheck in float64 (with the state in and out:
+test_state.py), a sequence cut anywhere, bad input; MultiheadAttention(decay=): "retnet",
 refusals, decoding equals the parallel forward, and a long sequence stays finite. Sequence
 parallelism with a decay is in test_distributed.py."""
 import pytest
@@ -9,7 +9,7 @@ import torch
 import linrope
 import linrope.torch as lt
 import reference as ref
-from cases import PLACEMENTS, inputs, make_map, rope_for
+from cases import PLACEMENTS, inputs, make_map, rope_for, true_sums
 
 DECAYS = [0.8, (0.6, 0.95)]  # one for every head, one per head (H = 2)
 DECAY_IDS = ["one", "per-head"]
@@ -20,12 +20,6 @@ def options_for(placement, fm, d=4):
     # eps = 1 for full: a signed denominator near 0 would make finite differences meaningless.
     eps = 1.0 if placement == "full" else 1e-6
     return dict(causal=True, placement=placement, rope=rope, eps=eps), rope_ref
-
-
-def true_sums(state):
-    """exp(log_scale) (S, z): the sums a continued call reads, whatever scale the kernel chose."""
-    scale = torch.exp(state.log_scale)
-    return state.S * scale[..., None, None], state.z * scale[..., None]
 
 
 @pytest.mark.parametrize("kind", ["elu+1", "favor+"])
@@ -49,31 +43,6 @@ def test_decay_matches_the_reference_in_value_and_gradient(kind, placement, deca
     # A decay of 1 is no decay, bit for bit.
     assert torch.equal(lt.linear_attention(q, k, v, fm, decay=1.0, **options),
                        lt.linear_attention(q, k, v, fm, **options))
-
-
-@pytest.mark.parametrize("kind", ["elu+1", "favor+", "favor-hyp"])
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("decay", DECAYS, ids=DECAY_IDS)
-def test_decay_gradcheck_with_the_state_in_and_out(kind, placement, decay):
-    # q, k, v and the initial state (one head's empty) against finite differences of the outputs
-    # and the final state's sums; the chunked forward with chunks of 2 for the per-head decay.
-    fm = make_map(kind, 4, seed=2)
-    options, _ = options_for(placement, fm)
-    if isinstance(decay, tuple):
-        options.update(method="chunked", chunk_size=2)
-    m = fm.output_dim
-    q, k, v, S0 = inputs((2, 2, 5, 4), (2, 2, 5, 4), (2, 2, 5, 3), (2, 2, m, 3), seed=3)
-    z0 = (torch.rand(2, 2, m, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-          + 0.5).requires_grad_()
-    log_scale0 = torch.tensor([[0.4, 0.4], [-torch.inf, 0.4]], dtype=torch.float64)
-
-    def run(q, k, v, S0, z0):
-        out, state = lt.linear_attention(q, k, v, fm, q_offset=3, k_offset=3, return_state=True,
-                                         initial_state=(S0, z0, log_scale0), decay=decay,
-                                         **options)
-        return (out, *true_sums(state))
-
-    assert torch.autograd.gradcheck(run, (q, k, v, S0, z0))
 
 
 def test_decay_without_a_denominator_gradcheck():
