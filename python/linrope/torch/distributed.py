@@ -137,7 +137,7 @@ def _describe(q, k, v, feature_map, options, offsets, lengths_given, initial_giv
                                                            for t in (q, k, v))
     rope = options["rope"]
     try:
-        decays = functional._head_decays(decay, size(q, 1), "") if four_dimensional else None
+        decays = functional.head_decays(decay, size(q, 1), "") if four_dimensional else None
     except ValueError:  # refused on every rank together, after the exchange
         decays = None
     return [4 if four_dimensional else -1, size(q, 0), size(q, 1), size(q, 2), size(k, 2),
@@ -369,7 +369,7 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     lengths = [row[_FIELDS.index("n_q")] for row in rows]
     offset = q_offset + sum(lengths[:rank])
     log_decay = None if decay is None else torch.log(torch.tensor(
-        functional._head_decays(decay, q.shape[1], "linear_attention"), dtype=torch.float64))
+        functional.head_decays(decay, q.shape[1], "linear_attention"), dtype=torch.float64))
     # Each state's last key position: rank p's last token, the initial state's q_offset - 1.
     ends = {p: q_offset + sum(lengths[:p + 1]) - 1 for p in range(world)}
     ends[None] = q_offset - 1

@@ -22,7 +22,8 @@ from torch.autograd.function import once_differentiable
 import linrope
 from linrope.torch.states import LinearState
 
-__all__ = ["softmax_attention", "linear_attention", "rope_apply", "feature_map_apply"]
+__all__ = ["softmax_attention", "linear_attention", "rope_apply", "feature_map_apply",
+           "head_decays"]
 
 # The defaults of the options, read from the default-constructed C++ structs so that each lives in
 # the C++ header alone (the NumPy functions take theirs from the same structs).
@@ -92,7 +93,7 @@ def _decay_argument(decay):
     return decay
 
 
-def _head_decays(decay, heads, function):
+def head_decays(decay, heads, function="linear_attention"):
     """One decay per head, floats in (0, 1] (1.0 each for None), from a float or a sequence (or
     tensor) of `heads` of them; ValueError naming `function` otherwise."""
     if decay is None:

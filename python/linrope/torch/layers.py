@@ -21,7 +21,7 @@ from torch import nn
 import linrope
 from linrope.torch import distributed
 from linrope.torch.convolution import ShortConvolution
-from linrope.torch.functional import _head_decays, linear_attention, rope_apply, softmax_attention
+from linrope.torch.functional import head_decays, linear_attention, rope_apply, softmax_attention
 
 __all__ = ["RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "ShortConvCache",
            "HeadRMSNorm", "RedrawSchedule"]
@@ -230,7 +230,7 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(f"MultiheadAttention: decay is {decay!r} but expected a float, "
                                  f"a sequence of num_heads floats, or 'retnet'")
             return decay, tuple(1 - 2.0 ** (-5 - h) for h in range(num_heads))
-        heads = tuple(_head_decays(decay, num_heads, "MultiheadAttention"))
+        heads = tuple(head_decays(decay, num_heads, "MultiheadAttention"))
         return (decay if isinstance(decay, numbers.Real) else heads), heads
 
     @property
