@@ -30,8 +30,8 @@ linrope.torch.distributed's docstring, per rank and per call (warm-up included),
 s = B H (m (d_v + 1) w + 8), the state's bytes (S and z in w-byte elements, the float64 log
 scale):
 
-  forward    3 collectives (all_gather): 19 int64 (152 bytes), the packed state (S, z), the
-             float64 log scales: sent s + 152, received (P - 1) (s + 152)
+  forward    3 collectives (all_gather): 20 int64 (160 bytes), the packed state (S, z), the
+             float64 log scales: sent s + 160, received (P - 1) (s + 160)
   backward   1 collective (all_reduce) of the P gathered packed states' gradients, without the
              scales: P (s - 8 B H) bytes
 
@@ -68,7 +68,7 @@ from analysis.common import write_csv  # noqa: E402  (the project's one CSV writ
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 1, 8, 64, 64
 FEATURE_COUNTS = {"favor+": 256, "elu+1": 64}  # kind -> m at d = 64
 PLACEMENT = "numerator_only"
-DESCRIPTION_BYTES = 19 * 8  # the call's description: 19 int64
+DESCRIPTION_BYTES = 20 * 8  # the call's description: 20 int64
 AGREEMENT = 1e-4
 GRACE = 10.0  # seconds the other ranks of a launch have to end after one failed
 LONG_N, LONG_REPETITIONS = 32768, 3

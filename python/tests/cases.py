@@ -53,6 +53,15 @@ def rope_for(placement, fm, d):
     return linrope.Rope(width, rotary_dim=rotary), dict(rotary_dim=rotary)
 
 
+def true_sums(state):
+    """A state's sums exp(log_scale) (S, z) (a LinearState or a tuple of tensors): what a
+    continued call reads, whatever scale the kernel chose (so finite differences and other calls
+    see the same function)."""
+    S, z, log_scale = state
+    scale = torch.exp(log_scale)
+    return S * scale[..., None, None], z * scale[..., None]
+
+
 def linear_case(kind, placement, n, map_seed, seed=0, d=4, d_v=3):
     """A small linear-attention case: the map (make_map), the rope its placement needs and the
     reference's arguments for it (rope_for), and q, k, v [2, 1, n, d | d_v] requiring grad."""

@@ -32,7 +32,7 @@ def slices(n, world, uneven):
     return lengths
 
 
-def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
+def case_inputs(kind, placement, seed, decay=None, d=4, d_v=3, n=23):
     """The whole sequence's inputs, the map, and the options of one case."""
     fm = make_map(kind, d, seed=seed)
     width = d if placement == "before_map" else fm.output_dim
@@ -41,16 +41,22 @@ def case_inputs(kind, placement, seed, d=4, d_v=3, n=23):
     q, k, v, d_out = [0.5 * torch.randn(2, 2, n, w, generator=g, dtype=torch.float64)
                       for w in (d, d, d_v, d_v)]
     options = dict(causal=True, placement=placement, rope=rope, q_offset=5, k_offset=5,
-                   eps=1.0 if placement == "full" else 1e-6)
+                   eps=1.0 if placement == "full" else 1e-6, decay=decay)
     return fm, q, k, v, d_out, options
 
 
+# No decay, one for every head, one per head (H = 2): 0.6^22 ~ 1e-5, so the earliest ranks'
+# states still count at the last rank's tokens.
+DECAYS = [None, 0.8, (0.6, 0.95)]
+
+
 def cases():
-    """(kind, placement, uneven, with_state): every map x placement, equal and uneven slices;
-    one initial/final-state case per map."""
+    """(kind, placement, uneven, with_state, decay): every map x placement, equal and uneven
+    slices; one initial/final-state case per map; each decay in turn."""
     for i, kind in enumerate(MAP_KINDS):
         for j, placement in enumerate(PLACEMENTS):
-            yield kind, placement, bool((i + j) % 2), placement == "numerator_only"
+            yield (kind, placement, bool((i + j) % 2), placement == "numerator_only",
+                   DECAYS[(i + j) % 3])
 
 
 def initial_state(fm, seed):
@@ -61,8 +67,8 @@ def initial_state(fm, seed):
     return lt.LinearState(S, z, torch.full((2, 2), 0.25, dtype=torch.float64))
 
 
-def run_case(rank, world, index, kind, placement, uneven, with_state):
-    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index)
+def run_case(rank, world, index, kind, placement, uneven, with_state, decay):
+    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index, decay=decay)
     lengths = slices(q.shape[2], world, uneven)
     begin = sum(lengths[:rank])
     part = [x[:, :, begin:begin + lengths[rank]].clone().requires_grad_() for x in (q, k, v)]
@@ -87,27 +93,44 @@ def run_case(rank, world, index, kind, placement, uneven, with_state):
     return got
 
 
-def layer_inputs(seed=11, batch=2, n=21, embed=16):
+def layer_inputs(seed=11, batch=2, n=21, embed=16, **options):
     torch.manual_seed(seed)
     layer = lt.MultiheadAttention(embed, 2, attention="linear", feature_map="favor+", causal=True,
-                                  seed=seed).double()
+                                  seed=seed, **options).double()
     g = torch.Generator().manual_seed(seed)
     x, d_out = [torch.randn(batch, n, embed, generator=g, dtype=torch.float64) for _ in range(2)]
     return layer, x, d_out
 
 
-def run_layer(rank, world):
+def run_layer(rank, world, lengths=None, **options):
     """The layer on this rank's slice, sequence-parallel: its output rows and its parameters'
-    gradients (this rank's share: summed over ranks, they are the whole's)."""
-    layer, x, d_out = layer_inputs()
-    lengths = slices(x.shape[1], world, uneven=True)
+    gradients (this rank's share: summed over ranks, they are the whole's), and how many
+    exchanges record_exchanges() saw."""
+    layer, x, d_out = layer_inputs(**options)
+    lengths = lengths or slices(x.shape[1], world, uneven=True)
     begin = sum(lengths[:rank])
     part = x[:, begin:begin + lengths[rank]].clone().requires_grad_()
     layer.sequence_parallel = True
-    out = layer(part)
+    with ltd.record_exchanges() as exchanges:
+        out = layer(part)
     (out * d_out[:, begin:begin + lengths[rank]]).sum().backward()
-    return dict(out=out.detach(), dx=part.grad,
+    return dict(out=out.detach(), dx=part.grad, recorded=len(exchanges),
+                pending=exchanges.pending(),
                 grads={name: p.grad for name, p in layer.named_parameters()})
+
+
+# (layer options, slice lengths) for 2 and 3 ranks, n = 11: short convolutions on slices
+# shorter than k - 1 (the halo then comes from several ranks, or reaches the sequence's start)
+# and longer, and decays.
+SPLIT_LAYERS = {2: [(dict(short_conv=4), [2, 9]), (dict(short_conv=2, decay="retnet"), [9, 2])],
+                3: [(dict(short_conv=4), [1, 1, 9]), (dict(short_conv=4), [5, 1, 5]),
+                    (dict(short_conv=3, decay=0.7), [4, 4, 3]),
+                    (dict(decay=(0.5, 0.9)), [3, 1, 7])]}
+
+
+def run_split_layers(rank, world):
+    return [run_layer(rank, world, lengths, n=11, **options)
+            for options, lengths in SPLIT_LAYERS[world]]
 
 
 def bad_input(rank, world):
@@ -124,6 +147,19 @@ def bad_input(rank, world):
             v[0, 1, 2, 0] = torch.nan
         try:
             ltd.linear_attention(q, q, v, fm, placement="none")
+            raised.append(None)
+        except ValueError as e:
+            raised.append((type(e).__name__, str(e)))
+    # A halo whose rows have 7 channels on rank 1, 6 on the others; a decay of 0.9 on rank 1,
+    # 0.8 on the others; a decay out of (0, 1] on rank 1.
+    q, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+    calls = [lambda: ltd.halo(torch.randn(1, 4, 7 if rank == 1 else 6), 2)]
+    for decay in (0.9 if rank == 1 else 0.8, 1.5 if rank == 1 else 0.8):
+        calls.append(lambda decay=decay: ltd.linear_attention(q, q, v, fm, placement="none",
+                                                              decay=decay))
+    for call in calls:
+        try:
+            call()
             raised.append(None)
         except ValueError as e:
             raised.append((type(e).__name__, str(e)))
@@ -146,17 +182,18 @@ class FailingBackward(torch.autograd.Function):
         return grad, None
 
 
-def failed_backward(rank, world):
+def failed_backward(rank, world, short_conv=0):
     """Two sequence parallel layers, x -> first -> second -> loss, and a backward that raises on
     rank 1 (FailingBackward) above both layers ("above"), between them ("between") or nowhere
     (None). Every rank whose backward raises joins what it skipped (ExchangeLog.join_pending), as
     a trainer would: rank 1 first, then the others, whose linrope backward refuses the NaN rank 1
     sends. Last, a forward without grad. Per case: the calls recorded, the error (type: message)
     and the exchanges pending after it, before and after joining; whether x's gradient holds NaN
-    (when no error)."""
+    (when no error). short_conv=k: layers with a short convolution, whose halo exchange's
+    backward is joined as well."""
     torch.manual_seed(5)
     layers = [lt.MultiheadAttention(8, 2, attention="linear", feature_map="elu+1", causal=True,
-                                    rope=False).double() for _ in range(2)]
+                                    rope=False, short_conv=short_conv).double() for _ in range(2)]
     for layer in layers:
         layer.sequence_parallel = True
     x = torch.randn(1, 4, 8, dtype=torch.float64)
@@ -198,8 +235,12 @@ def main():
             result = [run_case(rank, world, i, *case) for i, case in enumerate(cases())]
         elif scenario == "layer":
             result = run_layer(rank, world)
+        elif scenario == "split_layers":
+            result = run_split_layers(rank, world)
         elif scenario == "failed_backward":
             result = failed_backward(rank, world)
+        elif scenario == "failed_backward_short_conv":
+            result = failed_backward(rank, world, short_conv=3)
         else:
             result = bad_input(rank, world)
         torch.save(result, out)

@@ -146,3 +146,18 @@ def decayed_linear_attention(q, k, v, kind, decay, W=None, placement="numerator_
                                      placement=weights_of_den, **row)[0])
     num, den = torch.cat(nums, -2), torch.cat(dens, -2)
     return (num / (den + eps) if denominator else num), den.squeeze(-1)
+
+
+def short_convolution(x, weight, bias=None, past=None, activation="silu"):
+    """The causal depthwise convolution of x [B, n, C] by weight [C, 1, k], term by term:
+    y[b, t, c] = silu(sum_s weight[c, 0, s] x[b, t - (k - 1) + s, c] + bias[c]), the rows before x
+    from past [B, k - 1, C] (zeros when None)."""
+    k = weight.shape[-1]
+    if past is None:
+        past = torch.zeros(x.shape[0], k - 1, x.shape[2], dtype=x.dtype)
+    rows = torch.cat([past, x], 1)
+    y = torch.stack([sum(weight[:, 0, s] * rows[:, t + s] for s in range(k))
+                     for t in range(x.shape[1])], 1)
+    if bias is not None:
+        y = y + bias
+    return y * torch.sigmoid(y) if activation == "silu" else y

@@ -1,7 +1,7 @@
 """State in, state out (linrope.torch.linear_attention's initial_state= and return_state=; the
 NumPy functions' initial_state, return_state, d_final_state, return_state_gradient): gradcheck of
-the state's gradients in float64, a sequence cut into parts equal to one call in value and
-gradient, merge_states, and bad input."""
+the state's gradients in float64 (with and without a decay), a sequence cut into parts equal to
+one call in value and gradient, merge_states, and bad input."""
 import numpy as np
 import pytest
 import torch
@@ -9,16 +9,9 @@ import torch
 import linrope
 import linrope.torch as lt
 import bounds
-from cases import PLACEMENTS, inputs, make_map, rope_for
+from cases import PLACEMENTS, inputs, make_map, rope_for, true_sums
 
 KINDS = ["elu+1", "favor+", "favor-hyp", "1+cos"]
-
-
-def true_sums(state):
-    """The state's sums exp(log_scale) (S, z): what a continued call reads, independent of the
-    scale the kernel chose (so finite differences see the same function)."""
-    scale = torch.exp(state.log_scale)
-    return state.S * scale[..., None, None], state.z * scale[..., None]
 
 
 def map_and_options(kind, placement, d=4, seed=2):
@@ -31,10 +24,15 @@ def map_and_options(kind, placement, d=4, seed=2):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_state_in_state_out_gradcheck(kind, placement):
+@pytest.mark.parametrize("decay", [None, 0.8, (0.6, 0.95)], ids=["plain", "decay", "per-head"])
+def test_state_in_state_out_gradcheck(kind, placement, decay):
     # Every input and the initial state (at log scale 0.4, one head's empty) against finite
-    # differences of the outputs and the final state's sums.
+    # differences of the outputs and the final state's sums; without a decay, with one for every
+    # head, and with one per head through the chunked forward (chunks of 2).
     fm, options = map_and_options(kind, placement)
+    options["decay"] = decay
+    if isinstance(decay, tuple):
+        options.update(method="chunked", chunk_size=2)
     m = fm.output_dim
     q, k, v, S0 = inputs((2, 2, 5, 4), (2, 2, 5, 4), (2, 2, 5, 3), (2, 2, m, 3), seed=3)
     z0 = (torch.rand(2, 2, m, dtype=torch.float64, generator=torch.Generator().manual_seed(4))

@@ -339,8 +339,10 @@ def test_a_backward_refused_on_one_rank_ends_the_run_on_both(sequence_ranks, tmp
 
 def test_softmax_is_refused_on_every_rank(tmp_path, word_text):
     """`-m training --sequence-parallel` on 2 processes with the --quick variants (softmax-rope
-    among them): both ranks print the one line and exit 2 before joining the process group, and
-    torchrun ends (within the timeout) with a failure."""
+    among them): the ranks print the one line and exit 2 before joining the process group, and
+    torchrun ends (within the timeout) with a failure. torchrun stops the other workers as soon
+    as one exits with an error, so on a loaded machine the second rank may be stopped before it
+    prints: one line or two."""
     text = tmp_path / "words.txt"
     text.write_text(word_text(), encoding="utf-8")
     status, output = torchrun(["-m", "training", "--sequence-parallel", "--text", str(text),
@@ -348,5 +350,5 @@ def test_softmax_is_refused_on_every_rank(tmp_path, word_text):
     assert status != 0
     line = ("python3 -m training: error: --sequence-parallel cannot train softmax-rope: %s; "
             "choose other variants with --variants\n" % softmax_reason())
-    assert output.count(line) == 2, output[-3000:]
+    assert output.count(line) in (1, 2), output[-3000:]
     assert not os.path.exists(tmp_path / "out")

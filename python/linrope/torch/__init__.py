@@ -3,25 +3,30 @@
 As torch.nn.functional beside torch.nn, the package holds apart
 
     functional   the autograd functions over the C++ forward and backward: softmax_attention,
-                 linear_attention, rope_apply, feature_map_apply
+                 linear_attention, rope_apply, feature_map_apply; head_decays (a decay= setting
+                 as one float per head)
     states       LinearState (causal linear attention's state) and merge_states
     layers       the torch.nn.Module layers: RotaryEmbedding, MultiheadAttention (and its
-                 KeyValueCache), HeadRMSNorm, RedrawSchedule
-    distributed  causal linear attention over a sequence split across processes, and the
-                 recovery of a failed backward (record_exchanges)
+                 KeyValueCache, ShortConvCache), HeadRMSNorm, RedrawSchedule
+    convolution  ShortConvolution, the causal depthwise convolution MultiheadAttention(short_conv=k)
+                 puts on q, k and v
+    distributed  causal linear attention over a sequence split across processes, the halo of a
+                 short convolution, and the recovery of a failed backward (record_exchanges)
     launch       a group of local processes for torch.distributed (tests, benchmarks)
 
-and re-exports here the names of the first three; the last two are used by their own names
+and re-exports here the names of the first four; the last two are used by their own names
 (`import linrope.torch.distributed`).
 """
-from linrope.torch.functional import (feature_map_apply, linear_attention, rope_apply,
-                                      softmax_attention)
+from linrope.torch.convolution import ShortConvolution
+from linrope.torch.functional import (feature_map_apply, head_decays, linear_attention,
+                                      rope_apply, softmax_attention)
 from linrope.torch.layers import (HeadRMSNorm, KeyValueCache, MultiheadAttention,
-                                  RedrawSchedule, RotaryEmbedding)
+                                  RedrawSchedule, RotaryEmbedding, ShortConvCache)
 from linrope.torch.states import LinearState, merge_states
 
 __all__ = [
     "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
-    "feature_map_apply",
+    "feature_map_apply", "head_decays",
     "RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "HeadRMSNorm", "RedrawSchedule",
+    "ShortConvolution", "ShortConvCache",
 ]

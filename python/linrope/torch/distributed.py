@@ -2,6 +2,7 @@
 
     linear_attention(q, k, v, feature_map, *, group=None,
                      **options of linrope.torch.linear_attention)
+    halo(x, rows, *, group=None): the rows of the sequence just before this rank's slice
     record_exchanges() -> ExchangeLog: joins, after a failed backward, what the backward skipped
 
 Each rank of the torch.distributed group holds a contiguous slice of every sequence, q, k, v of
@@ -13,12 +14,18 @@ stabiliser's log scale (linrope.torch.LinearState; include/linrope/attention.hpp
 state out"). So each rank
 
   1. exchanges a few integers describing its call (all_gather), so that when a rank's input is
-     unusable (not [B, H, n, d], non-finite, lengths given, causal=False) or differs from rank
-     0's (heads, widths, dtype, feature map kind, width and seed, placement, rope width,
-     offsets), every rank raises the same ValueError instead of waiting for the others forever;
+     unusable (not [B, H, n, d], non-finite, lengths given, causal=False, a bad decay) or
+     differs from rank 0's (heads, widths, dtype, feature map kind, width and seed, placement,
+     rope width, offsets, decay), every rank raises the same ValueError instead of waiting for
+     the others forever;
   2. sums the state of its own keys (a keys-only call: no queries);
   3. gathers every rank's state (all_gather, list form: gloo has no all_gather_into_tensor);
   4. merges the states of the ranks before it into its prefix state, and runs its slice from it.
+     With a decay g, rank p's state is the decayed sum at its last position e_p, and the prefix
+     of rank r must be the state at e_{r-1}: rank p's log scale is raised by
+     (e_{r-1} - e_p) log g (per head) as it merges, the initial state's by
+     (e_{r-1} - (q_offset - 1)) log g, and the final state is the same merge at the sequence's
+     last position.
 
 The backward runs the exchange the other way: each rank's gradient with respect to every gathered
 state is summed over the ranks (all_reduce), and each rank takes its own state's, which the
@@ -30,13 +37,25 @@ bytes per element (4 for float32, 8 for float64), whatever the sequence length:
 
   state bytes    s = B H (m (d_v + 1) w + 8)        (S and z, plus the float64 log scale)
   forward        all_gather of s from every rank: each rank receives (P - 1) s
-                 + all_gather of 19 int64 (the call's description): 152 (P - 1) bytes
+                 + all_gather of 20 int64 (the call's description): 160 (P - 1) bytes
   backward       all_reduce of P (s - 8 B H) (the gradients of every gathered S and z; no scales)
 
 Four collectives per call and layer (three all_gathers in the forward: the description, the
 states, the scales; one all_reduce in the backward), each of O(P s) bytes or less: for B = 1,
 H = 8, m = 256, d_v = 64, float32, s = 532 kB. Exact softmax attention would need every earlier
 rank's keys and values instead: O(n) bytes.
+
+A short convolution of width k (MultiheadAttention(short_conv=k)) needs, besides, the k - 1
+projected inputs of q, k and v before each rank's slice: halo(x, rows = k - 1) on x [B, n_local,
+C = 3 embed_dim], (k - 1) x 3 x embed_dim values per sequence per rank, so h = B (k - 1) C w
+bytes per rank (a rank whose slice is shorter sends its rows with zeros in front: always h):
+
+  forward        all_gather of 6 int64 (the call's description, with n_local): 48 (P - 1) bytes
+                 + all_gather of h from every rank: each rank receives (P - 1) h
+  backward       all_reduce of P h (the gradients of every rank's rows)
+
+(for B = 1, k = 4, embed_dim = 512, float32, h = 18 kB), recorded by record_exchanges() as the
+states' exchange is.
 
 A backward that fails on one rank (an error in some layer's backward, out of memory) leaves the
 other ranks blocked in the all_reduces that rank never reached. record_exchanges() notes the calls
@@ -53,6 +72,7 @@ instead of hanging. Every rank runs its backward so:
         raise
 """
 import contextvars
+import struct
 import zlib
 
 import torch
@@ -63,8 +83,8 @@ from linrope import NonFiniteError
 from linrope.torch import functional
 from linrope.torch.states import LinearState, merge_states
 
-__all__ = ["ExchangeLog", "linear_attention", "record_exchanges", "sequence_parallel_problem",
-           "state_bytes"]
+__all__ = ["ExchangeLog", "halo", "linear_attention", "record_exchanges",
+           "sequence_parallel_problem", "state_bytes"]
 
 # Defaults from the default-constructed C++ structs, so that each lives in the C++ header alone.
 _LINEAR = linrope.LinearOptions()
@@ -77,10 +97,10 @@ _DTYPES = (torch.float32, torch.float64)
 # (but the slice lengths, which may differ, and the local checks' outcome, reported per rank).
 _FIELDS = ("dimensions", "batch", "heads", "n_q", "n_k", "d", "d_v", "dtype", "map output_dim",
            "map seed", "map kind", "placement", "rope dim", "q_offset", "k_offset", "causal",
-           "lengths given", "initial_state given", "finite")
+           "lengths given", "initial_state given", "finite", "decay")
 _MUST_AGREE = ("dimensions", "batch", "heads", "d", "d_v", "dtype", "map output_dim", "map seed",
                "map kind", "placement", "rope dim", "q_offset", "k_offset", "causal",
-               "initial_state given")
+               "initial_state given", "decay")
 
 
 def state_bytes(batch, heads, m, d_v, dtype=torch.float32):
@@ -103,9 +123,10 @@ def sequence_parallel_problem(causal, lengths_given=False):
     return None
 
 
-def _describe(q, k, v, feature_map, options, offsets, lengths_given, initial_given):
+def _describe(q, k, v, feature_map, options, offsets, lengths_given, initial_given, decay):
     """The call's description as int64 values (unusable input: -1), checked after the exchange
-    (_check_descriptions) so that every rank raises together."""
+    (_check_descriptions) so that every rank raises together. The decay is a checksum of its
+    per-head values."""
     tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
     four_dimensional = tensors and all(t.dim() == 4 for t in (q, k, v))
 
@@ -115,13 +136,18 @@ def _describe(q, k, v, feature_map, options, offsets, lengths_given, initial_giv
     finite = four_dimensional and dtype in _DTYPES and all(bool(torch.isfinite(t).all())
                                                            for t in (q, k, v))
     rope = options["rope"]
+    try:
+        decays = functional.head_decays(decay, size(q, 1), "") if four_dimensional else None
+    except ValueError:  # refused on every rank together, after the exchange
+        decays = None
     return [4 if four_dimensional else -1, size(q, 0), size(q, 1), size(q, 2), size(k, 2),
             size(q, 3), size(v, 3), _DTYPES.index(dtype) if dtype in _DTYPES else -1,
             int(feature_map.output_dim), int(feature_map.seed) % (1 << 62),
             zlib.crc32(feature_map.kind.encode()),
             _PLACEMENTS.index(options["placement"]) if options["placement"] in _PLACEMENTS else -1,
             int(rope.dim) if rope is not None else -1, int(offsets[0]), int(offsets[1]),
-            int(bool(options["causal"])), int(lengths_given), int(initial_given), int(finite)]
+            int(bool(options["causal"])), int(lengths_given), int(initial_given), int(finite),
+            -1 if decays is None else zlib.crc32(struct.pack(f"{len(decays)}d", *decays))]
 
 
 def _check_descriptions(rows):
@@ -141,6 +167,9 @@ def _check_descriptions(rows):
             raise ValueError(f"{where}: {problem}")
         if not described["finite"]:
             raise NonFiniteError(f"{where}: q, k or v holds a non-finite value")
+        if described["decay"] < 0:
+            raise ValueError(f"{where}: decay must be a float in (0, 1] or a sequence of H = "
+                             f"{described['heads']} of them, one per head")
         if described["q_offset"] != described["k_offset"]:
             raise ValueError(f"{where}: q_offset is {described['q_offset']} but k_offset is "
                              f"{described['k_offset']}; a split sequence's q and k are the same "
@@ -148,15 +177,30 @@ def _check_descriptions(rows):
         if described["n_q"] != described["n_k"]:
             raise ValueError(f"{where}: q has n_local = {described['n_q']} but k has "
                              f"{described['n_k']}: a rank's q, k and v are the same tokens")
-        for field in _MUST_AGREE:
-            if described[field] != first[field]:
-                shown = _PLACEMENTS if field == "placement" else _DTYPES if field == "dtype" \
-                    else None
-                a, b = first[field], described[field]
-                if shown is not None:
-                    a, b = shown[a] if a >= 0 else "?", shown[b] if b >= 0 else "?"
-                raise ValueError(f"{where}: {field} is {b} but rank 0's is {a}; every rank "
-                                 f"must make the same call on its own slice")
+        _check_agreement(described, first, _MUST_AGREE, where)
+
+
+def _exchange_description(description, group):
+    """Every rank's description (a list of ints of one length), in rank order."""
+    rows = [torch.empty(len(description), dtype=torch.int64)
+            for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, torch.tensor(description, dtype=torch.int64), group=group)
+    return [r.tolist() for r in rows]
+
+
+def _check_agreement(described, first, fields, where):
+    """ValueError for the first of `fields` in which a rank's description differs from rank 0's."""
+    for field in fields:
+        if described[field] != first[field] and field == "decay":  # exchanged as a checksum
+            raise ValueError(f"{where}: decay differs from rank 0's; every rank must make the "
+                             f"same call on its own slice")
+        if described[field] != first[field]:
+            shown = _PLACEMENTS if field == "placement" else _DTYPES if field == "dtype" else None
+            a, b = first[field], described[field]
+            if shown is not None:
+                a, b = shown[a] if a >= 0 else "?", shown[b] if b >= 0 else "?"
+            raise ValueError(f"{where}: {field} is {b} but rank 0's is {a}; every rank must "
+                             f"make the same call on its own slice")
 
 
 class _Exchange:
@@ -241,10 +285,11 @@ def _note_exchange(packed, group, world):
     return exchange
 
 
-class _GatherStates(torch.autograd.Function):
-    """Every rank's packed (S, z) [B, H, m (d_v + 1)] -> [P, B, H, m (d_v + 1)]; the backward sums
-    the gradients of the gathered pieces over the ranks and returns this rank's own, and marks
-    `exchange` (if any) as run."""
+class _Gather(torch.autograd.Function):
+    """Every rank's piece (one shape on every rank: a packed state (S, z) [B, H, m (d_v + 1)], a
+    halo's rows [B, rows, C]) -> [P, *the piece's shape]; the backward sums the gradients of the
+    gathered pieces over the ranks and returns this rank's own, and marks `exchange` (if any) as
+    run."""
 
     @staticmethod
     def forward(ctx, packed, group, exchange):
@@ -271,15 +316,27 @@ def _gather_scales(log_scale, group):
     return torch.stack(pieces)
 
 
-def _merge_ranks(S_all, z_all, scales, ranks, initial):
-    """The state holding `initial` (if any) and the gathered states of `ranks`. Every gathered
-    state enters merge_states, those of the other ranks at log scale -inf (weight 0), so that the
-    result depends on the whole gathered tensor and every rank's backward reaches the
-    all_reduce."""
+def _merge_ranks(S_all, z_all, scales, ranks, initial, moved):
+    """The state holding `initial` (if any) and the gathered states of `ranks`, each with its log
+    scale moved(log_scale, p) (p None: the initial state's). Every gathered state enters
+    merge_states, those of the other ranks at log scale -inf (weight 0), so that the result
+    depends on the whole gathered tensor and every rank's backward reaches the all_reduce."""
     left_out = torch.full_like(scales[0], -torch.inf)
-    states = [LinearState(S_all[p], z_all[p], scales[p] if p in ranks else left_out)
+    states = [LinearState(S_all[p], z_all[p], moved(scales[p], p) if p in ranks else left_out)
               for p in range(len(scales))]
+    if initial is not None:
+        initial = LinearState(initial.S, initial.z, moved(initial.log_scale, None))
     return merge_states(([] if initial is None else [initial]) + states)
+
+
+def _moved_to(at, ends, log_decay):
+    """log_scale, p -> the log scale of rank p's state (p None: the initial state's) moved on to
+    position `at`. A state is the decayed sum at its last key's position, ends[p] (the initial
+    state's: ends[None]); at `at` every key's weight has gained g^(at - end), which the log scale
+    carries: log_scale + (at - end) log g, per head [H]. Without a decay, log_scale itself."""
+    def moved(log_scale, p):
+        return log_scale if log_decay is None else log_scale + (at - ends[p]) * log_decay
+    return moved
 
 
 def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
@@ -287,7 +344,8 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
                      q_offset=_LINEAR.q_offset, k_offset=_LINEAR.k_offset, return_stats=False,
                      stats_threshold=_STATS.threshold, method=_LINEAR.method,
                      chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
-                     initial_state=None, return_state=False, denominator=_LINEAR.denominator):
+                     initial_state=None, return_state=False, denominator=_LINEAR.denominator,
+                     decay=None):
     """Causal linear attention over a sequence split across the ranks of `group` (default: the
     whole world), each holding a contiguous slice [B, H, n_local, d] of q, k, v; returns this
     rank's outputs [B, H, n_local, d_v], equal (to rounding) to the matching rows of
@@ -295,37 +353,97 @@ def linear_attention(q, k, v, feature_map, *, group=None, causal=True,
     linrope.torch.linear_attention's: q_offset and k_offset give the whole sequence's first
     position (the same on every rank), initial_state the state before the whole sequence (given
     on every rank: used by rank 0's slice), return_state=True also returns the state after the
-    whole sequence (the same on every rank). causal must be True and lengths None. See the
-    module's docstring for what travels between ranks and how much."""
+    whole sequence (the same on every rank). causal must be True and lengths None. With a decay,
+    the states of the ranks before are decayed to the position before this rank's first token
+    as they merge (_moved_to). See the module's docstring for what travels between ranks and how
+    much."""
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, method=method,
-                   chunk_size=chunk_size, denominator=denominator)
+                   chunk_size=chunk_size, denominator=denominator, decay=decay)
     description = _describe(q, k, v, feature_map, options, (q_offset, k_offset),
                             q_lengths is not None or k_lengths is not None,
-                            initial_state is not None)
-    rows = [torch.empty(len(_FIELDS), dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(rows, torch.tensor(description, dtype=torch.int64), group=group)
-    rows = [r.tolist() for r in rows]
+                            initial_state is not None, decay)
+    rows = _exchange_description(description, group)
     _check_descriptions(rows)
-    offset = q_offset + sum(row[_FIELDS.index("n_q")] for row in rows[:rank])
+    lengths = [row[_FIELDS.index("n_q")] for row in rows]
+    offset = q_offset + sum(lengths[:rank])
+    log_decay = None if decay is None else torch.log(torch.tensor(
+        functional.head_decays(decay, q.shape[1], "linear_attention"), dtype=torch.float64))
+    # Each state's last key position: rank p's last token, the initial state's q_offset - 1.
+    ends = {p: q_offset + sum(lengths[:p + 1]) - 1 for p in range(world)}
+    ends[None] = q_offset - 1
     # 2. This rank's keys alone: a call without queries leaves their state.
     _, local = functional.linear_attention(q[:, :, :0], k, v, feature_map, q_offset=offset,
                                            k_offset=offset, return_state=True, **options)
     batch, heads, m, d_v = local.S.shape
     # 3. Every rank's state: S and z packed in q's dtype (differentiable), the scales apart.
     packed = torch.cat([local.S.reshape(batch, heads, m * d_v), local.z], -1)
-    gathered = _GatherStates.apply(packed, group, _note_exchange(packed, group, world))
+    gathered = _Gather.apply(packed, group, _note_exchange(packed, group, world))
     scales = _gather_scales(local.log_scale, group)
     S_all = gathered[..., :m * d_v].reshape(world, batch, heads, m, d_v)
     z_all = gathered[..., m * d_v:]
     initial = None if initial_state is None else LinearState(*initial_state)
     # 4. The ranks before this one, then this rank's slice from their state.
-    prefix = _merge_ranks(S_all, z_all, scales, range(rank), initial)
+    prefix = _merge_ranks(S_all, z_all, scales, range(rank), initial,
+                          _moved_to(offset - 1, ends, log_decay))
     result = functional.linear_attention(q, k, v, feature_map, q_offset=offset, k_offset=offset,
                                          initial_state=prefix, return_stats=return_stats,
                                          stats_threshold=stats_threshold, **options)
     if not return_state:
         return result
-    final = _merge_ranks(S_all, z_all, scales, range(world), initial)
+    final = _merge_ranks(S_all, z_all, scales, range(world), initial,
+                         _moved_to(ends[world - 1], ends, log_decay))
     return (*result, final) if return_stats else (result, final)
+
+
+# The fields of a halo call's description, in the order exchanged.
+_HALO_FIELDS = ("dimensions", "batch", "n_local", "channels", "rows", "dtype")
+_HALO_MUST_AGREE = ("batch", "channels", "rows", "dtype")
+
+
+def _describe_halo(x, rows):
+    usable = isinstance(x, torch.Tensor) and x.dim() == 3
+    return [3 if usable else -1, *(int(x.shape[i]) if usable else -1 for i in range(3)),
+            int(rows), _DTYPES.index(x.dtype) if usable and x.dtype in _DTYPES else -1]
+
+
+def _check_halo_descriptions(descriptions):
+    first = dict(zip(_HALO_FIELDS, descriptions[0]))
+    for rank, row in enumerate(descriptions):
+        described = dict(zip(_HALO_FIELDS, row))
+        where = f"linrope.torch.distributed.halo: rank {rank}"
+        if described["dimensions"] != 3 or described["dtype"] < 0:
+            raise ValueError(f"{where}: x must be a [B, n_local, C] tensor of torch.float32 or "
+                             f"torch.float64")
+        if described["rows"] < 0:
+            raise ValueError(f"{where}: rows is {described['rows']} but expected >= 0")
+        _check_agreement(described, first, _HALO_MUST_AGREE, where)
+
+
+def halo(x, rows, *, group=None):
+    """The `rows` rows of the sequence just before this rank's slice: x [B, n_local, C], this
+    rank's contiguous slice of every sequence (rank order = sequence order, any n_local) ->
+    [B, rows, C], oldest first, zeros where the sequence starts fewer than `rows` rows before.
+    The rows come from the rank before, or from several when their slices are shorter than
+    `rows`. Differentiable: the backward sends each row's gradient back to the rank holding it.
+    Each rank gathers every rank's last `rows` rows (zeros in front where its slice is shorter)
+    and its n_local, and takes the last `rows` real rows before its own slice; see the module's
+    docstring for the bytes. MultiheadAttention(short_conv=k) takes its convolution's k - 1 rows
+    of q, k and v so when sequence parallel."""
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    descriptions = _exchange_description(_describe_halo(x, rows), group)
+    _check_halo_descriptions(descriptions)
+    lengths = [row[_HALO_FIELDS.index("n_local")] for row in descriptions]
+    if rows == 0:
+        return x[:, :0]
+    zeros = x.new_zeros(x.shape[0], rows, x.shape[2])
+    tail = torch.cat([zeros, x], 1)[:, -rows:]
+    gathered = _Gather.apply(tail, group, _note_exchange(tail, group, world))
+    # Every rank's real rows among its tail, in sequence order: the last `rows` rows before a
+    # rank's slice are the last `rows` of those before it, since no rank gives more than `rows`.
+    real = [min(rows, n) for n in lengths]
+    ordered = torch.cat([zeros] + [gathered[p, :, rows - real[p]:] for p in range(world)], 1)
+    start = sum(real[:rank])
+    return ordered[:, start:start + rows]

@@ -3,7 +3,7 @@
     softmax_attention(q, k, v, causal, scale, rope, q_offset, k_offset, q_lengths, k_lengths)
     linear_attention(q, k, v, feature_map, causal, placement, rope, eps, q_offset, k_offset,
                      return_stats, stats_threshold, method, chunk_size, q_lengths, k_lengths,
-                     initial_state, return_state, denominator)
+                     initial_state, return_state, denominator, decay)
     rope_apply(x, rope, first_position, positions)
     feature_map_apply(x, feature_map)
 
@@ -14,13 +14,16 @@ outputs are 0 and their gradients 0. Tensors are float32 or float64, shaped (n, 
 as in ``linrope``; arguments and names are those of the NumPy functions. Contiguous tensors reach
 the kernels without a copy (torch and NumPy share the memory), outputs are new tensors.
 """
+import numbers
+
 import torch
 from torch.autograd.function import once_differentiable
 
 import linrope
 from linrope.torch.states import LinearState
 
-__all__ = ["softmax_attention", "linear_attention", "rope_apply", "feature_map_apply"]
+__all__ = ["softmax_attention", "linear_attention", "rope_apply", "feature_map_apply",
+           "head_decays"]
 
 # The defaults of the options, read from the default-constructed C++ structs so that each lives in
 # the C++ header alone (the NumPy functions take theirs from the same structs).
@@ -78,6 +81,31 @@ class _SoftmaxAttention(torch.autograd.Function):
             _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
             _array(d_out, fn, "d_out"), **ctx.options)
         return (*_tensors(grads), None)
+
+
+def _decay_argument(decay):
+    """decay as the kernels take it: a float, or a list of one float per head (a tensor or other
+    sequence becomes a list; whether the values suit the call is the kernels' to say)."""
+    if isinstance(decay, torch.Tensor):
+        decay = decay.tolist()
+    if isinstance(decay, (list, tuple)):
+        return list(decay)
+    return decay
+
+
+def head_decays(decay, heads, function="linear_attention"):
+    """One decay per head, floats in (0, 1] (1.0 each for None), from a float or a sequence (or
+    tensor) of `heads` of them; ValueError naming `function` otherwise."""
+    if decay is None:
+        return [1.0] * heads
+    given = _decay_argument(decay)
+    values = given if isinstance(given, list) else [given] * heads
+    if len(values) != heads or not all(
+            isinstance(g, numbers.Real) and not isinstance(g, bool) and 0 < g <= 1
+            for g in values):
+        raise ValueError(f"{function}: decay is {decay!r} but expected a float in (0, 1] or a "
+                         f"sequence of H = {heads} of them, one per head")
+    return [float(g) for g in values]
 
 
 def _state_arrays(state, function, name):
@@ -193,7 +221,8 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
                      k_offset=_LINEAR.k_offset, return_stats=False,
                      stats_threshold=_STATS.threshold, method=_LINEAR.method,
                      chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
-                     initial_state=None, return_state=False, denominator=_LINEAR.denominator):
+                     initial_state=None, return_state=False, denominator=_LINEAR.denominator,
+                     decay=None):
     """Linear attention, differentiable in q, k and v (W held fixed); see
     linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
     forward; both give the same gradients. denominator=False computes o = num (no
@@ -207,11 +236,20 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
     then continue; return_state=True also returns the LinearState after every key of k, last in
     the tuple: (out, state) or (out, stats, state). Both are differentiable in S and z, so a
     sequence cut into parts and run part by part from each other's states gives the outputs and
-    gradients of one call on the whole (to rounding)."""
+    gradients of one call on the whole (to rounding).
+
+    decay (causal only; None: none) multiplies the state by g at every step, RetNet's retention:
+    key j weighs g^(p_i - p_j) at query i, in the numerator and the denominator. A float g in
+    (0, 1], or for (B, H, n, d) tensors a sequence (or tensor) of H of them, one per head; a
+    fixed setting, with no gradient. A state is then the decayed sum at its last key's position
+    (k_offset + n_k - 1), and initial_state is read as the state at k_offset - 1, so that a
+    sequence cut anywhere still equals one call."""
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
                    k_offset=k_offset, method=method, chunk_size=chunk_size,
                    q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths),
                    denominator=denominator)
+    if decay is not None:
+        options["decay"] = _decay_argument(decay)
     stats = {} if return_stats else None
     S0, z0, log_scale0 = (None, None, None) if initial_state is None else tuple(initial_state)
     result = _LinearAttention.apply(q, k, v, S0, z0, log_scale0, feature_map, options, stats,

@@ -3,13 +3,16 @@
     RotaryEmbedding     RoPE on (n, d) or (B, H, n, d) tensors, differentiable.
     MultiheadAttention  q/k/v/out projections and attention chosen by name: "softmax" (exact, RoPE
                         on q and k) or "linear" (a feature map, a RoPE placement, eps, feature
-                        redraws); decoding through a cache (KeyValueCache, or the LinearState);
-                        sequence parallel over linrope.torch.distributed.
+                        redraws); an optional short convolution on q, k and v (ShortConvolution);
+                        decoding through a cache (KeyValueCache, or the LinearState; with a short
+                        convolution a ShortConvCache around either); sequence parallel over
+                        linrope.torch.distributed.
     HeadRMSNorm         RMSNorm over each head's channels with a learned gain: the output
                         normalisation of linear attention without a denominator.
     RedrawSchedule      when Performer's feature redrawing draws a new W.
 """
 import functools
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -17,10 +20,11 @@ from torch import nn
 
 import linrope
 from linrope.torch import distributed
-from linrope.torch.functional import linear_attention, rope_apply, softmax_attention
+from linrope.torch.convolution import ShortConvolution
+from linrope.torch.functional import head_decays, linear_attention, rope_apply, softmax_attention
 
-__all__ = ["RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "HeadRMSNorm",
-           "RedrawSchedule"]
+__all__ = ["RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "ShortConvCache",
+           "HeadRMSNorm", "RedrawSchedule"]
 
 # Defaults from the default-constructed C++ structs, so that each lives in the C++ header alone.
 _LINEAR = linrope.LinearOptions()
@@ -94,6 +98,16 @@ class KeyValueCache(NamedTuple):
     v: torch.Tensor
 
 
+class ShortConvCache(NamedTuple):
+    """The decoding cache of a layer with a short convolution of width k: the attention's own
+    cache (a LinearState, or a KeyValueCache), and the last k - 1 projected inputs of q, k and v
+    before their convolutions, each [B, k - 1, embed_dim] (zeros before the first token)."""
+    attention: tuple
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 class MultiheadAttention(nn.Module):
     """Multi-head attention with q/k/v/out projections over linrope's kernels.
 
@@ -116,6 +130,16 @@ class MultiheadAttention(nn.Module):
         k forward calls in training mode (RedrawSchedule); the current seed and the count of
         training forwards are the buffers feature_seed and training_forwards, so a state_dict
         restores W and the redraw schedule.
+    short_conv=k > 0 puts a ShortConvolution of width k (a causal depthwise convolution over time,
+        then SiLU) on each of the projected q, k and v, before RoPE and the attention, for both
+        attentions (q_conv, k_conv, v_conv: their own weights, no bias); 0: none. Causal, it
+        never reads right padding into a real token; sequence parallel, each rank reads the
+        k - 1 rows before its slice from the ranks before (linrope.torch.distributed.halo).
+    decay (causal linear attention only; None: none): RetNet's retention, the state multiplied by
+        gamma_h at every step, so that key j weighs gamma_h^(i - j) at query i in head h: a float
+        for every head, a sequence of num_heads floats, or "retnet" for RetNet's
+        gamma_h = 1 - 2^(-5-h). A fixed setting (head_decays, no gradient), through decoding and
+        sequence parallelism alike.
     track_stats=True keeps the last forward's denominator statistics in last_stats (linear only);
     stats_threshold is the |den| below which a denominator counts as tiny (below_threshold).
 
@@ -137,12 +161,15 @@ class MultiheadAttention(nn.Module):
                  num_features=None, orthogonal=_MAP.orthogonal, placement=None, eps=_LINEAR.eps,
                  method=_LINEAR.method, chunk_size=_LINEAR.chunk_size,
                  denominator=_LINEAR.denominator, norm_eps=1e-5, redraw_interval=0,
-                 seed=_MAP.seed, bias=True, track_stats=False, stats_threshold=_STATS.threshold,
-                 device=None, dtype=None):
+                 seed=_MAP.seed, bias=True, short_conv=0, decay=None, track_stats=False,
+                 stats_threshold=_STATS.threshold, device=None, dtype=None):
         super().__init__()
         if attention not in ("softmax", "linear"):
             raise ValueError(f"MultiheadAttention: attention is {attention!r} but expected one of "
                              f"softmax, linear")
+        if isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 0:
+            raise ValueError(f"MultiheadAttention: short_conv is {short_conv!r} but expected an "
+                             f"int >= 0 (the convolution's width; 0: none)")
         if num_heads < 1 or embed_dim % num_heads != 0:
             raise ValueError(f"MultiheadAttention: embed_dim {embed_dim} is not a multiple of "
                              f"num_heads {num_heads}")
@@ -160,6 +187,11 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.short_conv = short_conv
+        self.decay, self.head_decays = self._decay_setting(decay, attention, causal, num_heads)
+        if short_conv:
+            self.q_conv, self.k_conv, self.v_conv = (
+                ShortConvolution(embed_dim, short_conv, **factory) for _ in range(3))
         self.track_stats, self.stats_threshold, self.last_stats = track_stats, stats_threshold, None
         self.redraw_interval = redraw_interval
         self._sequence_parallel, self.sequence_group = False, None
@@ -183,6 +215,23 @@ class MultiheadAttention(nn.Module):
             # 1+cos has m = d + 1: the constant feature passes through (rotary width d).
             self.rope = linrope.Rope(width, rotary_dim=width - width % 2, base=rope_base,
                                      layout=rope_layout)
+
+    @staticmethod
+    def _decay_setting(decay, attention, causal, num_heads):
+        """(the setting as given, one gamma per head as a tuple), both None without a decay."""
+        if decay is None:
+            return None, None
+        if attention != "linear" or not causal:
+            raise ValueError("MultiheadAttention: decay needs attention='linear' and causal=True: "
+                             "it decays the state of causal linear attention, which softmax and "
+                             "non-causal attention do not keep")
+        if isinstance(decay, str):
+            if decay != "retnet":
+                raise ValueError(f"MultiheadAttention: decay is {decay!r} but expected a float, "
+                                 f"a sequence of num_heads floats, or 'retnet'")
+            return decay, tuple(1 - 2.0 ** (-5 - h) for h in range(num_heads))
+        heads = tuple(head_decays(decay, num_heads, "MultiheadAttention"))
+        return (decay if isinstance(decay, numbers.Real) else heads), heads
 
     @property
     def redraw_interval(self):
@@ -242,10 +291,11 @@ class MultiheadAttention(nn.Module):
         at first_position = the number of tokens before them. The cache of linear attention is the
         LinearState of the tokens so far: O(m d_v) per head, whatever their number, so each new
         token costs the same. That of softmax attention is a KeyValueCache of their keys and
-        values, which grows by a row per token."""
+        values, which grows by a row per token. With short_conv=k it is a ShortConvCache: that
+        cache, and the last k - 1 projected q, k and v that the next tokens' convolutions read."""
         decoding = cache is not None or return_cache
         if decoding:
-            self._check_decoding(key, value, lengths, key_lengths)
+            self._check_decoding(key, value, lengths, key_lengths, cache)
         if self.sequence_parallel:
             problem = self.sequence_parallel_problem(key, value, lengths, key_lengths)
             if problem is not None:
@@ -259,9 +309,11 @@ class MultiheadAttention(nn.Module):
                              f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)} "
                              f"but expected [B, n, embed_dim = {self.embed_dim}]")
         batch, n, n_k = query.shape[0], query.shape[1], key.shape[1]
-        q = self._heads(self.q_proj(query), n)
-        k = self._heads(self.k_proj(key), n_k)
-        v = self._heads(self.v_proj(value), n_k)
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if self.short_conv:
+            q, k, v, pasts = self._short_convolutions(q, k, v, cache, decoding)
+            cache = None if cache is None else cache.attention
+        q, k, v = self._heads(q, n), self._heads(k, n_k), self._heads(v, n_k)
         where = dict(q_offset=first_position, k_offset=first_position, q_lengths=lengths,
                      k_lengths=key_lengths)
         if self.attention == "softmax":
@@ -269,7 +321,27 @@ class MultiheadAttention(nn.Module):
         else:
             out, cache = self._linear(q, k, v, where, cache, decoding)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, n, self.embed_dim))
+        if self.short_conv and decoding:
+            cache = ShortConvCache(cache, *pasts)
         return (out, cache) if decoding else out
+
+    def _short_convolutions(self, q, k, v, cache, decoding):
+        """The projected q, k and v [B, n, embed_dim] through their convolutions, and (decoding)
+        the past each leaves for the next call. The k - 1 rows before these tokens come from the
+        cache, from the ranks before this one (sequence parallel: a halo), or are zeros (the
+        sequence starts here)."""
+        convolutions = (self.q_conv, self.k_conv, self.v_conv)
+        if cache is not None:
+            pasts = (cache.q, cache.k, cache.v)
+        elif self.sequence_parallel:
+            before = distributed.halo(torch.cat([q, k, v], -1), self.short_conv - 1,
+                                      group=self.sequence_group)
+            pasts = before.split(self.embed_dim, -1)
+        else:
+            pasts = (None, None, None)
+        inputs = list(zip(convolutions, (q, k, v), pasts))
+        after = tuple(c.past_after(x, past) for c, x, past in inputs) if decoding else None
+        return (*(c(x, past) for c, x, past in inputs), after)
 
     def _softmax(self, q, k, v, where, cache, decoding):
         if decoding:
@@ -298,6 +370,7 @@ class MultiheadAttention(nn.Module):
                         rope=self.rope, eps=self.eps, method=self.method,
                         chunk_size=self.chunk_size, return_stats=self.track_stats,
                         stats_threshold=self.stats_threshold, denominator=self.denominator,
+                        decay=None if self.head_decays is None else list(self.head_decays),
                         **where)
         if not isinstance(result, tuple):
             result = (result,)
@@ -308,7 +381,12 @@ class MultiheadAttention(nn.Module):
             out = self.output_norm(out)
         return out, cache
 
-    def _check_decoding(self, key, value, lengths, key_lengths):
+    def _check_decoding(self, key, value, lengths, key_lengths, cache):
+        if cache is not None and isinstance(cache, ShortConvCache) != bool(self.short_conv):
+            raise ValueError(f"MultiheadAttention: cache is a {type(cache).__name__} but this "
+                             f"layer (short_conv={self.short_conv}) takes the "
+                             f"{'ShortConvCache' if self.short_conv else 'cache'} its own forward "
+                             f"returns")
         if not self.causal or key is not None or value is not None:
             raise ValueError("MultiheadAttention: cache and return_cache need causal "
                              "self-attention (causal=True, key and value None)")
@@ -331,4 +409,8 @@ class MultiheadAttention(nn.Module):
                   f"num_features={self.feature_map.num_features}, placement={self.placement!r}")
             if not self.denominator:
                 s += ", denominator=False"
+        if self.decay is not None:
+            s += f", decay={self.decay!r}"
+        if self.short_conv:
+            s += f", short_conv={self.short_conv}"
         return s + f", causal={self.causal}"
