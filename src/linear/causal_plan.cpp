@@ -36,7 +36,7 @@ std::vector<LinearState<T>> prefix_states(const CausalPlan& plan, const LinearSt
       absorb_keys(prefix[t + 1], k + begin * d, v + begin * d_v, end - begin, k_offset + begin,
                   setup, keep, begin);
     } else if (keep) {
-      keep_features(*keep, k, begin, end, k_offset, setup);
+      keep_features(*keep, k, begin, end);
     }
   });
   if (keep) keep->fill(key_start[segments]);

@@ -200,9 +200,11 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index offset, T* g_
     if (plan.rotate_features)
       RopeAccess::rotate_rows(*rope, g_num, rows, m, offset, Turn::Transpose);
   }
-  if (plan.rotate_input) {
-    FeatureMapAccess::backward<T>(*setup.map, block.rotated_input(), block.plain(), g,
-                                  RowMap<T>(dx, rows, d));
+  if (plan.rotate_input) {  // the map read R_p x
+    Scratch<T> rotated(rows * d);
+    RopeAccess::rotate_rows<T>(*rope, x, rotated.data(), rows, d, offset, Turn::Apply);
+    FeatureMapAccess::backward<T>(*setup.map, ConstRowMap<T>(rotated.data(), rows, d),
+                                  block.plain(), g, RowMap<T>(dx, rows, d));
     RopeAccess::rotate_rows(*rope, dx, rows, d, offset, Turn::Transpose);
   } else {
     FeatureMapAccess::backward<T>(*setup.map, ConstRowMap<T>(x, rows, d), block.plain(), g,
@@ -220,8 +222,8 @@ struct CausalGradients {
       : head(h),
         setup(s),
         shift(h.q_offset - h.k_offset),
-        queries(s, Role::Queries, h.n, Plain::Kept),
-        keys(s, Role::Keys, h.n_k, Plain::Kept),
+        queries(s, Role::Queries, h.n, h.q_offset),
+        keys(s, Role::Keys, h.n_k, h.k_offset),
         g_(h.n * s.d_v, Lifetime::Thread),
         delta_(h.n, Lifetime::Thread),
         scale_(h.n, Lifetime::Thread),
@@ -253,9 +255,10 @@ struct CausalGradients {
 template <class T>
 void absorb_query_range(QueryState<T>& state, const CausalGradients<T>& c, Index begin, Index end) {
   Scratch<T> weighted(kScanBlock * c.setup.d_v);
-  for (Index qs = begin; qs < end; qs += kScanBlock)
-    absorb_queries(state, c.queries.range(qs, std::min(kScanBlock, end - qs)), c.terms(qs),
-                   weighted.data());
+  for (Index qs = begin; qs < end; qs += kScanBlock) {
+    const KeptBlock<T> queries(c.queries, qs, std::min(kScanBlock, end - qs));
+    absorb_queries(state, queries.rows(), c.terms(qs), weighted.data());
+  }
 }
 
 // The two sweeps of the causal backward over one segment (linear_scan_backward.cpp), both the

@@ -32,26 +32,19 @@ void check_input(const LinearSetup& setup, const T* x, Index rows, Index cols) {
 //   den(): features on the denominator side (unrotated for NumeratorOnly; the same rows otherwise),
 //   log_scale(i) = a_i (or c_j for keys): phi = exp(log_scale) * features;
 // and, for the backward, plain(): the map's own output before any rotation (kept for Full only
-// when asked, Plain::Kept), rotated_input(): BeforeMap's rotated rows, the map's input there.
+// when asked, Plain::Kept).
 template <class T>
 class FeatureRows {
  public:
   FeatureRows(const LinearSetup& setup, const T* num, const T* den, const T* plain,
-              const T* rotated_input, const double* log_scale, Index rows)
-      : setup_(&setup),
-        num_(num),
-        den_(den),
-        plain_(plain),
-        rotated_(rotated_input),
-        log_scale_(log_scale),
-        rows_(rows) {}
+              const double* log_scale, Index rows)
+      : setup_(&setup), num_(num), den_(den), plain_(plain), log_scale_(log_scale), rows_(rows) {}
 
   const LinearSetup& setup() const { return *setup_; }
   Index rows() const { return rows_; }
   ConstRowMap<T> num() const { return ConstRowMap<T>(num_, rows_, setup_->m); }
   ConstRowMap<T> den() const { return ConstRowMap<T>(den_, rows_, setup_->m); }
   ConstRowMap<T> plain() const { return ConstRowMap<T>(plain_, rows_, setup_->m); }
-  ConstRowMap<T> rotated_input() const { return ConstRowMap<T>(rotated_, rows_, setup_->d); }
   double log_scale(Index i) const { return log_scale_[i]; }
   double max_log_scale() const {
     return rows_ ? *std::max_element(log_scale_, log_scale_ + rows_) : kEmpty;
@@ -59,19 +52,9 @@ class FeatureRows {
 
  private:
   const LinearSetup* setup_;
-  const T *num_, *den_, *plain_, *rotated_;
+  const T *num_, *den_, *plain_;
   const double* log_scale_;
   Index rows_;
-};
-
-// Memory for a FeatureBlock that a backward keeps between its passes (a whole sequence's
-// features): the calling thread's scratch, kept after the call (scratch.hpp, `lasting`), so that a
-// training loop's calls allocate nothing after the first. Other threads may read and write it
-// while it lives.
-template <class T>
-class LastingScratch : public Scratch<T> {
- public:
-  explicit LastingScratch(Index count) : Scratch<T>(count, Lifetime::Thread) {}
 };
 
 // Whether a FeatureBlock keeps the map's own output beside its rotation where the forward would not
@@ -83,9 +66,32 @@ enum class Plain { Dropped, Kept };
 // exp(a_i + c_j) carries g^(p_i - p_j) (linear_kernel.hpp).
 enum class Role { Queries, Keys };
 
+// The map's own rows of x [rows x d] at positions offset.. into plain [rows x m] and their log
+// scales, shifted by the decay (Role): phi(x) for every placement but BeforeMap, phi(R_p x) there
+// (rotated: scratch of rows x d for R_p x). No rotation of the features themselves.
+template <class T>
+void map_plain(const LinearSetup& setup, Role role, const T* x, Index rows, Index offset, T* plain,
+               double* log_scale, T* rotated) {
+  check_input(setup, x, rows, setup.d);
+  const Index m = setup.m, d = setup.d;
+  const auto map_rows = [&](const auto& from) {
+    FeatureMapAccess::stabilized<T>(*setup.map, from, RowMap<T>(plain, rows, m), log_scale);
+  };
+  if (setup.plan.rotate_input) {
+    RopeAccess::rotate_rows<T>(*setup.options.rope, x, rotated, rows, d, offset, Turn::Apply);
+    map_rows(ConstRowMap<T>(rotated, rows, d));
+  } else {
+    map_rows(ConstRowMap<T>(x, rows, d));
+  }
+  if (setup.log_decay != 0) {
+    const double slope = role == Role::Queries ? setup.log_decay : -setup.log_decay;
+    for (Index r = 0; r < rows; ++r) log_scale[r] += slope * double(offset + r - setup.origin);
+  }
+}
+
 // The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
-// per-thread scratch (scratch.hpp: no allocation after a thread's first call), or LastingScratch.
-template <class T, template <class> class Buffer = Scratch>
+// per-thread scratch (scratch.hpp: no allocation after a thread's first call).
+template <class T>
 class FeatureBlock {
  public:
   FeatureBlock(const LinearSetup& setup, Role role, Index capacity, Plain plain = Plain::Dropped)
@@ -106,36 +112,17 @@ class FeatureBlock {
   }
   // The same into rows [at, at + rows), leaving rows() as it is (see fill()).
   void compute_at(Index at, const T* x, Index rows, Index offset) {
-    check_input(setup_, x, rows, setup_.d);
-    const FeatureMap& map = *setup_.map;
-    const Rope* rope = setup_.options.rope;
-    const Index m = setup_.m, d = setup_.d;
-    ConstRowMap<T> input(x, rows, d);
+    const Index m = setup_.m;
     T* num = num_data() + at * m;
-    T* plain = plain_data() + at * m;
-    double* log_scale = log_scale_.data() + at;
-    const auto map_rows = [&](const auto& from, T* to) {
-      FeatureMapAccess::stabilized<T>(map, from, RowMap<T>(to, rows, m), log_scale);
-    };
-    const PlacementPlan& plan = setup_.plan;
-    if (plan.rotate_input) {
-      RowMap<T> rotated(rotated_input_data() + at * d, rows, d);
-      rotated = input;
-      RopeAccess::rotate_rows(*rope, rotated.data(), rows, d, offset, Turn::Apply);
-      map_rows(rotated, num);
-    } else if (!plan.rotate_features) {
-      map_rows(input, num);
-    } else if (separate_plain_) {  // den (or the backward): the features; num: their rotation
-      map_rows(input, plain);
-      RopeAccess::rotate_rows<T>(*rope, plain, num, rows, m, offset, Turn::Apply);
-    } else {
-      map_rows(input, num);
-      RopeAccess::rotate_rows(*rope, num, rows, m, offset, Turn::Apply);
-    }
-    if (setup_.log_decay != 0) {
-      const double slope = role_ == Role::Queries ? setup_.log_decay : -setup_.log_decay;
-      for (Index r = 0; r < rows; ++r) log_scale[r] += slope * double(offset + r - setup_.origin);
-    }
+    const bool rotates = setup_.plan.rotate_features;
+    // den (or the backward): the features; num: their rotation
+    T* plain = rotates && separate_plain_ ? plain_data() + at * m : num;
+    map_plain(setup_, role_, x, rows, offset, plain, log_scale_.data() + at,
+              rotated_input_data() + at * setup_.d);
+    if (rotates && plain != num)
+      RopeAccess::rotate_rows<T>(*setup_.options.rope, plain, num, rows, m, offset, Turn::Apply);
+    else if (rotates)
+      RopeAccess::rotate_rows(*setup_.options.rope, num, rows, m, offset, Turn::Apply);
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
   void fill(Index rows) { rows_ = rows; }
@@ -151,14 +138,13 @@ class FeatureBlock {
   FeatureRows<T> range(Index first, Index rows) const {
     const Index m = setup_.m;
     return FeatureRows<T>(setup_, num_data() + first * m, den_data() + first * m,
-                          plain_data() + first * m, rotated_input_data() + first * setup_.d,
-                          log_scale_.data() + first, rows);
+                          plain_data() + first * m, log_scale_.data() + first, rows);
   }
   FeatureRows<T> all() const { return range(0, rows_); }
 
  private:
-  // [num | plain (NumeratorOnly; Full for the backward) | rotated input (BeforeMap)], each
-  // capacity rows.
+  // [num | plain (NumeratorOnly; Full for the backward) | rotated input (BeforeMap, the map's
+  // input)], each capacity rows.
   T* num_data() const { return features_.data(); }
   T* plain_data() const {
     return separate_plain_ ? features_.data() + capacity_ * setup_.m : features_.data();
@@ -172,14 +158,85 @@ class FeatureBlock {
   Role role_;
   Index capacity_;
   bool separate_plain_;
-  Buffer<T> features_;
-  Buffer<double> log_scale_;
+  Scratch<T> features_;
+  Scratch<double> log_scale_;
   Index rows_ = 0;
 };
 
-// A whole sequence's features, kept between the passes of a backward.
+// A whole sequence's features, kept between the passes of a backward, in the form the map gives
+// them: each row's plain features (phi~(x), of R_p x for BeforeMap) and log scale (with the
+// decay's shift), never their rotation. A block that needs the numerator side rotates its rows
+// when it reads them (KeptBlock): one rotation more per block and pass, where keeping both sides
+// (NumeratorOnly, Full) doubled what the passes write and read from memory, O(n m) each.
+// Its memory is the calling thread's scratch, kept after the call (scratch.hpp, Lifetime::Thread),
+// so that a training loop's calls allocate nothing after the first; other threads may read and
+// write it while it lives.
 template <class T>
-using KeptFeatures = FeatureBlock<T, LastingScratch>;
+class KeptFeatures {
+ public:
+  // Rows [0, capacity) at positions first_position.., computed by compute_at.
+  KeptFeatures(const LinearSetup& setup, Role role, Index capacity, Index first_position)
+      : setup_(setup),
+        role_(role),
+        first_position_(first_position),
+        plain_memory_(capacity * setup.m, Lifetime::Thread),
+        log_scale_(capacity, Lifetime::Thread),
+        plain_(plain_memory_.data()) {}
+
+  // Features of rows [at, at + rows) from x [rows x d] (the rows' own inputs).
+  void compute_at(Index at, const T* x, Index rows) {
+    Scratch<T> rotated(setup_.plan.rotate_input ? rows * setup_.d : 0);
+    map_plain(setup_, role_, x, rows, first_position_ + at, plain_memory_.data() + at * setup_.m,
+              log_scale_.data() + at, rotated.data());
+  }
+  // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
+  void fill(Index rows) { rows_ = rows; }
+
+  const LinearSetup& setup() const { return setup_; }
+  Index rows() const { return rows_; }
+  Index position(Index row) const { return first_position_ + row; }
+  const T* plain(Index row) const { return plain_ + row * setup_.m; }
+  const double* log_scales(Index row) const { return log_scale_.data() + row; }
+  double max_log_scale() const {
+    return rows_ ? *std::max_element(log_scale_.data(), log_scale_.data() + rows_) : kEmpty;
+  }
+
+ private:
+  const LinearSetup& setup_;
+  Role role_;
+  Index first_position_;
+  Scratch<T> plain_memory_;
+  Scratch<double> log_scale_;
+  const T* plain_;
+  Index rows_ = 0;
+};
+
+// Rows [first, first + count) of KeptFeatures in the placement's form (FeatureRows): the kept rows
+// themselves, and for NumeratorOnly and Full their rotation, made here in scratch.
+template <class T>
+class KeptBlock {
+ public:
+  KeptBlock(const KeptFeatures<T>& kept, Index first, Index count)
+      : num_(kept.setup().plan.rotate_features ? count * kept.setup().m : 0),
+        rows_(make(kept, first, count, num_.data())) {}
+
+  const FeatureRows<T>& rows() const { return rows_; }
+
+ private:
+  static FeatureRows<T> make(const KeptFeatures<T>& kept, Index first, Index count, T* num) {
+    const LinearSetup& setup = kept.setup();
+    const T* plain = kept.plain(first);
+    if (!setup.plan.rotate_features)
+      return FeatureRows<T>(setup, plain, plain, plain, kept.log_scales(first), count);
+    RopeAccess::rotate_rows<T>(*setup.options.rope, plain, num, count, setup.m,
+                               kept.position(first), Turn::Apply);
+    return FeatureRows<T>(setup, num, setup.plan.separate_denominator ? plain : num, plain,
+                          kept.log_scales(first), count);
+  }
+
+  Scratch<T> num_;
+  FeatureRows<T> rows_;
+};
 
 // What admitting one key did to the running scale: the numerator side must be rescaled by
 // `factor` (1: no change) before it takes the key with `weight` = exp(c_j - M) (at most
@@ -329,8 +386,9 @@ void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index n_k, Index
     const Prefetch next{
         {rows_of(k, setup.d, js + rows, next_rows), rows_of(v, setup.d_v, js + rows, next_rows)}};
     if (keep) {
-      keep->compute_at(keep_at + js, k + js * setup.d, rows, k_offset + js);
-      absorb(state, keep->range(keep_at + js, rows), v + js * setup.d_v, weighted, weights, next);
+      keep->compute_at(keep_at + js, k + js * setup.d, rows);
+      const KeptBlock<T> kept(*keep, keep_at + js, rows);
+      absorb(state, kept.rows(), v + js * setup.d_v, weighted, weights, next);
     } else {
       keys.compute(k + js * setup.d, rows, k_offset + js);
       absorb(state, keys, v + js * setup.d_v, weighted, weights, next);
@@ -338,13 +396,12 @@ void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index n_k, Index
   }
 }
 
-// Features of rows [begin, end) of x (positions offset + row) into `kept`, a block at a time.
+// Features of rows [begin, end) of x into `kept`, a block at a time.
 template <class T>
-void keep_features(KeptFeatures<T>& kept, const T* x, Index begin, Index end, Index offset,
-                   const LinearSetup& setup) {
-  const Index block = block_rows(setup.m);
+void keep_features(KeptFeatures<T>& kept, const T* x, Index begin, Index end) {
+  const Index block = block_rows(kept.setup().m), d = kept.setup().d;
   for (Index at = begin; at < end; at += block)
-    kept.compute_at(at, x + at * setup.d, std::min(block, end - at), offset + at);
+    kept.compute_at(at, x + at * d, std::min(block, end - at));
 }
 
 // The non-causal form cuts its keys into parts of at least kPartRows rows (multiples of it), at

@@ -75,7 +75,7 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   std::vector<LinearState<T>> start =
       prefix_states<T>(plan, initial, head.k, head.v, head.k_offset, setup, &c.keys);
   if (final_gradient) {  // the keys past the horizon too, for their own pass and the final scale
-    keep_features(c.keys, head.k, horizon, n_k, head.k_offset, setup);
+    keep_features(c.keys, head.k, horizon, n_k);
     c.keys.fill(n_k);
   }
   parallel_for(segments, int(segments), Schedule::Static, [&](Index t) {
@@ -90,7 +90,7 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
     if (t > 0) absorb_query_range(end[t], c, query_start[t], query_start[t + 1]);  // for end[t - 1]
   });
   for (Index t = 0; t + 1 < segments; ++t) end[t] = std::move(end[t + 1]);
-  const double final_scale = std::max(initial.M, c.keys.all().max_log_scale());
+  const double final_scale = std::max(initial.M, c.keys.max_log_scale());
   end[segments - 1] = final_state_gradient(ports, final_scale, m, d_v);
   if (final_gradient) {
     const QueryState<T>& final_only = end[segments - 1];

@@ -59,7 +59,8 @@ void keys_from_state(const QueryState<T>& queries_state, const KeptFeatures<T>& 
   const bool separate = setup.plan.separate_denominator;
   for (Index js = first; js < first + count; js += block) {
     const Index rows = std::min(block, first + count - js);
-    const FeatureRows<T> keys = features.range(js, rows);
+    const KeptBlock<T> kept(features, js, rows);
+    const FeatureRows<T>& keys = kept.rows();
     T* dv = head.dv + js * d_v;
     RowMap<T>(gc.data(), rows, m).setZero();
     if (separate) RowMap<T>(ge.data(), rows, m).setZero();
@@ -77,7 +78,7 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
   const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v;
   const int threads = usable_threads(threading);
   LinearState<T> keys_state;
-  KeptFeatures<T> key_features(setup, Role::Keys, n_k, Plain::Kept);
+  KeptFeatures<T> key_features(setup, Role::Keys, n_k, head.k_offset);
   absorb_key_parts(keys_state, head.k, head.v, n_k, head.k_offset, setup, threads, &key_features);
   key_features.fill(n_k);
 

@@ -33,10 +33,11 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
   const bool separate = s.plan.separate_denominator;  // den-side features are other rows
   Matrix<T> weighted;
   Vector<T> weights;
-  if (q_begin == 0) {  // the keys every query sees
-    const Index prefix = c.first_key(0);
-    if (prefix > 0) absorb(state, c.keys.range(0, prefix), h.v, weighted, weights);
-  }
+  if (q_begin == 0)  // the keys every query sees
+    for (Index js = 0, prefix = c.first_key(0); js < prefix; js += kScanBlock) {
+      const KeptBlock<T> keys(c.keys, js, std::min(kScanBlock, prefix - js));
+      absorb(state, keys.rows(), h.v + js * d_v, weighted, weights);
+    }
   Scratch<T> ga_rows(kScanBlock * m), gb_rows(kScanBlock * m), z_rows(kScanBlock * m);
   PanelState<T> st(d_v, m);  // S^T, at the scale state.M
   st.load(state.S.transpose());
@@ -44,13 +45,14 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
   double divisor[kScanBlock];  // D~ of the block's rows (0: a zero output)
   for (Index qs = q_begin; qs < q_end; qs += kScanBlock) {
     const Index rows = std::min(kScanBlock, q_end - qs);
-    c.queries.compute_at(qs, h.q + qs * d, rows, h.q_offset + qs);
+    c.queries.compute_at(qs, h.q + qs * d, rows);
     check_input(s, h.d_out + qs * d_v, rows, d_v);
-    {  // the values of the block's own keys (the others' are checked where they are absorbed)
-      const Index first = c.first_key(qs), last = c.first_key(qs + rows);
-      check_input(s, h.v + first * d_v, last - first, d_v);
-    }
-    const FeatureRows<T> queries = c.queries.range(qs, rows), keys = c.keys.all();
+    // The block's own keys [first, last); their values are checked here (the others' where they
+    // are absorbed).
+    const Index first = c.first_key(qs), last = c.first_key(qs + rows);
+    check_input(s, h.v + first * d_v, last - first, d_v);
+    const KeptBlock<T> query_block(c.queries, qs, rows), key_block(c.keys, first, last - first);
+    const FeatureRows<T>&queries = query_block.rows(), &keys = key_block.rows();
     RowMap<T> ga(ga_rows.data(), rows, m), gb(gb_rows.data(), rows, m), z(z_rows.data(), rows, m);
     steps.count = rows;
     for (Index r = 0; r < rows; ++r) {
@@ -58,10 +60,11 @@ void scan_queries_backward(CausalGradients<T>& c, Index q_begin, Index q_end,
       steps.key[r] = nullptr;
       steps.factor[r] = T(1);
       if (j >= 0 && j < h.n_k) {
+        const Index at = j - first;  // in the block's keys
         const Admitted<T> a =
-            admit_key(state.z, state.M, keys.log_scale(j), keys.den().data() + j * m, s.headroom);
+            admit_key(state.z, state.M, keys.log_scale(at), keys.den().data() + at * m, s.headroom);
         steps.key[r] = h.v + j * d_v;
-        steps.value[r] = keys.num().data() + j * m;
+        steps.value[r] = keys.num().data() + at * m;
         steps.factor[r] = a.factor;
         steps.weight[r] = a.weight;
       }
@@ -99,9 +102,13 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
   ut.load(state.U.transpose());
   ScanSteps<T> values, features;  // the dv sweep over U, the Gc sweep over U^T
   double read_scale[kScanBlock];  // K when key r reads the states
-  const FeatureRows<T> queries = c.queries.all(), keys = c.keys.all();
   for (Index je = k_end; je > k_begin; je -= kScanBlock) {
     const Index rows = std::min(kScanBlock, je - k_begin), js = je - rows;
+    // The block's keys [js, je) and their own queries [first, last).
+    const Index first = std::clamp(js - c.shift, Index(0), h.n);
+    const Index last = std::clamp(je - c.shift, Index(0), h.n);
+    const KeptBlock<T> key_block(c.keys, js, rows), query_block(c.queries, first, last - first);
+    const FeatureRows<T>&keys = key_block.rows(), &queries = query_block.rows();
     RowMap<T> gc(gc_rows.data(), rows, m), ge(ge_rows.data(), rows, m);
     values.count = features.count = rows;
     for (Index r = 0; r < rows; ++r) {
@@ -119,15 +126,15 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
           state.K = M;
         }
         const T weight = T(std::exp(state.K - M));
-        state.y += (weight * T(c.delta[i])) * queries.den().row(i).transpose();
-        values.key[r] = queries.num().data() + i * m;
+        state.y += (weight * T(c.delta[i])) * queries.den().row(i - first).transpose();
+        values.key[r] = queries.num().data() + (i - first) * m;
         values.value[r] = c.g + i * d_v;
         features.key[r] = c.g + i * d_v;
-        features.value[r] = queries.num().data() + i * m;
+        features.value[r] = queries.num().data() + (i - first) * m;
         values.weight[r] = features.weight[r] = weight;
       }
       read_scale[r] = state.K;
-      values.read[r] = keys.num().data() + j * m;
+      values.read[r] = keys.num().data() + (j - js) * m;
       values.out[r] = h.dv + j * d_v;
       features.read[r] = h.v + j * d_v;
       features.out[r] = gc_rows.data() + (j - js) * m;
@@ -140,14 +147,14 @@ void scan_keys_backward(CausalGradients<T>& c, Index k_begin, Index k_end, Index
     for (Index r = 0; r < rows; ++r) {
       const Index j = je - 1 - r;
       const T f =
-          read_scale[r] == kNoQueries ? T(0) : T(std::exp(keys.log_scale(j) - read_scale[r]));
+          read_scale[r] == kNoQueries ? T(0) : T(std::exp(keys.log_scale(j - js) - read_scale[r]));
       RowMap<T>(h.dv + j * d_v, 1, d_v) *= f;
       gc.row(j - js) *= f;
       ge.row(j - js) *= f;
       if (!separate) gc.row(j - js) += ge.row(j - js);
     }
-    input_gradient(c.keys.range(js, rows), h.k + js * d, h.k_offset + js, gc.data(),
-                   separate ? ge.data() : nullptr, h.dk + js * d);
+    input_gradient(keys, h.k + js * d, h.k_offset + js, gc.data(), separate ? ge.data() : nullptr,
+                   h.dk + js * d);
   }
   u.store(state.U);
 }
