@@ -179,14 +179,13 @@ class KeptFeatures {
       : setup_(setup),
         role_(role),
         first_position_(first_position),
-        plain_memory_(capacity * setup.m, Lifetime::Thread),
-        log_scale_(capacity, Lifetime::Thread),
-        plain_(plain_memory_.data()) {}
+        plain_(capacity * setup.m, Lifetime::Thread),
+        log_scale_(capacity, Lifetime::Thread) {}
 
   // Features of rows [at, at + rows) from x [rows x d] (the rows' own inputs).
   void compute_at(Index at, const T* x, Index rows) {
     Scratch<T> rotated(setup_.plan.rotate_input ? rows * setup_.d : 0);
-    map_plain(setup_, role_, x, rows, first_position_ + at, plain_memory_.data() + at * setup_.m,
+    map_plain(setup_, role_, x, rows, first_position_ + at, plain_.data() + at * setup_.m,
               log_scale_.data() + at, rotated.data());
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
@@ -195,7 +194,7 @@ class KeptFeatures {
   const LinearSetup& setup() const { return setup_; }
   Index rows() const { return rows_; }
   Index position(Index row) const { return first_position_ + row; }
-  const T* plain(Index row) const { return plain_ + row * setup_.m; }
+  const T* plain(Index row) const { return plain_.data() + row * setup_.m; }
   const double* log_scales(Index row) const { return log_scale_.data() + row; }
   double max_log_scale() const {
     return rows_ ? *std::max_element(log_scale_.data(), log_scale_.data() + rows_) : kEmpty;
@@ -205,9 +204,8 @@ class KeptFeatures {
   const LinearSetup& setup_;
   Role role_;
   Index first_position_;
-  Scratch<T> plain_memory_;
+  Scratch<T> plain_;
   Scratch<double> log_scale_;
-  const T* plain_;
   Index rows_ = 0;
 };
 
