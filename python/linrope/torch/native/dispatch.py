@@ -1,0 +1,61 @@
+"""Which path runs a linrope.torch call, chosen by the tensors' device and never silently:
+
+    "auto"    (the default) CPU tensors run on the C++ kernels, tensors on any other device on
+              the native path (PyTorch ops on that device);
+    "native"  every call runs on the native path, CPU tensors included (how the tests prove the
+              native path against the C++ kernels).
+
+    with linrope.torch.backend("native"):
+        out = linrope.torch.linear_attention(q, k, v, feature_map, causal=True)
+
+The choice holds in the current thread (and asyncio task) inside the `with`, a contextvars
+setting: a thread started inside it, or a process (each rank of a process group), makes its own.
+A call's backward follows its forward's path, whatever the setting when backward() runs.
+"""
+import contextvars
+
+import torch
+
+__all__ = ["BACKENDS", "backend", "runs_native"]
+
+BACKENDS = ("auto", "native")
+_chosen = contextvars.ContextVar("linrope_torch_backend", default="auto")
+
+
+class backend:
+    """with linrope.torch.backend(name): the calls inside run on the path `name` chooses,
+    "auto" or "native" (the module's docstring); any other name is a ValueError. backend.current()
+    is the name in force."""
+
+    def __init__(self, name):
+        if name not in BACKENDS:
+            raise ValueError(f"linrope.torch.backend: name is {name!r} but expected one of "
+                             f"{', '.join(BACKENDS)}")
+        self.name, self._token = name, None
+
+    def __enter__(self):
+        self._token = _chosen.set(self.name)
+        return self
+
+    def __exit__(self, *exc_info):
+        _chosen.reset(self._token)
+        return False
+
+    @staticmethod
+    def current():
+        return _chosen.get()
+
+
+def runs_native(function, named):
+    """True when the call whose tensors are `named` ((name, value) pairs, q first; values other
+    than tensors are skipped) runs on the native path. ValueError naming both when two tensors
+    sit on different devices, whichever the path. A first value that is no tensor goes to the C++
+    path, which names it."""
+    if not isinstance(named[0][1], torch.Tensor):
+        return False
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if isinstance(t, torch.Tensor) and t.device != first.device:
+            raise ValueError(f"{function}: {name} is on {t.device} but {first_name} is on "
+                             f"{first.device}; expected every tensor on one device")
+    return _chosen.get() == "native" or first.device.type != "cpu"
