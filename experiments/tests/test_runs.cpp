@@ -11,6 +11,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "atomic_file.hpp"
 #include "csv.hpp"
@@ -192,7 +193,13 @@ TEST_CASE("the numbers obey what the maths guarantees") {
     for (std::size_t r = 0; r < t.size(); ++r) {
       CHECK(t.number(r, "time_ms") > 0);
       CHECK(t.number(r, "time_min_ms") <= t.number(r, "time_ms"));
-      CHECK(t.number(r, "peak_rss_mib") >= t.number(r, "rss_before_mib"));
+      // Linux (6.2 on) keeps a process's resident-page counts in per-CPU counters and reads them
+      // approximately in /proc (each CPU may hold up to 32 pages of a counter's updates, for the
+      // anonymous, file and shared-memory counts each): 3 x 32 pages x 4 KiB = 384 KiB per CPU.
+      // The peak read after the run fell 48 KiB below the baseline read before it, once, under
+      // ASan on 2 CPUs; a real peak below the baseline would be far more than this slack.
+      const double slack_mib = 3 * 32 * 4.0 / 1024 * std::thread::hardware_concurrency();
+      CHECK(t.number(r, "peak_rss_mib") >= t.number(r, "rss_before_mib") - slack_mib);
       CHECK(t.number(r, "io_mib") == doctest::Approx(4.0 * t.number(r, "heads") * t.number(r, "n") *
                                                      t.number(r, "d") * 4 / (1024.0 * 1024.0)));
     }

@@ -268,7 +268,7 @@ def test_the_package_re_exports_its_modules_names():
     from linrope.torch import convolution, functional, layers, states
     assert set(lt.__all__) == {
         "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
-        "feature_map_apply", "RotaryEmbedding", "MultiheadAttention",  # the first names
+        "feature_map_apply", "head_decays", "RotaryEmbedding", "MultiheadAttention",
         "KeyValueCache", "HeadRMSNorm", "RedrawSchedule", "ShortConvolution", "ShortConvCache"}
     for module in (convolution, functional, layers, states):
         for name in module.__all__:

@@ -3,7 +3,8 @@
 As torch.nn.functional beside torch.nn, the package holds apart
 
     functional   the autograd functions over the C++ forward and backward: softmax_attention,
-                 linear_attention, rope_apply, feature_map_apply
+                 linear_attention, rope_apply, feature_map_apply; head_decays (a decay= setting
+                 as one float per head)
     states       LinearState (causal linear attention's state) and merge_states
     layers       the torch.nn.Module layers: RotaryEmbedding, MultiheadAttention (and its
                  KeyValueCache, ShortConvCache), HeadRMSNorm, RedrawSchedule
@@ -17,15 +18,15 @@ and re-exports here the names of the first four; the last two are used by their 
 (`import linrope.torch.distributed`).
 """
 from linrope.torch.convolution import ShortConvolution
-from linrope.torch.functional import (feature_map_apply, linear_attention, rope_apply,
-                                      softmax_attention)
+from linrope.torch.functional import (feature_map_apply, head_decays, linear_attention,
+                                      rope_apply, softmax_attention)
 from linrope.torch.layers import (HeadRMSNorm, KeyValueCache, MultiheadAttention,
                                   RedrawSchedule, RotaryEmbedding, ShortConvCache)
 from linrope.torch.states import LinearState, merge_states
 
 __all__ = [
     "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
-    "feature_map_apply",
+    "feature_map_apply", "head_decays",
     "RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "HeadRMSNorm", "RedrawSchedule",
     "ShortConvolution", "ShortConvCache",
 ]
