@@ -20,6 +20,7 @@ and re-exports here the names of the first four; the last two are used by their 
 from linrope.torch.convolution import ShortConvolution
 from linrope.torch.functional import (feature_map_apply, head_decays, linear_attention,
                                       rope_apply, softmax_attention)
+from linrope.torch.native.dispatch import backend
 from linrope.torch.layers import (HeadRMSNorm, KeyValueCache, MultiheadAttention,
                                   RedrawSchedule, RotaryEmbedding, ShortConvCache)
 from linrope.torch.states import LinearState, merge_states
@@ -28,5 +29,5 @@ __all__ = [
     "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
     "feature_map_apply", "head_decays",
     "RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "HeadRMSNorm", "RedrawSchedule",
-    "ShortConvolution", "ShortConvCache",
+    "ShortConvolution", "ShortConvCache", "backend",
 ]
