@@ -8,15 +8,20 @@
     with linrope.torch.backend("native"):
         out = linrope.torch.linear_attention(q, k, v, feature_map, causal=True)
 
+Where linrope's C++ module is not built (linrope._pure stands in for it), "auto" refuses CPU
+tensors with a ValueError that says so, rather than run them natively unasked.
+
 The choice holds in the current thread (and asyncio task) inside the `with`, a contextvars
 setting: a thread started inside it, or a process (each rank of a process group), makes its own.
 A call's backward follows its forward's path, whatever the setting when backward() runs.
 """
 import contextvars
+import functools
+import importlib.util
 
 import torch
 
-__all__ = ["BACKENDS", "backend", "runs_native"]
+__all__ = ["BACKENDS", "backend", "core_built", "runs_native"]
 
 BACKENDS = ("auto", "native")
 _chosen = contextvars.ContextVar("linrope_torch_backend", default="auto")
@@ -58,4 +63,17 @@ def runs_native(function, named):
         if isinstance(t, torch.Tensor) and t.device != first.device:
             raise ValueError(f"{function}: {name} is on {t.device} but {first_name} is on "
                              f"{first.device}; expected every tensor on one device")
-    return _chosen.get() == "native" or first.device.type != "cpu"
+    if _chosen.get() == "native" or first.device.type != "cpu":
+        return True
+    if not core_built():
+        raise ValueError(f"{function}: {first_name} is a CPU tensor, which runs on linrope's C++ "
+                         f"module, and the module is not built here; build linrope (docs/"
+                         f"INSTALL.md), or run the native path: with "
+                         f"linrope.torch.backend('native')")
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def core_built():
+    """Whether linrope's C++ module (linrope._core) is built here."""
+    return importlib.util.find_spec("linrope._core") is not None
