@@ -8,8 +8,8 @@ include/linrope/rope.hpp (the same libm calls, so the same bits); FeatureMap's W
 include/linrope/random.hpp's stream (xoshiro256** seeded through splitmix64, Box-Muller) and
 src/feature_maps/projection.cpp's blocks, with NumPy's QR for Eigen's (Q with the signs of R's
 diagonal folded in is unique, so the two W agree to rounding, ~1e-15); the structs' defaults are
-the C++ headers' (python/tests/test_pure.py checks all three against the C++ module where it is
-built).
+the C++ headers' (python/tests/test_native_pure.py checks all three against the C++ module where
+it is built).
 """
 import math
 import re

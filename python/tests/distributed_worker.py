@@ -16,6 +16,7 @@ import linrope
 import linrope.torch as lt
 import linrope.torch.distributed as ltd
 from cases import make_map
+from linrope.torch.native.dispatch import core_built
 
 MAP_KINDS = ["elu+1", "favor+", "favor-hyp", "relu"]
 PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
@@ -227,7 +228,8 @@ def main():
     rank, world, port, scenario, out = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                         sys.argv[4], sys.argv[5])
     torch.set_num_threads(1)
-    linrope.set_num_threads(1)
+    if core_built():  # without the C++ module (linrope._pure) there are no kernel threads
+        linrope.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:

@@ -54,11 +54,11 @@ class backend:
 def runs_native(function, named):
     """True when the call whose tensors are `named` ((name, value) pairs, q first; values other
     than tensors are skipped) runs on the native path. ValueError naming both when two tensors
-    sit on different devices, whichever the path. A first value that is no tensor goes to the C++
-    path, which names it."""
-    if not isinstance(named[0][1], torch.Tensor):
-        return False
+    sit on different devices, whichever the path; TypeError when the first is no tensor."""
     first_name, first = named[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"{function}: {first_name} is a {type(first).__name__} but expected a "
+                        f"torch.Tensor")
     for name, t in named[1:]:
         if isinstance(t, torch.Tensor) and t.device != first.device:
             raise ValueError(f"{function}: {name} is on {t.device} but {first_name} is on "
