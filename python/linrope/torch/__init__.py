@@ -1,4 +1,5 @@
-"""linrope.torch: linrope's kernels as differentiable PyTorch functions and layers (CPU tensors).
+"""linrope.torch: linrope's kernels as differentiable PyTorch functions and layers (CPU tensors;
+tensors on other devices, or under backend("native"), run on native/, docs/DESIGN.md "Any device").
 
 As torch.nn.functional beside torch.nn, the package holds apart
 

@@ -8,11 +8,14 @@
     feature_map_apply(x, feature_map)
 
 Each is a torch.autograd.Function over the C++ forward and backward: it saves only its inputs and
-options, and its backward calls the C++ backward. q_lengths / k_lengths (B entries: a list, array or
-tensor) mark padding in (B, H, n, d) batches: rows at or past them are not attended to, their
-outputs are 0 and their gradients 0. Tensors are float32 or float64, shaped (n, d) or (B, H, n, d),
-as in ``linrope``; arguments and names are those of the NumPy functions. Contiguous tensors reach
-the kernels without a copy (torch and NumPy share the memory), outputs are new tensors.
+options, and its backward calls the C++ backward. A call whose tensors are on another device than
+the CPU, or made under linrope.torch.backend("native"), runs on linrope.torch.native instead
+(native.runs_native decides; docs/DESIGN.md, "Any device"). q_lengths / k_lengths (B entries: a
+list, array or tensor) mark padding in (B, H, n, d) batches: rows at or past them are not
+attended to, their outputs are 0 and their gradients 0. Tensors are float32 or float64, shaped
+(n, d) or (B, H, n, d), as in ``linrope``; arguments and names are those of the NumPy functions.
+Contiguous tensors reach the kernels without a copy (torch and NumPy share the memory), outputs
+are new tensors.
 """
 import numbers
 
