@@ -68,6 +68,29 @@ def initial_state(fm, seed):
     return lt.LinearState(S, z, torch.full((2, 2), 0.25, dtype=torch.float64))
 
 
+def whole(index, kind, placement, with_state, decay):
+    """The single-process call on the whole sequence: outputs and gradients, the losses those
+    of run_case (the outputs, and the final state's sums once)."""
+    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index, decay=decay)
+    q, k, v = [x.clone().requires_grad_() for x in (q, k, v)]
+    state = None
+    if with_state:
+        S0, z0, l0 = initial_state(fm, index)
+        state = lt.LinearState(S0.requires_grad_(), z0.requires_grad_(), l0)
+    result = lt.linear_attention(q, k, v, fm, initial_state=state, return_state=with_state,
+                                 **options)
+    out, final = result if with_state else (result, None)
+    loss = (out * d_out).sum()
+    if with_state:
+        scale = torch.exp(final.log_scale)
+        loss = loss + (final.S * scale[..., None, None]).sum() + (final.z * scale[..., None]).sum()
+    loss.backward()
+    want = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    if with_state:
+        want.update(final=[t.detach() for t in final], dS0=state.S.grad, dz0=state.z.grad)
+    return want
+
+
 def run_case(rank, world, index, kind, placement, uneven, with_state, decay):
     fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index, decay=decay)
     lengths = slices(q.shape[2], world, uneven)

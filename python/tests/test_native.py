@@ -115,13 +115,19 @@ OPTIONS = {
 }
 
 
-def linear_call(kind, placement, causal, option):
-    """(call, tensors) of one case: [2, 2, 9, 4] queries, the map with 6 random features, eps 1
-    where the denominator is signed (full, favor-trig), as test_torch.py's sweep does."""
-    options, n_k, _ = OPTIONS[option]
+def map_rope_eps(kind, placement):
+    """The sweep's map (width 4, 6 random features), its rope and the reference's arguments for
+    it, and eps: 1 where the denominator is signed (full, favor-trig), as test_torch.py's sweep
+    does."""
     fm = make_map(kind, 4, seed=2)
-    rope, _ = rope_for(placement, fm, 4)
-    eps = 1.0 if kind == "favor-trig" or placement == "full" else 1e-6
+    rope, rope_ref = rope_for(placement, fm, 4)
+    return fm, rope, rope_ref, 1.0 if kind == "favor-trig" or placement == "full" else 1e-6
+
+
+def linear_call(kind, placement, causal, option):
+    """(call, tensors) of one case: [2, 2, 9, 4] queries, map_rope_eps's map, rope and eps."""
+    options, n_k, _ = OPTIONS[option]
+    fm, rope, _, eps = map_rope_eps(kind, placement)
     kwargs = dict(dict(causal=causal, placement=placement, rope=rope, eps=eps,
                        return_stats=True), **options)
     tensors = inputs((2, 2, 9, 4), (2, 2, n_k, 4), (2, 2, n_k, 3), seed=1)
@@ -162,9 +168,7 @@ def test_linear_attention_equals_the_kernels_in_float64(kind, placement, causal,
 def test_linear_attention_float32_within_the_derived_bounds(kind, placement, causal):
     # Both paths in float32, each within bounds.py's bound of the exact result (out: linear_bound,
     # gradients: linear_gradient_bounds), so within twice it of each other.
-    fm = make_map(kind, 4, seed=2)
-    rope, rope_ref = rope_for(placement, fm, 4)
-    eps = 1.0 if kind == "favor-trig" or placement == "full" else 1e-6
+    fm, rope, rope_ref, eps = map_rope_eps(kind, placement)
     exact = [x.detach() for x in inputs((2, 2, 9, 4), (2, 2, 9, 4), (2, 2, 9, 3), (2, 2, 9, 3),
                                         seed=4)]
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps)
@@ -188,9 +192,7 @@ def test_linear_attention_float32_within_the_derived_bounds(kind, placement, cau
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @CAUSAL_OR_NOT
 def test_linear_attention_gradcheck(kind, placement, causal):
-    fm = make_map(kind, 4, seed=2)
-    rope, _ = rope_for(placement, fm, 4)
-    eps = 1.0 if kind == "favor-trig" or placement == "full" else 1e-6
+    fm, rope, _, eps = map_rope_eps(kind, placement)
     q, k, v = inputs((2, 1, 6, 4), (2, 1, 6, 4), (2, 1, 6, 3), seed=5)
     with lt.backend("native"):
         assert torch.autograd.gradcheck(

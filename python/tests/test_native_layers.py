@@ -17,7 +17,7 @@ import torch
 
 import linrope.torch as lt
 from cases import true_sums
-from distributed_worker import SPLIT_LAYERS, case_inputs, cases, initial_state, layer_inputs
+from distributed_worker import SPLIT_LAYERS, cases, layer_inputs, whole
 from linrope.torch.launch import environment, free_port, run_group
 from linrope.torch.native.dispatch import core_built
 
@@ -123,36 +123,14 @@ def launch_native(world, scenario, tmp_path):
     return [torch.load(o) for o in outs]
 
 
-def whole_sequence(index, kind, placement, with_state, decay):
-    """One process, the C++ kernels, the whole sequence: outputs and gradients (as the workers'
-    losses: the outputs, and the final state's sums once)."""
-    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index, decay=decay)
-    q, k, v = [x.clone().requires_grad_() for x in (q, k, v)]
-    state = None
-    if with_state:
-        S0, z0, log_scale0 = initial_state(fm, index)
-        state = lt.LinearState(S0.requires_grad_(), z0.requires_grad_(), log_scale0)
-    with lt.backend(EXPECTED):
-        result = lt.linear_attention(q, k, v, fm, initial_state=state, return_state=with_state,
-                                     **options)
-    out, final = result if with_state else (result, None)
-    loss = (out * d_out).sum()
-    if with_state:
-        loss = loss + sum(s.sum() for s in true_sums(final))
-    loss.backward()
-    want = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
-    if with_state:
-        want.update(final=final, dS0=state.S.grad, dz0=state.z.grad)
-    return want
-
-
 def test_sequence_parallel_on_the_native_path_equals_one_process(tmp_path):
     # 3 ranks, every map x placement (equal and uneven slices, a decay, one per head, initial and
     # final states), against the whole sequence on the kernels; float64 (both within ~1e-13 of
     # the exact result at these sizes).
     ranks = launch_native(3, "cases", tmp_path)
     for index, (kind, placement, _, with_state, decay) in enumerate(cases()):
-        want = whole_sequence(index, kind, placement, with_state, decay)
+        with lt.backend(EXPECTED):  # the C++ kernels, where built
+            want = whole(index, kind, placement, with_state, decay)
         what = f"{kind} {placement} decay {decay}"
         for name in ("out", "dq", "dk", "dv"):
             got = torch.cat([r[index][name] for r in ranks], 2)

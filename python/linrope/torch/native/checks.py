@@ -4,23 +4,29 @@ tensors on any device. Values are not checked: a search for NaN or inf would wai
 at every call (docs/DESIGN.md, "Any device")."""
 import torch
 
-__all__ = ["DTYPES", "attention_inputs", "lengths_mask", "same_device_and_dtype"]
+__all__ = ["DTYPES", "attention_inputs", "lengths_mask", "on_device_of", "same_device_and_dtype"]
 
 # Computed in their own precision: float32, float64. bfloat16 inputs are computed in float32.
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def on_device_of(function, name, t, first_name, first):
+    """TypeError unless t (called name) is a tensor, ValueError unless it is on the device of
+    first (a tensor called first_name)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{function}: {name} is a {type(t).__name__} but expected a torch.Tensor")
+    if t.device != first.device:
+        raise ValueError(f"{function}: {name} is on {t.device} but {first_name} is on "
+                         f"{first.device}; expected every tensor on one device")
 
 
 def same_device_and_dtype(function, named):
     """named: (name, tensor) pairs, the first the reference (q). TypeError for a non-tensor,
     ValueError for a tensor on another device or of another dtype, or a dtype outside DTYPES."""
     first_name, first = named[0]
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{function}: {name} is a {type(t).__name__} but expected a "
-                            f"torch.Tensor")
-        if t.device != first.device:
-            raise ValueError(f"{function}: {name} is on {t.device} but {first_name} is on "
-                             f"{first.device}; expected every tensor on one device")
+    on_device_of(function, first_name, first, first_name, first)
+    for name, t in named[1:]:
+        on_device_of(function, name, t, first_name, first)
         if t.dtype != first.dtype:
             raise ValueError(f"{function}: {name} has dtype {t.dtype} but {first_name} has dtype "
                              f"{first.dtype}")

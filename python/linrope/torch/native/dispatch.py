@@ -21,6 +21,8 @@ import importlib.util
 
 import torch
 
+from linrope.torch.native import checks
+
 __all__ = ["BACKENDS", "backend", "core_built", "runs_native"]
 
 BACKENDS = ("auto", "native")
@@ -56,13 +58,10 @@ def runs_native(function, named):
     than tensors are skipped) runs on the native path. ValueError naming both when two tensors
     sit on different devices, whichever the path; TypeError when the first is no tensor."""
     first_name, first = named[0]
-    if not isinstance(first, torch.Tensor):
-        raise TypeError(f"{function}: {first_name} is a {type(first).__name__} but expected a "
-                        f"torch.Tensor")
+    checks.on_device_of(function, first_name, first, first_name, first)
     for name, t in named[1:]:
-        if isinstance(t, torch.Tensor) and t.device != first.device:
-            raise ValueError(f"{function}: {name} is on {t.device} but {first_name} is on "
-                             f"{first.device}; expected every tensor on one device")
+        if isinstance(t, torch.Tensor):
+            checks.on_device_of(function, name, t, first_name, first)
     if _chosen.get() == "native" or first.device.type != "cpu":
         return True
     if not core_built():

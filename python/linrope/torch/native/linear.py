@@ -163,12 +163,7 @@ def _check_state(function, state, q, m, d_v):
                                   ("z", state[1], lead + (m,), q.dtype),
                                   ("log_scale", state[2], lead, torch.float64)):
         where = f"initial_state.{name}"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{function}: {where} is a {type(t).__name__} but expected a "
-                            f"torch.Tensor")
-        if t.device != q.device:
-            raise ValueError(f"{function}: {where} is on {t.device} but q is on {q.device}; "
-                             f"expected every tensor on one device")
+        checks.on_device_of(function, where, t, "q", q)
         if t.dtype != dtype:
             raise ValueError(f"{function}: {where} has dtype {t.dtype} but expected {dtype}")
         if tuple(t.shape) != shape:
