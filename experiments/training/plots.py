@@ -82,7 +82,7 @@ def plot(out, summary, corpus, results):
         for ax, (label, names) in zip(axes[0], groups):
             for v in names:
                 lr = cells[v]["lr"]
-                cell = ("char_lm", context, v, lr)
+                cell = ("char_lm", context, v, lr, cells[v]["steps"])
                 val = [dict(e, bpc=e["value"]) for e in _records(results, cell, "evaluations")
                        if e["length"] == context]
                 for rows, key, style in ((_records(results, cell, "curves"), "train_loss", ":"),
@@ -107,7 +107,7 @@ def plot(out, summary, corpus, results):
                  corpus, context))
 
         if any(len(g) > 1 for g in lm["grid"].values()):
-            families = _families(list(cells))
+            families = _families([v for v in cells if v.name in lm["grid"]])
             fig, axes = plt.subplots(1, len(families), figsize=(3.6 * len(families), 3.2),
                                      sharey=True, squeeze=False)
             for ax, (label, names) in zip(axes[0], families):
@@ -158,8 +158,8 @@ def plot(out, summary, corpus, results):
             layer_ids = sorted({i for r in results for i in r.layer_ids()})
             for row, (label, names) in zip(axes, families):
                 for v in names:
-                    rows = _records(results, ("char_lm", int(context), v, cells[v]["lr"]),
-                                    "layers")
+                    rows = _records(results, ("char_lm", int(context), v, cells[v]["lr"],
+                                              cells[v]["steps"]), "layers")
                     for layer in layer_ids:
                         layer_rows = [r for r in rows if r["layer"] == layer]
                         for ax, key in zip(row, ("den_min", "nonpositive_share", "grad_norm")):
@@ -186,25 +186,34 @@ def plot(out, summary, corpus, results):
                  "over seeds). No-denominator variants have none." % (corpus, context))
 
     if "mqar" in summary:
-        names = list(summary["mqar"])
-        settings = list(next(iter(summary["mqar"].values()))["accuracy"])
-        fig, ax = plt.subplots(figsize=(8, 3.4))
-        width = 0.8 / max(1, len(settings))
-        for i, setting in enumerate(settings):
-            acc = [summary["mqar"][n]["accuracy"][setting] for n in names]
-            means = [a["mean"] for a in acc]
-            ax.bar([j + i * width for j in range(len(names))], means, width,
-                   yerr=[[m - a["min"] for m, a in zip(means, acc)],
-                         [a["max"] - m for m, a in zip(means, acc)]],
-                   label="length %s, %s pairs" % tuple(setting.split("/")))
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
-        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("query accuracy")
-        ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=7)
-        save(fig, "mqar_accuracy.png", "MQAR: accuracy on held-out sequences per variant (m4x: "
-             "FAVOR+ with 4 x head dim features, else 2 x) and (length, pairs) (mean over seeds, "
-             "bars: min to max).")
+        settings = list(summary["mqar"])
+        fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.6),
+                                 sharey=True, squeeze=False)
+        for ax, name in zip(axes[0], settings):
+            for v, c in summary["mqar"][name]["cells"].items():
+                acc, floats = c["final_accuracy"], c["state_floats"]
+                if not acc["n"] or not floats:
+                    continue
+                variant = from_name(v)
+                ax.errorbar([floats], [acc["mean"]], yerr=[[acc["mean"] - acc["min"]],
+                                                           [acc["max"] - acc["mean"]]],
+                            marker=marker(variant), color=colour(variant), linestyle="none",
+                            markerfacecolor="none" if variant.short_conv else colour(variant),
+                            markersize=7 if variant.feature_factor > 2 else 5,
+                            label=variant.describe())
+            pairs = int(name.split("+")[-1].split("x")[1])
+            ax.axhline(1 / pairs, color="gray", linestyle=":", linewidth=1, label="1/pairs")
+            ax.set_xscale("log")
+            ax.set_ylim(0, 1.05)
+            ax.set_title(name.replace("x", " tokens, ").replace("+", "; ") + " pairs",
+                         fontsize=9)
+            ax.set_xlabel("state floats (decoding caches, one sequence)")
+            ax.legend(fontsize=5, loc="best", framealpha=0.5)
+        axes[0][0].set_ylabel("final query accuracy")
+        save(fig, "mqar_accuracy.png", "MQAR: held-out accuracy of each variant at its best "
+             "rate against the floats its decoding caches hold for one sequence (mean over "
+             "seeds, bars: min to max; hollow: with the short convolution; large: more "
+             "features); dotted: 1/pairs.")
 
     if "step_time" in summary:
         st = summary["step_time"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import linrope
-from training.train import Run, learning_rate
+from training.train import TIMING, Run, learning_rate
 
 
 class Stop(Exception):
@@ -46,8 +46,8 @@ def same_tensors(a, b):
 def same_records(a, b):
     """Records equal except the wall-clock time. NaN (a diverged step's gradient norm) equals
     NaN here."""
-    strip = {k: v for k, v in a.items() if k != "train_seconds"}
-    other = {k: v for k, v in b.items() if k != "train_seconds"}
+    strip = {k: v for k, v in a.items() if k not in TIMING}
+    other = {k: v for k, v in b.items() if k not in TIMING}
     return repr(strip) == repr(other)
 
 
@@ -383,9 +383,8 @@ def test_resumed_run_equals_an_uninterrupted_one(variant, tiny, corpus, tmp_path
     assert same_records(resumed.records, whole.records)
     assert same_tensors(resumed.model.state_dict(), whole.model.state_dict())
     assert same_tensors(resumed.optimiser.state_dict(), whole.optimiser.state_dict())
-    timing = ("train_seconds", "tokens_per_s")
-    assert {k: v for k, v in summary.items() if k not in timing} == \
-        {k: v for k, v in whole_summary.items() if k not in timing}
+    assert {k: v for k, v in summary.items() if k not in TIMING} == \
+        {k: v for k, v in whole_summary.items() if k not in TIMING}
     if config.variant.redraw_interval:
         seeds = [int(b.attention.feature_seed) for b in resumed.model.blocks]
         assert seeds == [int(b.attention.feature_seed) for b in whole.model.blocks]
