@@ -366,12 +366,19 @@ def _train(args, argv, group, plan, hooks):
         write_tables(progress.results, args.out)
         _write_metadata(args, argv, plan, started, source, corpus_info, group, progress, log)
 
+    # One set of worker processes for every stage (each start imports torch and loads the text).
+    pool = None if group.distributed else sweep.new_pool(args.jobs)
+
     def train(configs):
         return sweep.run_all(configs, args.out, args.jobs, args.text, args.resume, args.quiet,
-                             group, hooks=hooks)
+                             group, pool=pool, hooks=hooks)
 
     try:
-        progress = stages.run(plan, args.out, corpus, train, args.jobs, group, after_stage)
+        try:
+            progress = stages.run(plan, args.out, corpus, train, args.jobs, group, after_stage)
+        finally:
+            if pool is not None:
+                pool.shutdown()
         if not group.main:
             return 0
         write_tables(progress.results, args.out)
