@@ -10,52 +10,10 @@ from analysis.common import write_json  # experiments/analysis
 
 from .plots import plot
 from .results import read_tables
-from .summary import paired, spread, summarise
-from .variants import DEFAULT_FEATURE_FACTOR, FEATURE_MAPS, SOFTMAX_ROPE, Variant, from_name
-
-REFERENCE = SOFTMAX_ROPE.name
-
-
-def format_spread(s, digits=3):
-    """'2.345 (2.301-2.389, 3 seeds)', the value alone for one seed, 'n/a' for none."""
-    if not s["n"]:
-        return "n/a"
-    if s["n"] == 1:
-        return "%.*f" % (digits, s["mean"])
-    return "%.*f (%.*f-%.*f, %d seeds)" % (digits, s["mean"], digits, s["min"], digits, s["max"],
-                                           s["n"])
-
-
-def _separated(a, b):
-    """Whether the seed ranges of a and b do not overlap (the difference exceeds the spread)."""
-    return a["n"] > 1 and b["n"] > 1 and (a["max"] < b["min"] or b["max"] < a["min"])
-
-
-def compare(a, b, key="final_bpc"):
-    """'+0.021 (per seed +0.018, +0.025, +0.020; beyond the seed ranges)': cell a minus cell b,
-    paired by seed, and whether their ranges overlap."""
-    diffs = paired(a[key + "_per_seed"], b[key + "_per_seed"])
-    if not diffs:
-        return "not comparable (no seed finished both)"
-    mean = sum(diffs.values()) / len(diffs)
-    if len(diffs) == 1:
-        return "%+.3f (one seed, so of unknown significance)" % mean
-    signs = {d > 0 for d in diffs.values()}
-    return "%+.3f (per seed %s; %s%s)" % (
-        mean, ", ".join("%+.3f" % d for d in diffs.values()),
-        "beyond the seed ranges" if _separated(a[key], b[key]) else "within the seed ranges",
-        "" if len(signs) == 1 else ", the sign changes between seeds")
-
-
-def describe(name):
-    return from_name(name).describe()
-
-
-def _placement(name):
-    v = from_name(name)
-    if not v.linear:
-        return v.describe()
-    return ("no denominator" if not v.denominator else v.placement) + v.describe_extras()
+from .answers import opening, previous_study
+from .summary import spread, summarise
+from .variants import DEFAULT_FEATURE_FACTOR, FEATURE_MAPS, Variant, from_name
+from .wording import REFERENCE, compare, describe, format_spread, placement
 
 
 def _linear(kind, placement=None):
@@ -104,8 +62,8 @@ def _placements(cells):
             continue
         first = cells[ranking[0]]
         sentences.append("for %s, **%s** (%.3f), then %s" % (
-            names.label, _placement(ranking[0]), first["final_bpc"]["mean"], "; ".join(
-                "%s %s" % (_placement(v), compare(cells[v], first)) for v in ranking[1:])))
+            names.label, placement(ranking[0]), first["final_bpc"]["mean"], "; ".join(
+                "%s %s" % (placement(v), compare(cells[v], first)) for v in ranking[1:])))
     return sentences
 
 
@@ -147,7 +105,7 @@ def _softmax_gap(cells):
     for kind, names in FEATURE_MAPS.items():
         ranking = _ranked(cells, kind)
         if ranking:
-            parts.append("%s at its best (%s) %s" % (names.label, _placement(ranking[0]),
+            parts.append("%s at its best (%s) %s" % (names.label, placement(ranking[0]),
                                                      compare(cells[ranking[0]], ref)))
     nopos = cells.get(Variant("softmax", rope=False).name)
     if nopos and nopos["final_bpc"]["n"]:
@@ -193,12 +151,12 @@ def _long_context(char_lm):
         at_short = [v for v in _ranked(short, kind) if v in at_long]
         if len(at_long) >= 2:
             changes.append("%s: %s at %s (at %s: %s)%s" % (
-                names.label, ", ".join(_placement(v) for v in at_long), contexts[-1], contexts[0],
-                ", ".join(_placement(v) for v in at_short),
+                names.label, ", ".join(placement(v) for v in at_long), contexts[-1], contexts[0],
+                ", ".join(placement(v) for v in at_short),
                 " -- **the order changes**" if at_long != at_short else ""))
         elif at_long:
             changes.append("%s: %s alone at %s" % (
-                names.label, _placement(at_long[0]), contexts[-1]))
+                names.label, placement(at_long[0]), contexts[-1]))
     ref_s, ref_l = short.get(REFERENCE), long.get(REFERENCE)
     gaps = []
     if ref_s and ref_l:
@@ -351,14 +309,18 @@ def _samples(summary):
     samples = summary.get("samples")
     if not samples:
         return None
-    rows = ["| variant | sample (prompt, then %d characters at temperature %g) |" % (
-        len(samples[0]["text"]) - len(samples[0]["prompt"]), samples[0]["temperature"]),
-        "|---|---|"]
+    rows = ["| variant | sample (prompt, then %d characters at temperature %g) | words in the "
+            "training text |" % (len(samples[0]["text"]) - len(samples[0]["prompt"]),
+                                 samples[0]["temperature"]), "|---|---|---|"]
     for s in samples:
         text = s["text"].replace("|", "\\|").replace("\n", " / ")
-        rows.append("| %s | %s |" % (describe(s["variant"]), text))
-    return ("Samples from the first seed's model of each variant (context %d, its best rate; "
-            "one prompt, one sampling seed):\n\n" % samples[0]["context"] + "\n".join(rows))
+        known = ("%d of %d" % (s["known_words"], s["words"]) if s.get("words") is not None
+                 else "-")
+        rows.append("| %s | %s | %s |" % (describe(s["variant"]), text, known))
+    return ("Samples from the final model of each variant's first seed (context %d, its chosen "
+            "rate; one prompt, one sampling seed), with how many of the sampled words (letter "
+            "runs, the last cut-off one left out) occur in the training text:\n\n"
+            % samples[0]["context"] + "\n".join(rows))
 
 
 def _step_time(st):
@@ -451,6 +413,7 @@ def section(out, plot_note=None, link_prefix="training/"):
                            "runs.csv", "curves.csv", "layers.csv", "evaluations.csv",
                            "step_time.csv", "decode.csv", "samples.json", "training.json")),
                    link_prefix))
+    md += "".join(p + "\n\n" for p in opening(summary, meta, previous_study(out, meta)))
     for name, caption in figures:
         md += "![%s](%s%s)\n\n*%s*\n\n" % (caption, link_prefix, name, caption)
     if plot_note is not None:

@@ -113,11 +113,13 @@ def _rates(runs):
 
 def _setting(results, task, setting):
     """One setting's (char_lm's context, MQAR's settings) grid (the first seed at the grid's
-    budget, every rate tried), each variant's chosen rate (plans.chosen_lr), its cell at that
-    rate (plans.cell_runs), the lr check (the first seed at the cell's budget at other rates),
-    and apart, the cells with W redrawn of variants also trained with W fixed."""
+    budget, every rate tried; grid_steps that budget), each variant's chosen rate
+    (plans.chosen_lr), its cell at that rate (plans.cell_runs), the lr check (the first seed at
+    the cell's budget at other rates), and apart, the cells with W redrawn of variants also
+    trained with W fixed."""
     here = [r for r in results if r.task == task and r.setting == setting]
     grid, best, cells, redrawn, lr_check = {}, {}, {}, {}, {}
+    grid_steps = None
     variants = {r.variant for r in here}
     for v in in_catalogue_order(variants):
         runs = cell_runs(results, task, setting, v)
@@ -131,11 +133,13 @@ def _setting(results, task, setting):
         own = grid_runs(results, task, setting, v)
         if own:
             grid[v.name] = _rates(own)
+            grid_steps = own[0].budget
         checked = [r for r in here if r.variant == v and r.budget == runs[0].budget
                    and r.seed == runs[0].seed]
         if len({r.lr for r in checked}) > 1 and (not own or own[0].budget != runs[0].budget):
             lr_check[v.name] = _rates(checked)
-    return dict(grid=grid, best_lr=best, cells=cells, redrawn=redrawn, lr_check=lr_check)
+    return dict(grid=grid, grid_steps=grid_steps, best_lr=best, cells=cells, redrawn=redrawn,
+                lr_check=lr_check)
 
 
 def setting_name(task, setting):

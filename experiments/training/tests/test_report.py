@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from training import report
+from training import answers, report
 from training.variants import from_name
 
 IDS = "task,context,mqar_settings,variant,lr,budget,seed"
@@ -87,7 +87,13 @@ favor-numerator_only,8,0.01,32,0.001,512
 favor-numerator_only,8,0.01,64,0.001,512
 """
 SAMPLES = [dict(variant="softmax-rope", context=8, lr=0.01, seed=0, prompt="It is",
-                temperature=0.8, text="It is a | b")]
+                temperature=0.8, text="It is a | b", words=1, known_words=1)]
+
+
+@pytest.fixture(autouse=True)
+def no_earlier_study(monkeypatch, tmp_path):
+    """The section compares with no committed study here (test_answers covers that)."""
+    monkeypatch.setattr(answers, "COMMITTED", str(tmp_path / "no study"))
 
 
 @pytest.fixture
@@ -188,7 +194,8 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
             "significance)") in md
     assert "1/pairs = 0.125" in md
     assert "softmax, RoPE (trained at 8): 1.00 ms per token at position 32, 2.00 ms at 64" in md
-    assert "| softmax, RoPE | It is a \\| b |" in md
+    assert "| softmax, RoPE | It is a \\| b | 1 of 1 |" in md
+    assert md.index("**Which placement trains best** (context 8") < md.index("![")
     assert "elu+1, numerator_only from n = 512" in md
     assert "favor+, numerator_only already at n = 256" in md
     for name in ("char_lm_curves_8.png", "char_lm_curves_16.png", "lr_sensitivity_8.png",
