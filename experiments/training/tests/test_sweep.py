@@ -465,8 +465,9 @@ def test_stages_follow_the_results_before_them():
 def test_mqar_stages_train_each_setting_alone_and_pick_by_accuracy_then_steps():
     """mqar_grid: every variant, setting and rate, seed 0, one setting a run, each stopping at
     0.99; mqar_seeds: the other seed at the rate of the highest final accuracy, the fewer steps
-    among equal accuracies (a run stops once it reaches the stop accuracy), per setting."""
-    plan = plans.Plan("full", tasks=("mqar",))
+    among equal accuracies (a run stops once it reaches the stop accuracy), per setting (three
+    here, whatever the full plan's)."""
+    plan = plans.Plan("full", tasks=("mqar",), mqar_settings=((64, 4), (128, 8), (256, 16)))
     assert plan.stage_names() == ["mqar_grid", "mqar_seeds"]
     grid = plan.stage("mqar_grid")
     assert len(grid) == len(plans.MQAR_VARIANTS) * 3 * 3
