@@ -44,9 +44,9 @@ def _named(*names):
 # own) at each context, for softmax + RoPE and for the slowest linear variant measured (elu+1
 # and FAVOR+ eq. 19), from which --plan and the first stage's estimate cost the plan
 # (budget.py). Measured by bench/profile_step.py (bench/RESULTS.md, "The study's training step")
-# on the 2-core Xeon: d_model 128 and 4 layers trains ~9,300-10,700 tokens/s at context 256,
-# 5x slower than d_model 64 and 2 layers, and would take the 5 hours on char_lm alone; d_model 64
-# gives every run its 10 M characters.
+# on the 2-core EPYC: d_model 128 and 4 layers trains ~9,300-10,700 tokens/s at context 256,
+# 5x slower than d_model 64 and 2 layers: its char_lm stages alone would take ~9 h of the 5.
+# d_model 64 gives every run its 10 M characters.
 MODEL = dict(d_model=64, layers=2, heads=4)
 THROUGHPUT = {256: dict(softmax=49000, linear=44000), 1024: dict(softmax=27000, linear=49000)}
 # MQAR's model: Zoology's two layers; recall against state size comes from the variants.
