@@ -14,13 +14,13 @@ A case is a variant at one shape: char_lm at a context (batch = --tokens / conte
     to at one thread); the median step and the range of the rounds' medians;
   * tokens/s of the evaluation (validation_bpc over --eval-tokens characters at the context; MQAR:
     mqar_accuracy over its test set) and the time to draw a batch (train.Run.batch);
-  * with --profile, where a step's time goes: torch.profiler over --steps more steps, each event's
-    self time put in one of CATEGORIES (category(); the attention layers, the data, the clipping
-    and the optimiser marked by record_function ranges around them, and each backward node
-    placed with the forward operator that made it, by its sequence number), the time no event
-    accounts for being Python's and the framework's; shares of the profiled wall time, in ms of
-    the unprofiled CPU step (the profiler's times are wall clock, waits on a loaded machine
-    included, which the shares spread evenly).
+  * with --profile, where a step's time goes (breakdown()): torch.profiler over --steps more
+    steps, each event's self time put in one of CATEGORIES (category(): the model's forward, the
+    attention layers, the data and the clipping marked by record_function ranges around them,
+    AdamW by torch's own, each backward node placed with the forward operator that made it, by
+    its sequence number). The profiler's times serve as weights only: Python and the framework
+    are the CPU time of a step at batch 1 x 16 (fixed_cost_ms), the data the batch's own time,
+    and the operators share the rest of the unprofiled CPU step.
 
 --compare BEFORE AFTER (two PYTHONPATHs, each the linrope package and the experiments directory of
 one checkout, joined by ':') runs this script on each in turn, --rounds times alternated; it
