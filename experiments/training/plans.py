@@ -61,12 +61,14 @@ MQAR_THROUGHPUT = {64: dict(softmax=34000, linear=40000), 128: dict(softmax=4000
 CHAR_LM_VARIANTS = _named(
     "softmax-rope", "elu-numerator_only", "elu-full", "elu-before_map", "elu-nodenom",
     "favor-numerator_only", "favor-full", "favor-before_map", "favor-nodenom")
-# MQAR: softmax + RoPE, and elu+1 without a denominator with and without a width-4 short
-# convolution (Based's form and its ablation: does the convolution buy recall at one state size?).
+# MQAR: softmax + RoPE, and elu+1 with a width-4 short convolution, with RoPE in the numerator
+# only (eq. 19, this library's subject) and without a denominator (Based's form): does the
+# denominator cost recall in the layer as linear transformers build it now? (Without the
+# convolution, eq. 19 stayed at the guessing level at (64, 4): docs/results/mqar-64x4-short-conv.)
 # Cut to fit the 5 hours (each variant costs ~1 hour of the plan at its caps; README), though
-# the issue asks for them: elu+1 eq. 19 and full and FAVOR+ eq. 19, full and no denominator,
-# each with and without the convolution; RetNet's decay; FAVOR+ at 4 x head dim features.
-MQAR_VARIANTS = _named("softmax-rope", "elu-nodenom", "elu-nodenom-conv4")
+# the issue asks for them: elu+1 full, FAVOR+ eq. 19, full and no denominator, each with and
+# without the convolution; RetNet's decay; FAVOR+ at 4 x head dim features.
+MQAR_VARIANTS = _named("softmax-rope", "elu-numerator_only-conv4", "elu-nodenom-conv4")
 
 MODES = {
     "quick": dict(
