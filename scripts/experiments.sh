@@ -28,7 +28,7 @@ analysis() {
 asks_help() {
   local a
   for a in "$@"; do
-    case "$a" in -h|--help|--help-all|--list-variants) return 0 ;; esac
+    case "$a" in -h|--help|--help-all|--list-variants|--plan) return 0 ;; esac
   done
   return 1
 }

@@ -1,11 +1,17 @@
 """python3 -m training [--quick | --full] --out DIR [options]: trains small decoders with each
-attention variant (RoPE numerator-only against full normalisation, the other placements, softmax)
-on character-level English and on associative recall, and writes the measurements to DIR.
+attention variant (RoPE numerator-only against full normalisation, the other placements, without
+a denominator, with a decay or a short convolution, softmax) on character-level English and on
+associative recall, and writes the measurements to DIR.
 
-DIR/runs.csv, curves.csv, layers.csv, evaluations.csv and step_time.csv hold the measurements and
-training.json their metadata; DIR/runs/ keeps each finished run and DIR/checkpoints/ the
-unfinished ones (--resume continues them). The analysis, experiments/analysis/report.py, writes
-summary.json, the plots and the report section from them. See __init__.py for the pieces.
+The plan (plans.py) runs in stages, each chosen from the results of those before it; --stages
+trains some of them and reads the others' finished runs from DIR, so the study can be run stage
+by stage, and --plan prints every run and what it will cost before anything runs. Before each
+stage a line estimates its time. After each stage DIR/runs.csv, curves.csv, layers.csv,
+evaluations.csv hold every finished run and training.json their metadata, with the stages done
+so far: each stage's results can be analysed on their own. DIR/runs/ keeps each finished run and
+DIR/checkpoints/ the unfinished ones (--resume continues them). The analysis,
+experiments/analysis/report.py, writes summary.json, the plots and the report section from them.
+See __init__.py for the pieces.
 
 Data parallel, on one machine or several (see experiments/README.md):
 
@@ -27,7 +33,6 @@ across the processes from the earlier slices' states (linrope.torch.distributed)
 are again the single process's, to float32 rounding. Linear attention variants only (softmax
 needs every earlier key), and under torchrun only."""
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -35,9 +40,11 @@ import subprocess
 import sys
 import time
 
-from . import decoding, parallel, plans, step_time, sweep
+from . import budget, decoding, parallel, plans, stages, step_time, sweep
 from .model import sequence_parallel_problem
+from .mqar import check as mqar_check, parse_settings
 from .results import write_tables
+from .train import Config
 from .variants import CATALOGUE, from_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,6 +88,21 @@ def _variants(text):
         raise argparse.ArgumentTypeError(str(e))
 
 
+def _mqar_settings(text):
+    """'64x4,128x8': two runs' settings, each trained on its own; '64x4+128x8': one run's,
+    trained in turn."""
+    try:
+        settings = tuple(parse_settings(part) for part in text.split(","))
+        if not all(settings):
+            raise ValueError("expected LENGTHxPAIRS settings separated by commas, e.g. "
+                             "64x4,128x8; got %r" % text)
+        for length, pairs in (pair for run in settings for pair in run):
+            mqar_check(Config.mqar_vocab, length, pairs)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return settings
+
+
 def parse(argv, plan_seams=None):
     p = argparse.ArgumentParser(prog="python3 -m training", description=__doc__.split("\n\n")[0],
                                 epilog="Under torchrun (python3 -m torch.distributed.run "
@@ -96,7 +118,8 @@ def parse(argv, plan_seams=None):
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="a few variants, few steps: the pipeline end to end (default)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="every variant, 3 seeds (char_lm) and 2 (mqar), the whole budget")
+                      help="the study: its variants, 3 seeds (char_lm) and 2 (mqar), the whole "
+                      "budget (--plan lists it)")
     p.add_argument("--out", default="results/training", help="output directory")
     p.add_argument("--text", help="a UTF-8 file for char_lm instead of Jane Austen's novels")
     p.add_argument("--tasks", type=_names(plans.TASKS), default=plans.TASKS)
@@ -105,10 +128,16 @@ def parse(argv, plan_seams=None):
     p.add_argument("--seeds", type=_ints)
     p.add_argument("--steps", type=int, help="optimiser steps per run (overrides the mode's)")
     p.add_argument("--lrs", type=_rates,
-                   help="char_lm's learning-rate grid, e.g. 1e-3,3e-3 (overrides the mode's)")
+                   help="every task's learning-rate grid, e.g. 1e-3,3e-3 (overrides the mode's)")
+    p.add_argument("--mqar-settings", type=_mqar_settings,
+                   help="MQAR's (length, pairs) settings instead of the mode's, each trained on "
+                   "its own, e.g. 64x4 or 64x4,128x8 ('+' joins settings one run trains in "
+                   "turn: 64x4+128x8)")
     p.add_argument("--stages", type=_names(plans.STAGES), default=plans.STAGES,
-                   help="which of the plan's stages to run (default all: %s)" %
-                   ",".join(plans.STAGES))
+                   help="which of the plan's stages to train (default all: %s); the others' "
+                   "finished runs are read from --out" % ",".join(plans.STAGES))
+    p.add_argument("--plan", action="store_true",
+                   help="print every run of the plan, its budget and estimated time, and exit")
     p.add_argument("--redraw-interval", type=int, default=0,
                    help="FAVOR+: draw a new W every k training steps (0: never)")
     p.add_argument("--jobs", type=int,
@@ -136,7 +165,7 @@ def parse(argv, plan_seams=None):
             p.error("--%s is %d but expected >= 1" % (name, value))
     if args.redraw_interval < 0:
         p.error("--redraw-interval is %d but expected >= 0" % args.redraw_interval)
-    if args.sequence_parallel and not args.list_variants:
+    if args.sequence_parallel and not (args.list_variants or args.plan):
         _check_sequence_parallel(p, args, plan_seams)
     if parallel.under_torchrun():
         if args.jobs is not None:
@@ -156,11 +185,13 @@ def _check_sequence_parallel(p, args, plan_seams):
         refuse("splits each sequence over torchrun's processes: run it under python3 -m "
                "torch.distributed.run (see --help)")
     plan = _plan(args, plan_seams)
-    for variant in plan.all_variants():
-        problem = sequence_parallel_problem(variant, plan.model["d_model"], plan.model["heads"])
-        if problem:
-            refuse("cannot train %s: %s; choose other variants with --variants" % (
-                variant.name, problem))
+    for task in plan.tasks:
+        model = plan.model_of(task)
+        for variant in plan.all_variants((task,)):
+            problem = sequence_parallel_problem(variant, model["d_model"], model["heads"])
+            if problem:
+                refuse("cannot train %s: %s; choose other variants with --variants" % (
+                    variant.name, problem))
 
 
 def _git(*command):
@@ -212,11 +243,11 @@ def metadata(args, argv, plan, started, source, corpus_info, processes=1, parall
         # "sequence" (each sequence's positions); None in one process outside torchrun.
         parallel=parallel_mode,
         redraw_interval=args.redraw_interval,
-        corpus=corpus_info, model=plan.model,
+        corpus=corpus_info, model=plan.model_of("char_lm"), mqar_model=plan.model_of("mqar"),
         # The plan's settings, each Variant in them by its name.
-        plan=dict(json.loads(json.dumps({k: v for k, v in plan.settings.items()
-                                         if k != "variants"}, default=lambda v: v.name)),
-                  stages=plan.stage_names(), lrs=plan.rates()),
+        plan=dict(json.loads(json.dumps(plan.settings, default=lambda v: v.name)),
+                  stages=plan.stage_names(), lrs=plan.rates(), mqar_lrs=plan.rates("mqar"),
+                  mqar_settings=plan.mqar_setting_list()),
         variants={v.name: v.describe() for v in plan.all_variants()})
 
 
@@ -273,6 +304,10 @@ def main(argv=None, *, hooks=None, modes=None, model=None):
     if args.list_variants:
         _list_variants()
         return 0
+    if args.plan:
+        sys.stdout.write(budget.plan_text(_plan(args, plan_seams), args.jobs,
+                                          "python3 -m training " + " ".join(argv)))
+        return 0
     try:
         group = parallel.from_environment(args.sequence_parallel)
     except (RuntimeError, ValueError) as e:
@@ -286,10 +321,14 @@ def main(argv=None, *, hooks=None, modes=None, model=None):
 
 
 def _list_variants():
-    print("The catalogue's variants (--full trains them all):\n")
+    print("The catalogue's variants:\n")
     for variant in CATALOGUE:
-        print("  %-22s %s" % (variant.name, variant.describe()))
-    print("\nAny of them, followed by any of these in this order, is a variant too:\n"
+        print("  %-28s %s" % (variant.name, variant.describe()))
+    others = [v for v in plans.Plan("full").all_variants() if v not in CATALOGUE]
+    print("\nThe --full plan's others (with a decay, a short convolution or more features):\n")
+    for variant in others:
+        print("  %-28s %s" % (variant.name, variant.describe()))
+    print("\nAny catalogue variant, followed by any of these in this order, is a variant too:\n"
           "  -m<f>x          FAVOR+ with f x head dim random features (default 2)\n"
           "  -redraw<k>      FAVOR+ with a new W every k training steps\n"
           "  -decay<gamma>   linear attention whose state decays by gamma in (0, 1) per step,\n"
@@ -302,13 +341,7 @@ def _plan(args, plan_seams=None):
     """The plan the command line asks for; plan_seams: main's modes and model."""
     return plans.Plan(args.mode, args.tasks, args.variants, args.seeds, args.steps,
                       args.redraw_interval, args.threads, args.lrs, args.stages,
-                      **(plan_seams or {}))
-
-
-def _with_text(configs, corpus):
-    """char_lm configs bound to the corpus (a resumed run never continues on another text)."""
-    return [dataclasses.replace(c, text_digest=corpus.digest) if c.task == "char_lm" else c
-            for c in configs]
+                      mqar_settings=args.mqar_settings, **(plan_seams or {}))
 
 
 def _train(args, argv, group, plan, hooks):
@@ -321,31 +354,40 @@ def _train(args, argv, group, plan, hooks):
         except RuntimeError as e:
             problem = str(e)
     if problem is None:
-        problem = plan_problem(_with_text(plan.preview(), corpus), corpus, args.text,
+        problem = plan_problem(stages.with_text(plan.preview(), corpus), corpus, args.text,
                                args.sequence_parallel, group.world_size)
     if problem is not None:
         sys.stderr.write("training: %s\n" % problem)
         return 1
+    log = _stage_log(args.out, args.mode)
+
+    def after_stage(progress):
+        # Each stage's tables and metadata as soon as it is done: analysable on their own.
+        write_tables(progress.results, args.out)
+        _write_metadata(args, argv, plan, started, source, corpus_info, group, progress, log)
+
+    # One set of worker processes for every stage (each start imports torch and loads the text).
+    pool = None if group.distributed else sweep.new_pool(args.jobs)
+
+    def train(configs):
+        return sweep.run_all(configs, args.out, args.jobs, args.text, args.resume, args.quiet,
+                             group, pool=pool, hooks=hooks)
+
     try:
-        results = []
-        for name in plan.stage_names():
-            # Rank 0 alone holds the results the stage is chosen from: the others get its list.
-            configs = group.broadcast(_with_text(plan.stage(name, results), corpus)
-                                      if group.main else None)
-            if not configs:
-                continue
-            if group.main:
-                sys.stderr.write("training: stage %s\n" % name)
-            results += sweep.run_all(configs, args.out, args.jobs, args.text, args.resume,
-                                     args.quiet, group, hooks=hooks) or []
+        try:
+            progress = stages.run(plan, args.out, corpus, train, args.jobs, group, after_stage)
+        finally:
+            if pool is not None:
+                pool.shutdown()
         if not group.main:
             return 0
-        write_tables(results, args.out)
+        write_tables(progress.results, args.out)
         if not args.no_step_time:
-            step_time.run(args.out, plan.settings["step_time"], plan.model, args.resume,
-                          args.quiet)
+            step_time.run(args.out, plan.settings["step_time"], plan.model_of("char_lm"),
+                          args.resume, args.quiet)
         if not args.no_decode:
-            decoding.run(args.out, results, args.quiet)
+            decoding.run(args.out, progress.results, args.quiet,
+                         words=corpus.words() if corpus else None)
     except sweep.RunsFailed as e:
         sys.stderr.write("training: %s\n" % e)
         return 1
@@ -356,11 +398,33 @@ def _train(args, argv, group, plan, hooks):
         sys.stderr.write("training: interrupted; finished runs and checkpoints are kept: run the "
                          "same command with --resume to go on\n")
         return 130
-    # Written last: its presence tells the analysis that the CSVs are those of a finished sweep.
-    sweep.write_json(os.path.join(args.out, "training.json"),
-                     metadata(args, argv, plan, started, source, corpus_info, group.world_size,
-                              group.mode))
+    # Written last too: its presence tells the analysis that the CSVs are those of finished
+    # stages (stages_done says which).
+    _write_metadata(args, argv, plan, started, source, corpus_info, group, progress, log)
     return 0
+
+
+def _stage_log(out, mode):
+    """The stage log of an earlier training.json of the same mode in out (each stage: the
+    command, commit and date that trained it), or {}."""
+    path = os.path.join(out, "training.json")
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return earlier.get("stage_log", {}) if earlier.get("mode") == mode else {}
+
+
+def _write_metadata(args, argv, plan, started, source, corpus_info, group, progress, log):
+    meta = metadata(args, argv, plan, started, source, corpus_info, group.world_size, group.mode)
+    for name in progress.trained:  # this command trained them, on this commit
+        log[name] = dict(command=meta["command"], date=meta["date"],
+                         git_commit=meta["git_commit"], git_dirty=meta["git_dirty"])
+    meta.update(stages_done=progress.done, stage_log=log,
+                run_seconds=sum(r.summary.get("wall_seconds") or r.summary.get("train_seconds")
+                                or 0.0 for r in progress.results))
+    sweep.write_json(os.path.join(args.out, "training.json"), meta)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ once into a cache) or any UTF-8 file; the last 5% is validation. Training batche
 (seed, step), so a resumed run sees the same data as an uninterrupted one."""
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 
@@ -64,6 +65,12 @@ class Corpus:
     def vocab_size(self):
         return len(self.chars)
 
+    def words(self):
+        """The words of the training split (runs of letters, lower case): what a sample's words
+        are looked up in (words_known)."""
+        text = "".join(np.array(self.chars)[self.train])
+        return set(re.findall(r"[a-z]+", text.lower()))
+
     def batch(self, seed, step, batch_size, context):
         """Inputs and next-character targets [batch_size, context] at random places of the
         training split, drawn from (seed, step) alone."""
@@ -97,3 +104,12 @@ def load_corpus(path=None):
             return Corpus(f.read(), os.path.basename(path))
     except (OSError, UnicodeDecodeError) as e:
         raise RuntimeError("--text %s: %s" % (path, e)) from None
+
+
+def words_known(text, words):
+    """(words in text, how many of them are in `words`): runs of letters, lower case, the last
+    left out when the text ends inside it (a word cut off)."""
+    found = re.findall(r"[a-z]+", text.lower())
+    if found and text[-1:].isalpha():
+        found = found[:-1]
+    return len(found), sum(w in words for w in found)

@@ -21,6 +21,7 @@ import torch
 import linrope
 from analysis.common import csv_text, write_atomic  # experiments/analysis
 
+from .caches import cache_bytes
 from .model import Decoder
 from .train import Config
 
@@ -47,11 +48,6 @@ def load_model(path):
                     c.stats_threshold)
     model.load_state_dict(saved["model"])
     return model.eval(), saved["chars"], c
-
-
-def cache_bytes(caches):
-    """Bytes held by the layers' caches (a LinearState's S, z and scales; softmax's k and v)."""
-    return sum(t.numel() * t.element_size() for cache in caches for t in cache)
 
 
 @torch.no_grad()

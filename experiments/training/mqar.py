@@ -23,6 +23,27 @@ def check(vocab_size, length, pairs):
                          "length %d, pairs %d, vocab_size %d" % (length, pairs, vocab_size))
 
 
+def settings_name(settings):
+    """'64x4' for ((64, 4),): the (length, pairs) settings of a run, '+' between several (trained
+    in turn); '' for none (char_lm)."""
+    return "+".join("%dx%d" % tuple(s) for s in settings)
+
+
+def parse_settings(text):
+    """settings_name's inverse: ((64, 4), (128, 8)) for '64x4+128x8', () for ''. ValueError for
+    anything else."""
+    if not text:
+        return ()
+    try:
+        settings = tuple(tuple(int(n) for n in part.split("x")) for part in text.split("+"))
+    except ValueError:
+        settings = None
+    if settings is None or any(len(s) != 2 for s in settings):
+        raise ValueError("MQAR settings are LENGTHxPAIRS (e.g. 64x4), '+' between several; got "
+                         "%r" % text)
+    return settings
+
+
 def batch(rng, size, length, pairs, vocab_size):
     """Inputs [size, length] and targets [size, length] (IGNORE except at the queries)."""
     check(vocab_size, length, pairs)

@@ -13,11 +13,18 @@ PLACEMENT_COLOURS = {"none": "tab:gray", "before_map": "tab:orange",
 MAP_MARKERS = {"elu+1": "s", "favor+": "o", "1+cos": "^"}
 
 
+EXTRAS_COLOURS = {(True, False): "tab:purple", (False, True): "tab:olive",
+                  (True, True): "tab:pink"}  # (short convolution, decay)
+
+
 def colour(variant):
-    """The placement's colour (the same in every map's panel); no denominator green; softmax
-    black (RoPE) or brown (no positions)."""
+    """The placement's colour (the same in every map's panel); no denominator green; a short
+    convolution, a decay or both a colour each, whatever the placement (the char_lm plan adds
+    them to its best linear variant alone); softmax black (RoPE) or brown (no positions)."""
     if not variant.linear:
         return "black" if variant.rope else "tab:brown"
+    if variant.extras:
+        return EXTRAS_COLOURS[bool(variant.short_conv), variant.decay is not None]
     if not variant.denominator:
         return "tab:green"
     return PLACEMENT_COLOURS[variant.placement]
@@ -42,19 +49,22 @@ def _groups(variants):
             for label, names in _families(variants)]
 
 
-def _band(rows, key):
+def _band(rows, key, x="step"):
     by_step = collections.defaultdict(list)
     for r in rows:
         if r[key] is not None:
-            by_step[r["step"]].append(r[key])
+            by_step[r[x]].append(r[key])
     steps = sorted(by_step)
     return (steps, [statistics.fmean(by_step[s]) for s in steps],
             [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps])
 
 
 def _records(results, cell, name):
-    """The rows of record `name` (curves, layers, evaluations) of every run of a cell."""
-    return [row for r in results if r.cell == cell for row in r.records[name]]
+    """The rows of record `name` (curves, layers, evaluations) of every run of a cell, each with
+    the tokens its run had trained on by then ("tokens": the step times the run's tokens per
+    step; the step itself for tables without them)."""
+    return [dict(row, tokens=row["step"] * (r.summary.get("tokens_per_step") or 1))
+            for r in results if r.cell == cell for row in r.records[name]]
 
 
 def plot(out, summary, corpus, results):
@@ -82,19 +92,19 @@ def plot(out, summary, corpus, results):
         for ax, (label, names) in zip(axes[0], groups):
             for v in names:
                 lr = cells[v]["lr"]
-                cell = ("char_lm", context, v, lr)
+                cell = ("char_lm", context, v, lr, cells[v]["steps"])
                 val = [dict(e, bpc=e["value"]) for e in _records(results, cell, "evaluations")
                        if e["length"] == context]
                 for rows, key, style in ((_records(results, cell, "curves"), "train_loss", ":"),
                                          (val, "bpc", "-")):
-                    steps, mean, low, high = _band(rows, key)
+                    steps, mean, low, high = _band(rows, key, "tokens")
                     if key == "train_loss":
                         mean, low, high = ([x / math.log(2) for x in y] for y in (mean, low, high))
                     ax.plot(steps, mean, style, color=colour(v),
                             label="%s (lr %g)" % (v.describe(), lr) if key == "bpc" else None)
                     ax.fill_between(steps, low, high, color=colour(v), alpha=0.2, linewidth=0)
             ax.set_title(label)
-            ax.set_xlabel("step")
+            ax.set_xlabel("characters trained on")
             ax.legend(fontsize=6)
         axes[0][0].set_ylabel("bits per character")
         finals = [c["final_bpc"] for c in cells.values() if c["final_bpc"]["n"]]
@@ -102,12 +112,12 @@ def plot(out, summary, corpus, results):
             axes[0][0].set_ylim(min(f["min"] for f in finals) - 0.15,
                                 max(f["max"] for f in finals) + 0.9)
         save(fig, "char_lm_curves_%d.png" % context, "Character-level %s, context %d, each "
-             "variant at its best learning rate: validation bpc (solid) and training bpc "
-             "(dotted) against step; line: mean over seeds, band: min to max." % (
-                 corpus, context))
+             "variant at its chosen learning rate: validation bpc (solid) and training bpc "
+             "(dotted) against the characters trained on; line: mean over seeds, band: min to "
+             "max." % (corpus, context))
 
         if any(len(g) > 1 for g in lm["grid"].values()):
-            families = _families(list(cells))
+            families = _families([v for v in cells if v.name in lm["grid"]])
             fig, axes = plt.subplots(1, len(families), figsize=(3.6 * len(families), 3.2),
                                      sharey=True, squeeze=False)
             for ax, (label, names) in zip(axes[0], families):
@@ -158,8 +168,8 @@ def plot(out, summary, corpus, results):
             layer_ids = sorted({i for r in results for i in r.layer_ids()})
             for row, (label, names) in zip(axes, families):
                 for v in names:
-                    rows = _records(results, ("char_lm", int(context), v, cells[v]["lr"]),
-                                    "layers")
+                    rows = _records(results, ("char_lm", int(context), v, cells[v]["lr"],
+                                              cells[v]["steps"]), "layers")
                     for layer in layer_ids:
                         layer_rows = [r for r in rows if r["layer"] == layer]
                         for ax, key in zip(row, ("den_min", "nonpositive_share", "grad_norm")):
@@ -186,25 +196,36 @@ def plot(out, summary, corpus, results):
                  "over seeds). No-denominator variants have none." % (corpus, context))
 
     if "mqar" in summary:
-        names = list(summary["mqar"])
-        settings = list(next(iter(summary["mqar"].values()))["accuracy"])
-        fig, ax = plt.subplots(figsize=(8, 3.4))
-        width = 0.8 / max(1, len(settings))
-        for i, setting in enumerate(settings):
-            acc = [summary["mqar"][n]["accuracy"][setting] for n in names]
-            means = [a["mean"] for a in acc]
-            ax.bar([j + i * width for j in range(len(names))], means, width,
-                   yerr=[[m - a["min"] for m, a in zip(means, acc)],
-                         [a["max"] - m for m, a in zip(means, acc)]],
-                   label="length %s, %s pairs" % tuple(setting.split("/")))
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
-        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("query accuracy")
-        ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=7)
-        save(fig, "mqar_accuracy.png", "MQAR: accuracy on held-out sequences per variant (m4x: "
-             "FAVOR+ with 4 x head dim features, else 2 x) and (length, pairs) (mean over seeds, "
-             "bars: min to max).")
+        settings = list(summary["mqar"])
+        fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.6),
+                                 sharey=True, squeeze=False)
+        for ax, name in zip(axes[0], settings):
+            for v, c in summary["mqar"][name]["cells"].items():
+                acc, floats = c["final_accuracy"], c["state_floats"]
+                if not acc["n"] or not floats:
+                    continue
+                variant = from_name(v)
+                # The placement's colour, hollow with the short convolution.
+                shade = colour(variant.replace(short_conv=0))
+                ax.errorbar([floats], [acc["mean"]], yerr=[[acc["mean"] - acc["min"]],
+                                                           [acc["max"] - acc["mean"]]],
+                            marker=marker(variant), color=shade, linestyle="none",
+                            markerfacecolor="none" if variant.short_conv else shade,
+                            markersize=7 if variant.feature_factor > 2 else 5,
+                            label=variant.describe())
+            pairs = int(name.split("+")[-1].split("x")[1])
+            ax.axhline(1 / pairs, color="gray", linestyle=":", linewidth=1, label="1/pairs")
+            ax.set_xscale("log")
+            ax.set_ylim(0, 1.05)
+            ax.set_title(name.replace("x", " tokens, ").replace("+", "; ") + " pairs",
+                         fontsize=9)
+            ax.set_xlabel("state floats (decoding caches, one sequence)")
+            ax.legend(fontsize=5, loc="best", framealpha=0.5)
+        axes[0][0].set_ylabel("final query accuracy")
+        save(fig, "mqar_accuracy.png", "MQAR: held-out accuracy of each variant at its best "
+             "rate against the floats its decoding caches hold for one sequence (mean over "
+             "seeds, bars: min to max; hollow: with the short convolution; large: more "
+             "features); dotted: 1/pairs.")
 
     if "step_time" in summary:
         st = summary["step_time"]

@@ -10,52 +10,10 @@ from analysis.common import write_json  # experiments/analysis
 
 from .plots import plot
 from .results import read_tables
-from .summary import paired, spread, summarise
-from .variants import DEFAULT_FEATURE_FACTOR, FEATURE_MAPS, SOFTMAX_ROPE, Variant, from_name
-
-REFERENCE = SOFTMAX_ROPE.name
-
-
-def format_spread(s, digits=3):
-    """'2.345 (2.301-2.389, 3 seeds)', the value alone for one seed, 'n/a' for none."""
-    if not s["n"]:
-        return "n/a"
-    if s["n"] == 1:
-        return "%.*f" % (digits, s["mean"])
-    return "%.*f (%.*f-%.*f, %d seeds)" % (digits, s["mean"], digits, s["min"], digits, s["max"],
-                                           s["n"])
-
-
-def _separated(a, b):
-    """Whether the seed ranges of a and b do not overlap (the difference exceeds the spread)."""
-    return a["n"] > 1 and b["n"] > 1 and (a["max"] < b["min"] or b["max"] < a["min"])
-
-
-def compare(a, b, key="final_bpc"):
-    """'+0.021 (per seed +0.018, +0.025, +0.020; beyond the seed ranges)': cell a minus cell b,
-    paired by seed, and whether their ranges overlap."""
-    diffs = paired(a[key + "_per_seed"], b[key + "_per_seed"])
-    if not diffs:
-        return "not comparable (no seed finished both)"
-    mean = sum(diffs.values()) / len(diffs)
-    if len(diffs) == 1:
-        return "%+.3f (one seed, so of unknown significance)" % mean
-    signs = {d > 0 for d in diffs.values()}
-    return "%+.3f (per seed %s; %s%s)" % (
-        mean, ", ".join("%+.3f" % d for d in diffs.values()),
-        "beyond the seed ranges" if _separated(a[key], b[key]) else "within the seed ranges",
-        "" if len(signs) == 1 else ", the sign changes between seeds")
-
-
-def describe(name):
-    return from_name(name).describe()
-
-
-def _placement(name):
-    v = from_name(name)
-    if not v.linear:
-        return v.describe()
-    return "no denominator" if not v.denominator else v.placement
+from .answers import opening, previous_study
+from .summary import spread, summarise
+from .variants import DEFAULT_FEATURE_FACTOR, FEATURE_MAPS, Variant, from_name
+from .wording import REFERENCE, compare, describe, format_spread, placement
 
 
 def _linear(kind, placement=None):
@@ -104,8 +62,8 @@ def _placements(cells):
             continue
         first = cells[ranking[0]]
         sentences.append("for %s, **%s** (%.3f), then %s" % (
-            names.label, _placement(ranking[0]), first["final_bpc"]["mean"], "; ".join(
-                "%s %s" % (_placement(v), compare(cells[v], first)) for v in ranking[1:])))
+            names.label, placement(ranking[0]), first["final_bpc"]["mean"], "; ".join(
+                "%s %s" % (placement(v), compare(cells[v], first)) for v in ranking[1:])))
     return sentences
 
 
@@ -147,7 +105,7 @@ def _softmax_gap(cells):
     for kind, names in FEATURE_MAPS.items():
         ranking = _ranked(cells, kind)
         if ranking:
-            parts.append("%s at its best (%s) %s" % (names.label, _placement(ranking[0]),
+            parts.append("%s at its best (%s) %s" % (names.label, placement(ranking[0]),
                                                      compare(cells[ranking[0]], ref)))
     nopos = cells.get(Variant("softmax", rope=False).name)
     if nopos and nopos["final_bpc"]["n"]:
@@ -193,12 +151,12 @@ def _long_context(char_lm):
         at_short = [v for v in _ranked(short, kind) if v in at_long]
         if len(at_long) >= 2:
             changes.append("%s: %s at %s (at %s: %s)%s" % (
-                names.label, ", ".join(_placement(v) for v in at_long), contexts[-1], contexts[0],
-                ", ".join(_placement(v) for v in at_short),
+                names.label, ", ".join(placement(v) for v in at_long), contexts[-1], contexts[0],
+                ", ".join(placement(v) for v in at_short),
                 " -- **the order changes**" if at_long != at_short else ""))
         elif at_long:
             changes.append("%s: %s alone at %s" % (
-                names.label, _placement(at_long[0]), contexts[-1]))
+                names.label, placement(at_long[0]), contexts[-1]))
     ref_s, ref_l = short.get(REFERENCE), long.get(REFERENCE)
     gaps = []
     if ref_s and ref_l:
@@ -247,56 +205,84 @@ def _redraws(lm):
         "; ".join(parts) + "."
 
 
-def _state_floats(name, meta):
-    """Floats of one head's linear attention state at inference (S and z): m (d_v + 1), m the
-    head dim for elu+1 and 1+cos, feature_factor x head dim for FAVOR+; None for softmax."""
-    v = from_name(name)
-    if not v.linear:
-        return None
-    model = meta.get("model", {})
-    head = model.get("d_model", 64) // model.get("heads", 2)
-    m = v.feature_factor * head if v.feature_map == "favor+" else head
-    return m * (head + 1)
+def _steps(s):
+    """'1200 (900-1500, 2 seeds)', or how many seeds never reached it."""
+    missing = s["seeds"] - s["n"] if "seeds" in s else 0
+    if not s["n"]:
+        return "never"
+    text = format_spread(s, 0)
+    return text + (" (%d not)" % missing if missing else "")
 
 
-def _mqar(mq, meta):
-    settings = list(next(iter(mq.values()))["accuracy"])
-    lines = ["| variant | state floats per head | " + " | ".join(
-        "length %s, %s pairs" % tuple(s.split("/")) for s in settings) + " | diverged |",
-        "|---|---|" + "---|" * (len(settings) + 1)]
-    for name, s in mq.items():
-        floats = _state_floats(name, meta)
-        lines.append("| %s | %s | %s | %d of %d |" % (
-            describe(name), floats if floats else "all keys and values", " | ".join(
-                format_spread(s["accuracy"][k]) for k in settings), s["diverged"], s["seeds"]))
-    out = ["MQAR (Zoology's multi-query associative recall), its (length, pairs) settings "
-           "trained in turn, step by step: query accuracy on held-out sequences, mean over seeds "
-           "(range):\n\n" + "\n".join(lines)]
+def _reached(cell, threshold):
+    return _steps(dict(cell["steps_to_%g" % threshold], seeds=cell["seeds"]))
+
+
+def _setting_label(name):
+    """'64x4' -> 'length 64, 4 pairs' ('+' between settings trained in turn)."""
+    return " then ".join("length %s, %s pairs" % tuple(part.split("x"))
+                         for part in name.split("+"))
+
+
+def _mqar_table(name, m):
+    lines = ["| variant | lr | state floats (all layers) | final accuracy | steps to 0.9 | "
+             "steps to 0.99 | diverged |", "|---|---|---|---|---|---|---|"]
+    for v, s in m["cells"].items():
+        lines.append("| %s | %g | %s | %s | %s | %s | %d of %d |" % (
+            describe(v), s["lr"], s["state_floats"] if s["state_floats"] is not None else "-",
+            format_spread(s["final_accuracy"]), _reached(s, 0.9), _reached(s, 0.99),
+            s["diverged"], s["seeds"]))
+    return ("MQAR (Zoology's multi-query associative recall) at %s (each run until its "
+            "held-out accuracy reaches the stop accuracy or its step cap, %s steps): final "
+            "query accuracy on held-out sequences, mean over seeds (range), each variant at "
+            "its best rate; the steps to 0.9 and 0.99 are the first evaluated steps there. "
+            "State floats: what one sequence's decoding caches hold at the length trained "
+            "(softmax: every key and value so far):\n\n" % (
+                _setting_label(name), ", ".join(sorted({"%d" % s["steps"] for s in
+                                                        m["cells"].values() if s["steps"]})))
+            + "\n".join(lines))
+
+
+def _recall(name, m):
+    """The sentences on one setting: softmax's recall, the best linear variant's, and what
+    the short convolution, the decay and more features change (paired by seed)."""
+    cells = m["cells"]
+    pairs = int(name.split("+")[-1].split("x")[1])
     words = []
-    soft = mq.get(REFERENCE)
-    if soft:
-        reached = [k for k in settings if soft["accuracy"][k]["n"] and
-                   soft["accuracy"][k]["min"] >= 0.95]
-        words.append("softmax + RoPE reaches >= 0.95 in every seed at %s" % (
-            ", ".join("(%s)" % k.replace("/", ", ") for k in reached) if reached else
-            "no setting"))
-    linear = [n for n in mq if from_name(n).linear]
-    if linear and len(settings) > 1:
-        best = max(linear, key=lambda n: mq[n]["accuracy"][settings[0]]["mean"])
-        words.append("the best linear cell, %s, %s" % (best, ", ".join(
-            "%.3f at (%s)" % (mq[best]["accuracy"][k]["mean"], k.replace("/", ", "))
-            for k in settings)))
-    for name, s in mq.items():
-        v = from_name(name)
-        base_name = v.replace(feature_factor=DEFAULT_FEATURE_FACTOR).name
-        base = mq.get(base_name)  # the same variant at the default features
-        if base is not None and base is not s:
-            words.append("%s with %dx the features against %dx: %s" % (
-                base_name, v.feature_factor, DEFAULT_FEATURE_FACTOR, ", ".join("%+.3f at (%s)" % (
-                    s["accuracy"][k]["mean"] - base["accuracy"][k]["mean"],
-                    k.replace("/", ", ")) for k in settings)))
-    out.append("**Recall.** " + "; ".join(words) + ". Guessing among the sequence's values "
-               "would score 1/pairs.")
+    soft = cells.get(REFERENCE)
+    if soft and soft["final_accuracy"]["n"]:
+        words.append("softmax + RoPE %s" % format_spread(soft["final_accuracy"]))
+    linear = [v for v in cells if from_name(v).linear and cells[v]["final_accuracy"]["n"]]
+    if linear:
+        best = max(linear, key=lambda v: (cells[v]["final_accuracy"]["mean"],
+                                          -(cells[v]["state_floats"] or 0)))
+        words.append("the best linear variant, %s, %s with %s state floats" % (
+            describe(best), format_spread(cells[best]["final_accuracy"]),
+            cells[best]["state_floats"]))
+    for v in cells:
+        variant = from_name(v)
+        for label, base in (("the short convolution", variant.replace(short_conv=0)),
+                            ("the decay", variant.replace(decay=None)),
+                            ("%dx the features" % variant.feature_factor,
+                             variant.replace(feature_factor=DEFAULT_FEATURE_FACTOR))):
+            if base != variant and base.name in cells and not (
+                    label == "the decay" and variant.short_conv):
+                words.append("%s adds to %s %s" % (label, describe(base.name), compare(
+                    cells[v], cells[base.name], "final_accuracy")))
+    if not words:
+        return None
+    text = "; ".join(words)
+    return ("**Recall at %s.** " % _setting_label(name) + text[0].upper() + text[1:] +
+            ". Guessing among the sequence's values would score 1/pairs = %.3f." % (1 / pairs))
+
+
+def _mqar(mq):
+    out = []
+    for name, m in mq.items():
+        out.append(_mqar_table(name, m))
+        recall = _recall(name, m)
+        if recall:
+            out.append(recall)
     return out
 
 
@@ -323,14 +309,18 @@ def _samples(summary):
     samples = summary.get("samples")
     if not samples:
         return None
-    rows = ["| variant | sample (prompt, then %d characters at temperature %g) |" % (
-        len(samples[0]["text"]) - len(samples[0]["prompt"]), samples[0]["temperature"]),
-        "|---|---|"]
+    rows = ["| variant | sample (prompt, then %d characters at temperature %g) | words in the "
+            "training text |" % (len(samples[0]["text"]) - len(samples[0]["prompt"]),
+                                 samples[0]["temperature"]), "|---|---|---|"]
     for s in samples:
         text = s["text"].replace("|", "\\|").replace("\n", " / ")
-        rows.append("| %s | %s |" % (describe(s["variant"]), text))
-    return ("Samples from the first seed's model of each variant (context %d, its best rate; "
-            "one prompt, one sampling seed):\n\n" % samples[0]["context"] + "\n".join(rows))
+        known = ("%d of %d" % (s["known_words"], s["words"]) if s.get("words") is not None
+                 else "-")
+        rows.append("| %s | %s | %s |" % (describe(s["variant"]), text, known))
+    return ("Samples from the final model of each variant's first seed (context %d, its chosen "
+            "rate; one prompt, one sampling seed), with how many of the sampled words (letter "
+            "runs, the last cut-off one left out) occur in the training text:\n\n"
+            % samples[0]["context"] + "\n".join(rows))
 
 
 def _step_time(st):
@@ -383,7 +373,7 @@ def findings(summary, meta):
         out.append(long)
     if summary.get("mqar"):
         out.append("### MQAR")
-        out += _mqar(summary["mqar"], meta)
+        out += _mqar(summary["mqar"])
     if summary.get("decoding") or summary.get("samples"):
         out.append("### The models in use")
         out += [p for p in (_decoding(summary), _samples(summary)) if p]
@@ -423,6 +413,7 @@ def section(out, plot_note=None, link_prefix="training/"):
                            "runs.csv", "curves.csv", "layers.csv", "evaluations.csv",
                            "step_time.csv", "decode.csv", "samples.json", "training.json")),
                    link_prefix))
+    md += "".join(p + "\n\n" for p in opening(summary, meta, previous_study(out, meta)))
     for name, caption in figures:
         md += "![%s](%s%s)\n\n*%s*\n\n" % (caption, link_prefix, name, caption)
     if plot_note is not None:

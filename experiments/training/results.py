@@ -9,12 +9,13 @@ import os
 
 from analysis.common import read_rows, write_csv  # experiments/analysis
 
+from .mqar import parse_settings, settings_name
 from .train import run_key
 from .variants import Variant, from_name
 
-# What tells one run from another in the tables: the cell (task, context, variant, learning rate)
-# and the seed.
-IDS = ("task", "context", "variant", "lr", "seed")
+# What tells one run from another in the tables: the cell (task, context or MQAR settings,
+# variant, learning rate, budget: the optimiser steps configured) and the seed.
+IDS = ("task", "context", "mqar_settings", "variant", "lr", "budget", "seed")
 # The records written a row each, and their columns after the ids.
 RECORDS = dict(curves=("step", "train_loss", "scheduled_lr", "grad_norm", "clipped_so_far"),
                layers=("step", "layer", "den_min", "nonpositive_share", "tiny_share",
@@ -24,9 +25,10 @@ RECORDS = dict(curves=("step", "train_loss", "scheduled_lr", "grad_norm", "clipp
 
 @dataclasses.dataclass
 class Result:
-    """One finished run. summary: train.Run.summary() (status, steps, divergence, clip share,
-    throughput, the denominators' totals per layer); records: its curves, layers and evaluations,
-    lists of rows (dicts). NaN reads as None, from either source."""
+    """One finished run. summary: train.Run.summary() (status, steps done, divergence, clip
+    share, throughput, state size, MQAR's recall, the denominators' totals per layer); records:
+    its curves, layers and evaluations, lists of rows (dicts). NaN reads as None, from either
+    source."""
     task: str
     context: int        # char_lm's training context; 0 for mqar
     variant: Variant
@@ -35,16 +37,24 @@ class Result:
     summary: dict
     records: dict
     resumed_from_step: int = None  # where a resumed run continued (runs/<key>.json only)
+    mqar_settings: tuple = ()      # mqar's ((length, pairs), ...)
+    budget: int = None             # the optimiser steps configured (None: tables without them)
 
     @property
     def key(self):
         """The run's name (train.Config.key): its files' name."""
-        return run_key(self.task, self.context, self.variant, self.lr, self.seed)
+        return run_key(self.task, self.context, self.mqar_settings, self.variant, self.lr,
+                       self.budget, self.seed)
+
+    @property
+    def setting(self):
+        """Where the run trained: char_lm's context, or MQAR's settings."""
+        return self.context if self.task == "char_lm" else self.mqar_settings
 
     @property
     def cell(self):
-        """What the seeds of one measurement share: (task, context, variant, lr)."""
-        return self.task, self.context, self.variant, self.lr
+        """What the seeds of one measurement share: (task, setting, variant, lr, budget)."""
+        return self.task, self.setting, self.variant, self.lr, self.budget
 
     @property
     def complete(self):
@@ -64,6 +74,21 @@ class Result:
         values = [e["value"] for e in self.finals(self.context)]
         return values[-1] if self.complete and values and values[-1] is not None else math.inf
 
+    def final_accuracy(self):
+        """An MQAR run's final held-out accuracy, the worst of its settings' (None if it
+        diverged)."""
+        values = [e["value"] for e in self.finals()]
+        return min(values) if self.complete and values and None not in values else None
+
+    def score(self):
+        """What best_lr ranks runs by, smaller better: char_lm's final bpc; MQAR's final
+        accuracy (negated), then the steps it took (a run stops once it reaches its
+        stop_accuracy). A diverged run ranks after every finished one."""
+        if self.task == "char_lm":
+            return (self.final_bpc(), 0)
+        accuracy = self.final_accuracy()
+        return (math.inf, 0) if accuracy is None else (-accuracy, self.summary["steps"])
+
     def layer_ids(self):
         """The attention layers the run recorded: in its layer rows, or (without them) in the
         summary's denominator totals (layer<i>_den_min, ...)."""
@@ -79,12 +104,15 @@ def from_saved(saved):
     return Result(config["task"], config["context"], Variant(**config["variant"]), config["lr"],
                   config["seed"], saved["summary"],
                   {name: saved["records"][name] for name in RECORDS},
-                  saved.get("resumed_from_step"))
+                  saved.get("resumed_from_step"),
+                  tuple(tuple(s) for s in config["mqar_settings"]) if config["task"] == "mqar"
+                  else (), config["steps"])
 
 
 def _ids(result):
-    return dict(task=result.task, context=result.context, variant=result.variant.name,
-                lr=result.lr, seed=result.seed)
+    return dict(task=result.task, context=result.context,
+                mqar_settings=settings_name(result.mqar_settings), variant=result.variant.name,
+                lr=result.lr, budget=result.budget, seed=result.seed)
 
 
 def write_tables(results, out):
@@ -99,7 +127,8 @@ def write_tables(results, out):
 
 
 def _value(text):
-    """A cell as the writer's value: None (empty), a bool, an int, a float or the text."""
+    """A cell as the writer's value: None (empty), a bool, an int, a float or the text (MQAR's
+    settings stay text: "64x4" is no number)."""
     if text == "":
         return None
     if text in ("True", "False"):
@@ -122,7 +151,17 @@ def _cells(row):
     values = {k: _value(v) for k, v in row.items()}
     variant = from_name(values.pop("variant")).replace(
         **{k: values.pop(k) for k in _FIELD_COLUMNS if k in values})
+    values["mqar_settings"] = parse_settings(values.get("mqar_settings") or "")
+    values.setdefault("budget", None)  # the committed study's tables have no budget column
     return values, variant
+
+
+def _pop_ids(values, variant):
+    """The ids Result takes, removed from values: (task, context, variant, lr, seed) and the
+    keywords mqar_settings and budget."""
+    ids = [values.pop(k) for k in ("task", "context")] + [variant] + \
+        [values.pop(k) for k in ("lr", "seed")]
+    return ids, dict(mqar_settings=values.pop("mqar_settings"), budget=values.pop("budget"))
 
 
 def read_tables(directory):
@@ -132,9 +171,8 @@ def read_tables(directory):
     results, by_key = [], {}
     for row in read_rows(directory, "runs"):
         values, variant = _cells(row)
-        ids = [values.pop(k) for k in ("task", "context")] + [variant] + \
-            [values.pop(k) for k in ("lr", "seed")]
-        result = Result(*ids, summary=values, records={name: [] for name in RECORDS})
+        ids, keywords = _pop_ids(values, variant)
+        result = Result(*ids, summary=values, records={name: [] for name in RECORDS}, **keywords)
         results.append(result)
         by_key[result.key] = result
     for name in RECORDS:
@@ -142,7 +180,7 @@ def read_tables(directory):
             continue
         for row in read_rows(directory, name):
             values, variant = _cells(row)
-            key = run_key(values.pop("task"), values.pop("context"), variant,
-                          values.pop("lr"), values.pop("seed"))
-            by_key[key].records[name].append(values)
+            ids, keywords = _pop_ids(values, variant)
+            by_key[Result(*ids, summary={}, records={}, **keywords).key].records[name].append(
+                values)
     return results

@@ -1,11 +1,14 @@
 """Every number the training report quotes, derived once from a training output directory's
-tables (summary.json): per cell -- a task, context, variant and learning rate -- the mean, range
-and per-seed values over its seeds.
+tables (summary.json): per cell -- a task, setting, variant, learning rate and budget -- the
+mean, range and per-seed values over its seeds.
 
-char_lm, per training context: the learning-rate grid (the first seed's final bpc at every
-rate), each variant's best rate (plans.best_lr, the rule the plan chose by), the cells at the best
-rate with W fixed, and those with W redrawn. mqar: a cell per variant. Then the one-layer step
-times, the decoding cost against position and the text samples."""
+Per task and setting (char_lm's training context, MQAR's (length, pairs) settings): the
+learning-rate grid (the first seed's final bpc or accuracy at every rate, at the grid's budget),
+each variant's chosen rate (plans.chosen_lr, the rule the plan chose by), its cell there
+(plans.cell_runs: the largest budget), the lr check (other rates at that budget, where run), and
+the cells with W redrawn. MQAR's cells add the steps to 0.9 and 0.99 accuracy and the state
+size. Then the one-layer step times, the decoding cost against position and the text
+samples."""
 import json
 import math
 import os
@@ -13,8 +16,10 @@ import statistics
 
 from analysis.common import crossover, num, read_rows  # experiments/analysis
 
-from .plans import best_lr, grid_runs
+from .mqar import settings_name
+from .plans import cell_runs, chosen_lr, grid_runs
 from .results import read_tables
+from .train import RECALL_THRESHOLDS
 from .step_time import VARIANTS_TIMED
 from .variants import SOFTMAX_ROPE, in_catalogue_order
 
@@ -46,17 +51,24 @@ def _last_final(result, length):
     return values[-1] if values else None
 
 
+def _per_seed(runs, value):
+    """{seed: value(run)} and its spread."""
+    per_seed = {str(r.seed): value(r) for r in runs}
+    return per_seed, spread(per_seed.values())
+
+
 def _cell(runs):
     """The summary of one cell's runs (results.Result, one per seed)."""
     first = runs[0]
     s = dict(seeds=len(runs), diverged=sum(not r.complete for r in runs),
              diverged_steps=[r.summary["diverged_step"] for r in runs if not r.complete],
              clip_share=spread(r.summary["clip_share"] for r in runs),
-             tokens_per_s=spread(r.summary["tokens_per_s"] for r in runs), lr=first.lr)
+             tokens_per_s=spread(r.summary["tokens_per_s"] for r in runs), lr=first.lr,
+             steps=first.budget, state_floats=first.summary.get("state_floats"))
     if first.task == "char_lm":
         context = first.context
-        s["final_bpc_per_seed"] = {str(r.seed): _last_final(r, context) for r in runs}
-        s["final_bpc"] = spread(s["final_bpc_per_seed"].values())
+        s["final_bpc_per_seed"], s["final_bpc"] = _per_seed(
+            runs, lambda r: _last_final(r, context))
         s["best_bpc"] = spread(min((e["value"] for e in r.records["evaluations"]
                                     if e["length"] == context and e["value"] is not None),
                                    default=math.inf) for r in runs)
@@ -68,8 +80,11 @@ def _cell(runs):
         s["accuracy"] = {"%d/%d" % (n, p): spread(
             e["value"] for r in runs for e in r.finals(n) if e["pairs"] == p)
             for n, p in settings}
-        s["accuracy_per_seed"] = {str(r.seed): statistics.fmean(
-            e["value"] for e in r.finals()) if r.finals() else None for r in runs}
+        s["final_accuracy_per_seed"], s["final_accuracy"] = _per_seed(
+            runs, lambda r: r.final_accuracy())
+        for threshold in RECALL_THRESHOLDS:
+            name = "steps_to_%g" % threshold
+            s[name + "_per_seed"], s[name] = _per_seed(runs, lambda r: r.summary.get(name))
     s["layers"] = {}
     for layer in sorted({i for r in runs for i in r.layer_ids()}):
         totals = ["layer%d_%s" % (layer, name) for name in ("den_min", "nonpositive_share",
@@ -84,20 +99,52 @@ def _cell(runs):
     return s
 
 
-def _char_lm(results, context):
-    """One training context's grid, best rates, cells (W fixed) and redrawn cells."""
-    variants = in_catalogue_order({r.variant for r in results})
-    grid, best, cells, redrawn = {}, {}, {}, {}
-    for v in variants:
-        rate = best_lr(results, v, context)
-        cell = _cell([r for r in results if r.variant == v and r.lr == rate])
-        if v.redraw_interval:
+def _grid_value(result):
+    """What a grid reports of a run: char_lm's final bpc, MQAR's final accuracy (None if it
+    diverged)."""
+    if result.task == "char_lm":
+        return result.final_bpc() if math.isfinite(result.final_bpc()) else None
+    return result.final_accuracy()
+
+
+def _rates(runs):
+    return {"%g" % r.lr: _grid_value(r) for r in sorted(runs, key=lambda r: r.lr)}
+
+
+def _setting(results, task, setting):
+    """One setting's (char_lm's context, MQAR's settings) grid (the first seed at the grid's
+    budget, every rate tried; grid_steps that budget), each variant's chosen rate
+    (plans.chosen_lr), its cell at that rate (plans.cell_runs), the lr check (the first seed at
+    the cell's budget at other rates), and apart, the cells with W redrawn of variants also
+    trained with W fixed."""
+    here = [r for r in results if r.task == task and r.setting == setting]
+    grid, best, cells, redrawn, lr_check = {}, {}, {}, {}, {}
+    grid_steps = None
+    variants = {r.variant for r in here}
+    for v in in_catalogue_order(variants):
+        runs = cell_runs(results, task, setting, v)
+        if not runs:  # several rates at its budget and none chosen (no grid run)
+            continue
+        cell = _cell(runs)
+        if v.redraw_interval and v.replace(redraw_interval=0) in variants:
             redrawn[v.name] = cell
             continue
-        best[v.name], cells[v.name] = rate, cell
-        grid[v.name] = {"%g" % r.lr: r.final_bpc() if math.isfinite(r.final_bpc()) else None
-                        for r in sorted(grid_runs(results, v, context), key=lambda r: r.lr)}
-    return dict(grid=grid, best_lr=best, cells=cells, redrawn=redrawn)
+        best[v.name], cells[v.name] = chosen_lr(results, task, setting, v), cell
+        own = grid_runs(results, task, setting, v)
+        if own:
+            grid[v.name] = _rates(own)
+            grid_steps = own[0].budget
+        checked = [r for r in here if r.variant == v and r.budget == runs[0].budget
+                   and r.seed == runs[0].seed]
+        if len({r.lr for r in checked}) > 1 and (not own or own[0].budget != runs[0].budget):
+            lr_check[v.name] = _rates(checked)
+    return dict(grid=grid, grid_steps=grid_steps, best_lr=best, cells=cells, redrawn=redrawn,
+                lr_check=lr_check)
+
+
+def setting_name(task, setting):
+    """summary.json's key of a setting: char_lm's context ("256"), MQAR's settings ("64x4")."""
+    return str(setting) if task == "char_lm" else settings_name(setting)
 
 
 def _step_time(rows):
@@ -113,17 +160,11 @@ def _step_time(rows):
 def summarise(out):
     results = read_tables(out)
     summary = {}
-    contexts = sorted({r.context for r in results if r.task == "char_lm"})
-    if contexts:
-        summary["char_lm"] = {str(context): _char_lm(
-            [r for r in results if r.task == "char_lm" and r.context == context], context)
-            for context in contexts}
-    mqar = [r for r in results if r.task == "mqar"]
-    cells = sorted({r.cell for r in mqar}, key=lambda cell: (
-        in_catalogue_order({r.variant for r in mqar}).index(cell[2]), cell[3]))
-    if cells:
-        summary["mqar"] = {cell[2].name: _cell([r for r in mqar if r.cell == cell])
-                           for cell in cells}
+    for task in ("char_lm", "mqar"):
+        settings = sorted({r.setting for r in results if r.task == task})
+        if settings:
+            summary[task] = {setting_name(task, setting): _setting(results, task, setting)
+                             for setting in settings}
     steps = _rows(out, "step_time")
     if steps:
         summary["step_time"] = _step_time(steps)

@@ -106,12 +106,18 @@ def _todo(configs, out, resume):
     return todo
 
 
+def new_pool(jobs):
+    """`jobs` spawned worker processes (started at the first run given them), which can train
+    the runs of several run_all calls: each keeps its corpus loaded."""
+    return concurrent.futures.ProcessPoolExecutor(jobs,
+                                                  mp_context=multiprocessing.get_context("spawn"))
+
+
 def _in_pool(todo, out, pool, text, quiet, hooks):
     """(config, its summary or the exception it raised), as the pool finishes them."""
-    with pool:
-        futures = {pool.submit(_run_one, c, out, text, quiet, ONE_PROCESS, hooks): c for c in todo}
-        for future in concurrent.futures.as_completed(futures):
-            yield futures[future], future.exception() or future.result()
+    futures = {pool.submit(_run_one, c, out, text, quiet, ONE_PROCESS, hooks): c for c in todo}
+    for future in concurrent.futures.as_completed(futures):
+        yield futures[future], future.exception() or future.result()
 
 
 def _in_turn(todo, out, text, quiet, group, hooks):
@@ -133,21 +139,31 @@ def _first_line(error):
 def run_all(configs, out, jobs, text=None, resume=False, quiet=False, group=ONE_PROCESS,
             pool=None, hooks=None):
     """Runs what is not finished; returns the results.Result of every config, in order (on rank 0;
-    None on the other ranks). pool: the concurrent.futures.Executor to train the runs in (None:
-    `jobs` spawned processes; not under torchrun, where the ranks train each run together); hooks:
-    a test's train.RunHooks, for every run."""
+    None on the other ranks). pool: the concurrent.futures.Executor to train the runs in, left
+    running for the caller (None: `jobs` spawned processes, shut down at the end; not under
+    torchrun, where the ranks train each run together); hooks: a test's train.RunHooks, for every
+    run."""
     todo = _todo(configs, out, resume) if group.main else None
     todo = group.broadcast(todo)
     done = len(configs) - len(todo)
+    own = pool is None and not group.distributed
     if group.distributed:
         how = "one after another, each on %d processes (torchrun, %s parallel)" % (
             group.world_size, group.mode)
         runs = _in_turn(todo, out, text, quiet, group, hooks)
     else:
         how = "in %d processes" % jobs
-        pool = pool or concurrent.futures.ProcessPoolExecutor(
-            jobs, mp_context=multiprocessing.get_context("spawn"))
+        pool = pool or new_pool(jobs)
         runs = _in_pool(todo, out, pool, text, quiet, hooks)
+    try:
+        return _follow(runs, configs, todo, done, how, out, group)
+    finally:
+        if own:
+            pool.shutdown()
+
+
+def _follow(runs, configs, todo, done, how, out, group):
+    """run_all's progress lines as the runs finish; the results, or RunsFailed."""
     if group.main:
         sys.stderr.write("training: %d runs, %d already finished, %d to run %s\n" % (
             len(configs), done, len(todo), how))

@@ -1,10 +1,12 @@
 """One training run: a Decoder of one variant, one task, one seed.
 
 AdamW with linear warm-up and cosine decay to a tenth, gradient clipping (how often it clips is
-recorded), batches drawn from (seed, step). A NaN or infinite loss or gradient norm ends the run
-as diverged, at that step, before the optimiser could apply it. Every `checkpoint_every` steps the
-whole state (model, optimiser, records) is written atomically; a run started again with the same
-configuration continues from it and gives the same numbers as an uninterrupted one.
+recorded), batches drawn from (seed, step). An MQAR run with a stop_accuracy ends at the first
+evaluation at which every setting's held-out accuracy reaches it (as Zoology stops its runs). A
+NaN or infinite loss or gradient norm ends the run as diverged, at that step, before the
+optimiser could apply it. Every `checkpoint_every` steps the whole state (model, optimiser,
+records) is written atomically; a run started again with the same configuration continues from
+it and gives the same numbers as an uninterrupted one.
 
 Under torchrun (parallel.py) each rank trains on its share of the same global batch -- a block of
 its sequences (data parallel), or a slice of every sequence along its length (sequence parallel:
@@ -26,11 +28,16 @@ import linrope
 from analysis.common import write_atomic  # experiments/analysis
 
 from . import mqar
+from .caches import state_floats
 from .model import Decoder, combine_stats
 from .parallel import ONE_PROCESS
 from .variants import Variant
 
 LN2 = math.log(2.0)
+# The records and summary entries that measure time: two runs of one configuration differ there.
+TIMING = ("train_seconds", "wall_seconds", "tokens_per_s")
+# MQAR: the summary gives the first evaluated step at which the held-out accuracy reached each.
+RECALL_THRESHOLDS = (0.9, 0.99)
 
 
 @dataclasses.dataclass
@@ -54,6 +61,7 @@ class Config:
     mqar_settings: tuple = ()    # ((length, pairs), ...): trained in turn, each tested
     mqar_vocab: int = 512
     mqar_test_size: int = 256
+    stop_accuracy: float = None  # mqar: stop once every setting's held-out accuracy reaches it
     log_every: int = 10
     checkpoint_every: int = 100
     stats_threshold: float = 1e-3
@@ -64,7 +72,8 @@ class Config:
 
     def key(self):
         """The run's name, unique within a plan: what it trains and how (file names, logs)."""
-        return run_key(self.task, self.context, self.variant, self.lr, self.seed)
+        return run_key(self.task, self.context, self.mqar_settings, self.variant, self.lr,
+                       self.steps, self.seed)
 
     @classmethod
     def from_dict(cls, saved):
@@ -75,11 +84,15 @@ class Config:
                           mqar_settings=tuple(tuple(s) for s in saved["mqar_settings"])))
 
 
-def run_key(task, context, variant, lr, seed):
-    """A run's name: the task, char_lm's context, the variant's name, the learning rate and the
-    seed, e.g. char_lm-n256-favor-numerator_only-lr0.003-s1."""
-    context = ["n%d" % context] if task == "char_lm" else []
-    return "-".join([task, *context, variant.name, "lr%g" % lr, "s%d" % seed])
+def run_key(task, context, mqar_settings, variant, lr, steps, seed):
+    """A run's name: the task, char_lm's context or MQAR's settings, the variant's name, the
+    learning rate, the budget (optimiser steps; None: not known, in tables that lack it) and the
+    seed, e.g. char_lm-n256-favor-numerator_only-lr0.003-steps2441-s1 or
+    mqar-64x4-softmax-rope-lr0.001-steps5000-s0."""
+    where = "n%d" % context if task == "char_lm" else mqar.settings_name(mqar_settings)
+    budget = [] if steps is None else ["steps%d" % steps]
+    return "-".join([task, *([where] if where else []), variant.name, "lr%g" % lr, *budget,
+                     "s%d" % seed])
 
 
 class RunHooks:
@@ -182,7 +195,7 @@ class Run:
         self.step = 0
         self.records = dict(curves=[], layers=[], evaluations=[], clipped=0, train_seconds=0.0,
                             diverged_step=None, diverged_reason=None, den_totals=None,
-                            window=[])
+                            window=[], target_step=None, wall_seconds=0.0)
         self.hooks.started(self)
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -340,7 +353,8 @@ class Run:
         torch.set_num_threads(c.threads)
         linrope.set_num_threads(c.threads)
         model.train()
-        while self.step < c.steps and self.records["diverged_step"] is None:
+        while (self.step < c.steps and self.records["diverged_step"] is None
+               and self.records["target_step"] is None):
             step = self.step
             started = time.perf_counter()
             for param_group in self.optimiser.param_groups:
@@ -377,31 +391,75 @@ class Run:
                     scheduled_lr=learning_rate(c, step),
                     grad_norm=norm, clipped_so_far=self.records["clipped"]))
                 window.clear()
-            if self.group.main and (self.step % c.eval_every == 0 or self.step == c.steps):
-                self.evaluate(final=self.step == c.steps)  # rank 0 alone: no collective inside
+            if self.step % c.eval_every == 0 or self.step == c.steps:
+                self._scheduled_evaluation()
             if progress and logged:
                 progress(self)
             if checkpoint and (self.step % c.checkpoint_every == 0):
                 self.save(checkpoint)
+            self.records["wall_seconds"] += time.perf_counter() - started
         self.hooks.finished(self)
         return self.summary()
+
+    def _scheduled_evaluation(self):
+        """Rank 0 evaluates (no collective inside). With a stop_accuracy, a run whose every
+        setting reached it ends here, this evaluation its final one: rank 0 decides, and every
+        rank learns its decision."""
+        c = self.config
+        rows = self.evaluate(final=self.step == c.steps) if self.group.main else []
+        if c.stop_accuracy is None:
+            return
+        reached = self.group.broadcast(bool(rows) and min(r["value"] for r in rows) >=
+                                       c.stop_accuracy)
+        if reached:
+            for row in rows:
+                row["final"] = True
+            self.records["target_step"] = self.step
 
     # ---- results ----------------------------------------------------------------------------
     def summary(self):
         c, r = self.config, self.records
         steps_done = self.step
-        tokens = steps_done * c.batch_size * (
-            c.context if c.task == "char_lm" else
-            sum(length for length, _ in c.mqar_settings) / len(c.mqar_settings))
+        tokens = steps_done * self.tokens_per_step()
         out = dict(steps=steps_done,
                    status="diverged" if r["diverged_step"] is not None else "complete",
                    diverged_step=r["diverged_step"], diverged_reason=r["diverged_reason"],
                    clip_share=r["clipped"] / steps_done if steps_done else math.nan,
                    tokens_per_s=tokens / r["train_seconds"] if r["train_seconds"] else math.nan,
-                   train_seconds=r["train_seconds"],
-                   final_train_loss=r["curves"][-1]["train_loss"] if r["curves"] else math.nan)
+                   train_seconds=r["train_seconds"], wall_seconds=r["wall_seconds"],
+                   tokens_per_step=self.tokens_per_step(), tokens=tokens,
+                   final_train_loss=r["curves"][-1]["train_loss"] if r["curves"] else math.nan,
+                   # One sequence's decoding caches at the length trained (MQAR: the longest).
+                   state_floats=state_floats(self.model, c.context if c.task == "char_lm" else
+                                             max(n for n, _ in c.mqar_settings)))
+        if c.task == "mqar":
+            out.update(self._recall())
         for layer, total in enumerate(r["den_totals"] or []):
             out["layer%d_den_min" % layer] = total["min"]
             out["layer%d_nonpositive_share" % layer] = total["nonpositive"] / total["count"]
             out["layer%d_tiny_share" % layer] = total["below_threshold"] / total["count"]
+        return out
+
+    def tokens_per_step(self):
+        """Tokens of one step's batch (MQAR: the mean over its settings, trained in turn)."""
+        c = self.config
+        if c.task == "char_lm":
+            return c.batch_size * c.context
+        return c.batch_size * sum(n for n, _ in c.mqar_settings) / len(c.mqar_settings)
+
+    def _recall(self):
+        """MQAR: the final accuracy (the worst setting's), the step the run stopped at having
+        reached stop_accuracy (None: it did not stop early) and, per threshold of
+        RECALL_THRESHOLDS, the first evaluated step at which every setting reached it (None:
+        never)."""
+        by_step = {}
+        for e in self.records["evaluations"]:
+            by_step.setdefault(e["step"], []).append(e["value"])
+        finals = [e["value"] for e in self.records["evaluations"] if e["final"]]
+        out = {"final_accuracy": min(finals) if finals and self.records["diverged_step"] is None
+               else None, "target_step": self.records["target_step"]}
+        for threshold in RECALL_THRESHOLDS:
+            out["steps_to_%g" % threshold] = min(
+                (step for step, values in by_step.items() if min(values) >= threshold),
+                default=None)
         return out

@@ -74,6 +74,17 @@ class Variant:
         return self.attention == "linear"
 
     @property
+    def base(self):
+        """The variant without its decay and short convolution: the one whose learning rate a
+        variant with them takes when it has no grid of its own (plans.chosen_lr)."""
+        return self.replace(decay=None, short_conv=0)
+
+    @property
+    def extras(self):
+        """Whether the variant adds a decay or a short convolution to its base."""
+        return self != self.base
+
+    @property
     def name(self):
         """The variant's name (the module's docstring); from_name reads it back."""
         if self.linear:
@@ -101,6 +112,11 @@ class Variant:
             text = "%s, no denominator (RoPE on the features, RMSNorm per head)" % self.feature_map
         else:
             text = "%s, %s" % (self.feature_map, self.placement)
+        return text + self.describe_extras()
+
+    def describe_extras(self):
+        """What the variant adds to its catalogue variant, in words (', RetNet's decay'), or ''."""
+        text = ""
         if self.feature_factor != DEFAULT_FEATURE_FACTOR:
             text += ", m = %d x head dim" % self.feature_factor
         if self.redraw_interval:

@@ -13,31 +13,42 @@ OpenMP thread count the two libraries share, which is why the count is linrope's
 What was built: ``__version__``, ``build_info()`` (the commit, the options, the instruction sets),
 and ``python3 -m linrope``, which prints them for a bug report.
 """
-from linrope import _build_info, _isa
+import importlib.util
 
-__version__ = _build_info.version
-# Before the module is loaded: a build for instruction sets this CPU lacks stops here with one line
-# instead of an illegal instruction.
-_isa.check(_build_info.isa, _build_info.native)
+from linrope import _isa
 
-from linrope._core import (  # noqa: E402,F401
-    DenominatorStats,
-    FeatureMap,
-    FeatureMapConfig,
-    LinearAttentionStream,
-    LinearOptions,
-    NonFiniteError,
-    Rope,
-    RopeConfig,
-    SoftmaxOptions,
-    get_num_threads,
-    linear_attention,
-    linear_attention_backward,
-    openmp,
-    set_num_threads,
-    softmax_attention,
-    softmax_attention_backward,
-)
+# Not built here (no Eigen, say): stand-ins for linrope.torch's native path, and no NumPy
+# functions (docs/DESIGN.md, "Any device").
+if importlib.util.find_spec("linrope._build_info") is None:
+    _build_info = None
+    from linrope._pure import (DenominatorStats, FeatureMap, FeatureMapConfig,  # noqa: F401
+                               LinearOptions, NonFiniteError, Rope, RopeConfig, SoftmaxOptions,
+                               version)
+    __version__ = version()
+else:
+    from linrope import _build_info
+    __version__ = _build_info.version
+    # Before the module is loaded: a build for instruction sets this CPU lacks stops here with one
+    # line instead of an illegal instruction.
+    _isa.check(_build_info.isa, _build_info.native)
+    from linrope._core import (  # noqa: F401
+        DenominatorStats,
+        FeatureMap,
+        FeatureMapConfig,
+        LinearAttentionStream,
+        LinearOptions,
+        NonFiniteError,
+        Rope,
+        RopeConfig,
+        SoftmaxOptions,
+        get_num_threads,
+        linear_attention,
+        linear_attention_backward,
+        openmp,
+        set_num_threads,
+        softmax_attention,
+        softmax_attention_backward,
+    )
 
 
 def build_info():
@@ -45,6 +56,8 @@ def build_info():
     tracked files differed from it), build type, compiler, the CMake build directory, whether
     -march=native, the instruction sets the build uses (/proc/cpuinfo names), OpenMP and the
     kernels' thread count now."""
+    if _build_info is None:
+        raise RuntimeError("linrope.build_info: linrope's C++ module is not built here")
     return dict(version=__version__, git_commit=_build_info.git_commit,
                 git_dirty=_build_info.git_dirty, build_type=_build_info.build_type,
                 compiler=_build_info.compiler, build_dir=_build_info.build_dir,
@@ -62,3 +75,5 @@ __all__ = [
     # Raised for non-finite input data; a ValueError.
     "NonFiniteError",
 ]
+# Where the module is not built, the names it would have given are absent.
+__all__ = [name for name in __all__ if name in globals()]

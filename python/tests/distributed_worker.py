@@ -16,6 +16,7 @@ import linrope
 import linrope.torch as lt
 import linrope.torch.distributed as ltd
 from cases import make_map
+from linrope.torch.native.dispatch import core_built
 
 MAP_KINDS = ["elu+1", "favor+", "favor-hyp", "relu"]
 PLACEMENTS = ["none", "before_map", "numerator_only", "full"]
@@ -65,6 +66,29 @@ def initial_state(fm, seed):
     S = torch.randn(2, 2, m, 3, generator=g, dtype=torch.float64)
     z = torch.rand(2, 2, m, generator=g, dtype=torch.float64) + 0.5
     return lt.LinearState(S, z, torch.full((2, 2), 0.25, dtype=torch.float64))
+
+
+def whole(index, kind, placement, with_state, decay):
+    """The single-process call on the whole sequence: outputs and gradients, the losses those
+    of run_case (the outputs, and the final state's sums once)."""
+    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index, decay=decay)
+    q, k, v = [x.clone().requires_grad_() for x in (q, k, v)]
+    state = None
+    if with_state:
+        S0, z0, l0 = initial_state(fm, index)
+        state = lt.LinearState(S0.requires_grad_(), z0.requires_grad_(), l0)
+    result = lt.linear_attention(q, k, v, fm, initial_state=state, return_state=with_state,
+                                 **options)
+    out, final = result if with_state else (result, None)
+    loss = (out * d_out).sum()
+    if with_state:
+        scale = torch.exp(final.log_scale)
+        loss = loss + (final.S * scale[..., None, None]).sum() + (final.z * scale[..., None]).sum()
+    loss.backward()
+    want = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    if with_state:
+        want.update(final=[t.detach() for t in final], dS0=state.S.grad, dz0=state.z.grad)
+    return want
 
 
 def run_case(rank, world, index, kind, placement, uneven, with_state, decay):
@@ -227,7 +251,8 @@ def main():
     rank, world, port, scenario, out = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                         sys.argv[4], sys.argv[5])
     torch.set_num_threads(1)
-    linrope.set_num_threads(1)
+    if core_built():  # without the C++ module (linrope._pure) there are no kernel threads
+        linrope.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:

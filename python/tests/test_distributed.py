@@ -12,7 +12,7 @@ import torch
 
 import linrope.torch as lt
 from cases import true_sums
-from distributed_worker import SPLIT_LAYERS, case_inputs, cases, initial_state, layer_inputs
+from distributed_worker import SPLIT_LAYERS, cases, layer_inputs, whole
 from linrope.torch.launch import environment, free_port, run_group
 
 TIMEOUT = 120
@@ -29,28 +29,6 @@ def launch(world, scenario, tmp_path):
     for r, e in enumerate(exits):
         assert e.returncode == 0, f"rank {r} exited with {e.returncode}:\n{e.output}"
     return [torch.load(o) for o in outs]
-
-
-def whole(index, kind, placement, with_state, decay):
-    """The single-process call on the whole sequence: outputs and gradients."""
-    fm, q, k, v, d_out, options = case_inputs(kind, placement, seed=index, decay=decay)
-    q, k, v = [x.clone().requires_grad_() for x in (q, k, v)]
-    state = None
-    if with_state:
-        S0, z0, l0 = initial_state(fm, index)
-        state = lt.LinearState(S0.requires_grad_(), z0.requires_grad_(), l0)
-    result = lt.linear_attention(q, k, v, fm, initial_state=state, return_state=with_state,
-                                 **options)
-    out, final = result if with_state else (result, None)
-    loss = (out * d_out).sum()
-    if with_state:
-        scale = torch.exp(final.log_scale)
-        loss = loss + (final.S * scale[..., None, None]).sum() + (final.z * scale[..., None]).sum()
-    loss.backward()
-    want = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
-    if with_state:
-        want.update(final=[t.detach() for t in final], dS0=state.S.grad, dz0=state.z.grad)
-    return want
 
 
 def close(a, b):

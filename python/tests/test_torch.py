@@ -266,10 +266,13 @@ def test_stats_redraws_and_state_dict():
 
 def test_the_package_re_exports_its_modules_names():
     from linrope.torch import convolution, functional, layers, states
+    from linrope.torch.native import dispatch
     assert set(lt.__all__) == {
         "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
         "feature_map_apply", "head_decays", "RotaryEmbedding", "MultiheadAttention",
-        "KeyValueCache", "HeadRMSNorm", "RedrawSchedule", "ShortConvolution", "ShortConvCache"}
+        "KeyValueCache", "HeadRMSNorm", "RedrawSchedule", "ShortConvolution", "ShortConvCache",
+        "backend"}
+    assert lt.backend is dispatch.backend
     for module in (convolution, functional, layers, states):
         for name in module.__all__:
             assert getattr(lt, name) is getattr(module, name), name

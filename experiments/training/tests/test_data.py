@@ -163,3 +163,20 @@ def test_cached_austen_text_is_the_six_novels():
     text = data.austen_text()
     assert len(text) > 3_900_000
     assert "Elinor" in text and "Elizabeth Bennet" in text and "Anne Elliot" in text
+
+
+def test_words_are_the_training_splits_letter_runs_in_lower_case():
+    """Corpus.words: runs of letters of the training split, lower-cased; the validation split's
+    words are not among them."""
+    text = "The cat, the DOG; a cat's hat. " * 19 + "zebra " * 2
+    corpus = Corpus(text, "words")
+    assert corpus.words() == {"the", "cat", "dog", "a", "s", "hat"}
+
+
+def test_words_known_counts_a_samples_words_found_in_the_set():
+    """(words, known): letter runs of the text, lower case, a word cut off by the text's end
+    left out."""
+    words = {"it", "is", "a", "truth"}
+    assert data.words_known("It is a trut", words) == (3, 3)
+    assert data.words_known("It is a truht.", words) == (4, 3)
+    assert data.words_known("", words) == (0, 0)

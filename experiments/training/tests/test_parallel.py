@@ -19,6 +19,7 @@ from training.train import Config, Run
 
 from torchrun_support import (assert_records_match, assert_same_records, first_sweep, lines,
                               reference, saved_runs, tiny_plan, torchrun, train_in_torchrun)
+from torchrun_support import run_key as plan_run_key
 
 
 # ---- in this process ----------------------------------------------------------------------
@@ -129,8 +130,7 @@ VARIANT = "favor-numerator_only"
 
 def run_key(task, seed=0):
     """The run's name (train.Config.key) under PLAN and --redraw-interval 2."""
-    context = "-n%d" % PLAN["char_lm"]["context"] if task == "char_lm" else ""
-    return "%s%s-%s-redraw2-lr0.01-s%d" % (task, context, VARIANT, seed)
+    return plan_run_key(PLAN, task, VARIANT + "-redraw2", seed)
 
 
 def train(cwd, text, out, *extra, env=None):

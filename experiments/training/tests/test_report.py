@@ -4,38 +4,46 @@ import json
 
 import pytest
 
-from training import report
+from training import answers, report
 from training.variants import from_name
 
-IDS = "task,context,variant,lr,seed"
+IDS = "task,context,mqar_settings,variant,lr,budget,seed"
 
 
-def ids(variant, seed, lr=0.01, context=8, redraw=0, task="char_lm", factor=2):
+def ids(variant, seed, lr=0.01, context=8, redraw=0, task="char_lm", factor=2, settings=""):
     name = from_name(variant).replace(redraw_interval=redraw, feature_factor=factor).name
-    return "%s,%d,%s,%g,%d" % (task, context, name, lr, seed)
+    return "%s,%d,%s,%s,%g,10,%d" % (task, context, settings, name, lr, seed)
+
+
+def mqar_ids(factor, settings):
+    return ids("favor-numerator_only", 0, 0.001, 0, task="mqar", factor=factor,
+               settings=settings)
 
 
 # A grid at lr 0.001 and 0.01 (seed 0), the best rate's second seed (1), a redrawn cell, and
-# a longer context (16) at the best rates; MQAR with FAVOR+ at 2x and 4x features.
+# a longer context (16) at the best rates; MQAR with FAVOR+ at 2x and 4x features, each setting
+# trained alone.
 RUNS = IDS + """,status,steps,diverged_step,clip_share,tokens_per_s,final_train_loss,\
-layer0_den_min,layer0_nonpositive_share,layer0_tiny_share
+layer0_den_min,layer0_nonpositive_share,layer0_tiny_share,state_floats,final_accuracy,\
+steps_to_0.9,steps_to_0.99
 """ + "".join(line + "\n" for line in [
-    ids("softmax-rope", 0, 0.001) + ",complete,10,,0.1,1000,1.0,,,",
-    ids("softmax-rope", 0) + ",complete,10,,0.1,1000,1.0,,,",
-    ids("softmax-rope", 1) + ",complete,10,,0.3,3000,1.2,,,",
-    ids("favor-numerator_only", 0, 0.001) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
-    ids("favor-numerator_only", 0) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
-    ids("favor-numerator_only", 1) + ",complete,10,,0.5,2000,1.5,0.5,0,0",
-    ids("favor-full", 0, 0.001) + ",complete,10,,0.5,2000,2.0,-1.0,0.5,0",
-    ids("favor-full", 0) + ",diverged,4,5,0.5,2000,2.0,-7.0,0.25,0.5",
-    ids("favor-full", 1) + ",diverged,4,3,0.5,2000,2.0,-3.0,0.75,0.25",
-    ids("favor-numerator_only", 0, redraw=5) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
-    ids("favor-numerator_only", 1, redraw=5) + ",complete,10,,0.5,2000,1.5,0.25,0,0",
-    ids("softmax-rope", 0, context=16) + ",complete,10,,0.1,500,1.0,,,",
-    ids("favor-numerator_only", 0, context=16) + ",complete,10,,0.1,1500,1.0,0.1,0,0",
-    ids("favor-numerator_only", 0, 0.001, 0, task="mqar") + ",complete,10,,0.1,900,1.0,0.1,0,0",
-    ids("favor-numerator_only", 0, 0.001, 0, task="mqar", factor=4) +
-    ",complete,10,,0.1,800,1.0,0.1,0,0"])
+    ids("softmax-rope", 0, 0.001) + ",complete,10,,0.1,1000,1.0,,,,2048,,,",
+    ids("softmax-rope", 0) + ",complete,10,,0.1,1000,1.0,,,,2048,,,",
+    ids("softmax-rope", 1) + ",complete,10,,0.3,3000,1.2,,,,2048,,,",
+    ids("favor-numerator_only", 0, 0.001) + ",complete,10,,0.5,2000,1.5,0.25,0,0,1056,,,",
+    ids("favor-numerator_only", 0) + ",complete,10,,0.5,2000,1.5,0.25,0,0,1056,,,",
+    ids("favor-numerator_only", 1) + ",complete,10,,0.5,2000,1.5,0.5,0,0,1056,,,",
+    ids("favor-full", 0, 0.001) + ",complete,10,,0.5,2000,2.0,-1.0,0.5,0,1056,,,",
+    ids("favor-full", 0) + ",diverged,4,5,0.5,2000,2.0,-7.0,0.25,0.5,,,,",
+    ids("favor-full", 1) + ",diverged,4,3,0.5,2000,2.0,-3.0,0.75,0.25,,,,",
+    ids("favor-numerator_only", 0, redraw=5) + ",complete,10,,0.5,2000,1.5,0.25,0,0,1056,,,",
+    ids("favor-numerator_only", 1, redraw=5) + ",complete,10,,0.5,2000,1.5,0.25,0,0,1056,,,",
+    ids("softmax-rope", 0, context=16) + ",complete,10,,0.1,500,1.0,,,,4096,,,",
+    ids("favor-numerator_only", 0, context=16) + ",complete,10,,0.1,1500,1.0,0.1,0,0,1056,,,",
+    mqar_ids(2, "64x4") + ",complete,10,,0.1,900,1.0,0.1,0,0,1056,0.5,,",
+    mqar_ids(2, "128x8") + ",complete,10,,0.1,900,1.0,0.1,0,0,1056,0.25,,",
+    mqar_ids(4, "64x4") + ",complete,10,,0.1,800,1.0,0.1,0,0,2080,1.0,6,8",
+    mqar_ids(4, "128x8") + ",complete,10,,0.1,800,1.0,0.1,0,0,2080,0.5,,"])
 EVALUATIONS = IDS + ",step,final,length,pairs,metric,value\n" + "".join(
     "%s,10,True,%d,,bpc,%s\n" % (ids(v, seed, lr, context, redraw), n, value)
     for v, seed, lr, context, redraw, n, value in [
@@ -53,9 +61,8 @@ EVALUATIONS = IDS + ",step,final,length,pairs,metric,value\n" + "".join(
         ("favor-numerator_only", 1, 0.01, 8, 5, 8, 2.75),
         ("softmax-rope", 0, 0.01, 16, 0, 16, 1.9),
         ("favor-numerator_only", 0, 0.01, 16, 0, 16, 1.8)]) + "".join(
-    "%s,10,True,%d,%d,accuracy,%s\n" % (
-        ids("favor-numerator_only", 0, 0.001, 0, task="mqar", factor=factor), n, p, value)
-    for factor, n, p, value in [(2, 64, 4, 0.5), (2, 128, 8, 0.25), (4, 64, 4, 0.75),
+    "%s,10,True,%d,%d,accuracy,%s\n" % (mqar_ids(factor, "%dx%d" % (n, p)), n, p, value)
+    for factor, n, p, value in [(2, 64, 4, 0.5), (2, 128, 8, 0.25), (4, 64, 4, 1.0),
                                 (4, 128, 8, 0.5)])
 LAYERS = IDS + """,step,layer,den_min,nonpositive_share,tiny_share,grad_norm
 """ + ids("favor-full", 1) + """,10,0,-3.0,0.75,0.25,2.0
@@ -80,7 +87,13 @@ favor-numerator_only,8,0.01,32,0.001,512
 favor-numerator_only,8,0.01,64,0.001,512
 """
 SAMPLES = [dict(variant="softmax-rope", context=8, lr=0.01, seed=0, prompt="It is",
-                temperature=0.8, text="It is a | b")]
+                temperature=0.8, text="It is a | b", words=1, known_words=1)]
+
+
+@pytest.fixture(autouse=True)
+def no_earlier_study(monkeypatch, tmp_path):
+    """The section compares with no committed study here (test_answers covers that)."""
+    monkeypatch.setattr(answers, "COMMITTED", str(tmp_path / "no study"))
 
 
 @pytest.fixture
@@ -113,8 +126,16 @@ def test_summary_means_ranges_and_divergence(out):
                                                                                   "1": 2.75}
     assert list(char_lm["16"]["cells"]) == ["softmax-rope", "favor-numerator_only"]
     mqar = report.summarise(str(out))["mqar"]
-    assert list(mqar) == ["favor-numerator_only", "favor-numerator_only-m4x"]
-    assert mqar["favor-numerator_only-m4x"]["accuracy"]["64/4"]["mean"] == 0.75
+    assert list(mqar) == ["64x4", "128x8"]
+    cells = mqar["64x4"]["cells"]
+    assert list(cells) == ["favor-numerator_only", "favor-numerator_only-m4x"]
+    m4x = cells["favor-numerator_only-m4x"]
+    assert m4x["final_accuracy"]["mean"] == 1.0 and m4x["accuracy"]["64/4"]["mean"] == 1.0
+    assert (m4x["steps_to_0.9"]["mean"], m4x["steps_to_0.99_per_seed"]) == (6, {"0": 8})
+    assert m4x["state_floats"] == 2080
+    assert mqar["128x8"]["cells"]["favor-numerator_only"]["final_accuracy"]["mean"] == 0.25
+    assert mqar["128x8"]["best_lr"] == {"favor-numerator_only": 0.001,
+                                        "favor-numerator_only-m4x": 0.001}
 
 
 def test_divergence_and_denominators_of_a_cell(out):
@@ -167,9 +188,14 @@ def test_section_quotes_the_summary_and_plots_are_made(out):
     assert ("redrawn every 5 steps 2.575 (2.400-2.750, 2 seeds), -0.025 (per seed -0.100, "
             "+0.050; within the seed ranges, the sign changes between seeds)") in md
     assert "from 8 to 16: favor+, numerator_only +0.500 -> -0.100" in md
-    assert "with 4x the features against 2x: +0.250 at (64, 4), +0.250 at (128, 8)" in md
+    assert ("| favor+, numerator_only, m = 4 x head dim | 0.001 | 2080 | 1.000 | 6 | 8 | 0 of 1 |"
+            in md)
+    assert ("4x the features adds to favor+, numerator_only +0.500 (one seed, so of unknown "
+            "significance)") in md
+    assert "1/pairs = 0.125" in md
     assert "softmax, RoPE (trained at 8): 1.00 ms per token at position 32, 2.00 ms at 64" in md
-    assert "| softmax, RoPE | It is a \\| b |" in md
+    assert "| softmax, RoPE | It is a \\| b | 1 of 1 |" in md
+    assert md.index("**Which placement trains best** (context 8") < md.index("![")
     assert "elu+1, numerator_only from n = 512" in md
     assert "favor+, numerator_only already at n = 256" in md
     for name in ("char_lm_curves_8.png", "char_lm_curves_16.png", "lr_sensitivity_8.png",

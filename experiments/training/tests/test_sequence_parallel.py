@@ -25,6 +25,7 @@ from training.variants import from_name
 from torchrun_support import (assert_records_match, assert_same_records, close, first_sweep,
                               lines, reference, saved_runs, tiny_plan, torchrun,
                               train_in_torchrun)
+from torchrun_support import run_key as plan_run_key
 
 TORCHRUN_ENVIRONMENT = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 
@@ -197,8 +198,7 @@ RUN_VARIANTS = ("favor-numerator_only-redraw2", "elu-full")
 
 def run_key(task, variant, seed=0):
     """The run's name (train.Config.key) under PLAN and --redraw-interval 2."""
-    context = "-n%d" % PLAN["char_lm"]["context"] if task == "char_lm" else ""
-    return "%s%s-%s-lr0.01-s%d" % (task, context, variant, seed)
+    return plan_run_key(PLAN, task, variant, seed)
 
 
 KEYS = sorted(run_key(task, variant) for task in ("char_lm", "mqar") for variant in RUN_VARIANTS)

@@ -18,7 +18,7 @@ from analysis.common import clean
 from training import mqar, plans, sweep
 from training.data import load_corpus
 from training.results import IDS, RECORDS, Result, read_tables, write_tables
-from training.train import Run
+from training.train import TIMING, Run
 from training.variants import CATALOGUE, Variant, from_name
 
 
@@ -112,9 +112,8 @@ def test_worker_results_equal_in_process_runs(swept):
         assert result.summary["status"] == "complete"
         assert result.resumed_from_step is None
         assert result.records == comparable(run.records)
-        timing = ("train_seconds", "tokens_per_s")
-        assert {k: v for k, v in result.summary.items() if k not in timing} == \
-            {k: v for k, v in as_json(summary).items() if k not in timing}
+        assert {k: v for k, v in result.summary.items() if k not in TIMING} == \
+            {k: v for k, v in as_json(summary).items() if k not in TIMING}
 
 
 def test_a_diverging_run_does_not_stop_the_sweep(swept):
@@ -147,7 +146,7 @@ def test_write_tables(swept):
     write_tables(swept.results, swept.out)
     header, rows = read_csv(os.path.join(swept.out, "runs.csv"))
     ids = list(IDS)
-    assert ids == ["task", "context", "variant", "lr", "seed"]
+    assert ids == ["task", "context", "mqar_settings", "variant", "lr", "budget", "seed"]
     assert header[:len(ids) + 1] == ids + ["status"]
     assert set(header) == set(ids).union(*(r.summary for r in swept.results))
     column = {name: header.index(name) for name in ids + ["status"]}
@@ -158,6 +157,8 @@ def test_write_tables(swept):
                                                      "complete")]
     assert [float(r[column["lr"]]) for r in rows] == [c.lr for c in swept.configs]
     assert [int(r[column["context"]]) for r in rows] == [c.context for c in swept.configs]
+    assert [r[column["mqar_settings"]] for r in rows] == ["", "16x2+32x4", "", ""]
+    assert [int(r[column["budget"]]) for r in rows] == [c.steps for c in swept.configs]
     den_min = header.index("layer0_den_min")
     assert rows[0][den_min] == "" and float(rows[3][den_min]) > 0  # softmax: none
 
@@ -169,8 +170,9 @@ def test_write_tables(swept):
         counts = [len(r.records[name]) for r in swept.results]
         assert len(rows) == sum(counts)
         # Rows grouped run by run, in config order, each carrying its run's ids.
-        keys = [(c.task, str(c.context), c.variant.name, str(c.lr), str(c.seed))
-                for c in swept.configs]
+        keys = [(c.task, str(c.context),
+                 mqar.settings_name(c.mqar_settings) if c.task == "mqar" else "",
+                 c.variant.name, str(c.lr), str(c.steps), str(c.seed)) for c in swept.configs]
         assert [tuple(r[:len(ids)]) for r in rows] == [k for k, n in zip(keys, counts)
                                                        for _ in range(n)]
     k = swept.results[2].summary["diverged_step"]
@@ -326,121 +328,188 @@ def test_a_config_with_an_infinite_value_is_found_again(in_process, tiny, text_f
 @pytest.mark.parametrize("mode", sorted(plans.MODES))
 def test_plans_make_valid_distinct_configs(mode):
     """Every run a plan may make has its own key (its file names), a variant whose name reads
-    back as itself, a warm-up shorter than the run, valid MQAR settings, and checkpoints at
-    multiples of log_every (a checkpoint between two curve rows would lose the losses in
-    between on resume; see test_train). Every stage has runs, and the grid has every learning
-    rate for every variant."""
+    back as itself, a warm-up shorter than the run, valid MQAR settings (one per run), and
+    checkpoints at multiples of log_every (a checkpoint between two curve rows would lose the
+    losses in between on resume; see test_train). Every stage but grid_edge has runs in the
+    preview, the grid has every rate for every variant at the grid's budget, and MQAR runs stop
+    at their stop accuracy."""
     plan = plans.Plan(mode)
+    stages = dict(plan.preview_stages())
     configs = plan.preview()
     assert len({c.key() for c in configs}) == len(configs) > 0
     assert {c.task for c in configs} == set(plans.TASKS)
     assert plan.stage_names() == list(plans.STAGES)
+    assert all(runs for name, runs in stages.items() if name != "grid_edge")
     for c in configs:
         assert from_name(c.variant.name) == c.variant
         assert 0 < c.warmup < c.steps
         assert c.checkpoint_every % c.log_every == 0
         if c.task == "mqar":
+            assert len(c.mqar_settings) == 1 and c.stop_accuracy == 0.99
             for length, pairs in c.mqar_settings:
                 mqar.check(c.mqar_vocab, length, pairs)
         else:
-            assert c.context > 0
+            assert c.context > 0 and c.stop_accuracy is None
     assert {c.variant for c in configs} <= set(plan.all_variants())
-    rates = plans.MODES[mode]["char_lm"]["lrs"]
-    assert len(rates) >= 2 and list(rates) == sorted(rates)
+    for task in plans.TASKS:
+        rates = plan.rates(task)
+        assert len(rates) >= 2 and list(rates) == sorted(rates)
+    char_lm = plans.MODES[mode]["char_lm"]
     grid = plan.stage("grid")
     assert sorted((c.variant.name, c.lr) for c in grid) == sorted(
-        (v.name, lr) for v in plans.MODES[mode]["variants"] for lr in rates)
+        (v.name, lr) for v in char_lm["variants"] for lr in plan.rates())
+    for configs, tokens in ((grid, char_lm["grid"]["tokens"]),
+                            (stages["seeds"], char_lm["tokens"])):
+        assert {c.steps for c in configs} == {round(tokens / (c.batch_size * c.context))
+                                              for c in configs}
 
 
-def fake_results(configs, bpc):
-    """Finished runs of configs (results.Result), each ending at bpc(config) (None: diverged)."""
+def fake_results(configs, value, steps=lambda c: c.steps):
+    """Finished runs of configs (results.Result), each ending at value(config) (None:
+    diverged): char_lm's final bpc, MQAR's final accuracy after steps(config) steps."""
     out = []
     for c in configs:
-        value = bpc(c)
+        v = value(c)
+        if c.task == "char_lm":
+            evaluations = [dict(final=False, length=c.context, pairs=None, value=v and v - 1.0),
+                           dict(final=True, length=2 * c.context, pairs=None, value=v and v - 2.0),
+                           dict(final=True, length=c.context, pairs=None, value=v)]
+        else:
+            ((length, pairs),) = c.mqar_settings
+            evaluations = [dict(final=True, length=length, pairs=pairs, value=v)]
         out.append(Result(c.task, c.context, c.variant, c.lr, c.seed,
-                          summary=dict(status="diverged" if value is None else "complete"),
-                          records=dict(curves=[], layers=[], evaluations=[] if value is None else [
-                              dict(final=False, length=c.context, value=value - 1.0),
-                              dict(final=True, length=2 * c.context, value=value - 2.0),
-                              dict(final=True, length=c.context, value=value)])))
+                          summary=dict(status="diverged" if v is None else "complete",
+                                       steps=steps(c)),
+                          records=dict(curves=[], layers=[],
+                                       evaluations=[] if v is None else evaluations),
+                          mqar_settings=c.mqar_settings, budget=c.steps))
     return out
 
 
 def names(configs):
-    return [c.variant.name for c in configs]
+    return list(dict.fromkeys(c.variant.name for c in configs))
 
 
-def test_stages_follow_the_grid():
-    """The later stages take each variant at its grid's best learning rate (the lowest final bpc
-    at the training context; a diverged run never best; ties to the smaller rate): the other
-    seeds; FAVOR+'s two best placements with W redrawn; at the long context softmax + RoPE,
-    FAVOR+'s numerator_only and full, and each map's best placement."""
-    plan = plans.Plan("full", seeds=(0, 1, 2))
+def test_stages_follow_the_results_before_them():
+    """Each stage chosen from the results before it: the grid (seed 0, the grid's budget) picks
+    each variant's rate (the lowest final bpc; a diverged run never best; ties to the smaller
+    rate); grid_edge goes one rate beyond a grid's edge while the best stays there (at most
+    `extensions`); seeds trains every variant at its rate at the full budget; lr_check softmax
+    + RoPE and the grid's best linear variant at the rates beside their best; extras the best
+    linear variant of the seeds stage with the short convolution and RetNet's decay at its rate;
+    long softmax + RoPE, each map's best variant and the best linear one with extras or not."""
+    plan = plans.Plan("full", tasks=("char_lm",))
     grid = plan.stage("grid")
-    assert {c.seed for c in grid} == {0}
-    best = {"softmax-rope": 3e-3, "elu-before_map": 1e-2, "favor-before_map": 1e-3,
-            "favor-nodenom": 3e-3, "cos-full": 1e-3}
-    placement_bpc = {"favor-before_map": 2.0, "favor-nodenom": 2.1, "favor-numerator_only": 2.2,
-                     "elu-before_map": 2.0, "cos-full": 2.5}
+    assert {c.seed for c in grid} == {0} and {c.steps for c in grid} == {610}
+    best = {"softmax-rope": 3e-3, "elu-before_map": 1e-1, "favor-before_map": 1e-3}
+    level = {"softmax-rope": 1.9, "favor-before_map": 2.0, "elu-before_map": 2.2}
 
     def bpc(c):
         name = c.variant.name
         if name == "favor-full" and c.lr == 1e-2:
             return None  # diverged: never the best, though it "ends" nowhere
         if name == "elu-full":
-            return 3.0  # a tie at every rate: the smallest wins
-        return placement_bpc.get(name, 2.9) + (0 if c.lr == best.get(name, 1e-3) else 0.3)
+            return 3.0  # a tie at every rate: the smaller wins
+        return level.get(name, 2.9) + 0.3 * abs(math.log10(c.lr / best.get(name, 3e-3)))
+
     results = fake_results(grid, bpc)
-    assert plans.best_lr(results, from_name("favor-full"), 256) == 1e-3
-    assert plans.best_lr(results, from_name("elu-full"), 256) == 1e-3
+    assert plans.chosen_lr(results, "char_lm", 256, from_name("favor-full")) == 3e-3
+    assert plans.chosen_lr(results, "char_lm", 256, from_name("elu-full")) == 1e-3
+    edges = []
+    while True:  # grid_edge's rounds, as stages.run takes them
+        more = [c for c in plan.stage("grid_edge", results + edges)
+                if c.key() not in {r.key for r in edges}]
+        if not more:
+            break
+        edges += fake_results(more, bpc)
+    # elu-full's tie keeps its best at the smallest rate: two rates below it.
+    assert sorted((r.variant.name, r.lr) for r in edges) == [
+        ("elu-before_map", 3e-2), ("elu-before_map", 1e-1), ("elu-full", 1e-4),
+        ("elu-full", 3e-4), ("favor-before_map", 3e-4)]
+    results += edges
+    rate = {v.name: plans.chosen_lr(results, "char_lm", 256, v)
+            for v in plans.CHAR_LM_VARIANTS}
+    assert rate["elu-before_map"] == 1e-1 and rate["favor-before_map"] == 1e-3
+
     seeds = plan.stage("seeds", results)
     assert sorted((c.variant.name, c.seed) for c in seeds) == sorted(
-        (v.name, s) for v in CATALOGUE for s in (1, 2))
-    for c in seeds:
-        assert c.lr == best.get(c.variant.name, 1e-3) and c.context == 256
-    redraw = plan.stage("redraw", results)
-    assert sorted(set(names(redraw))) == ["favor-before_map-redraw100", "favor-nodenom-redraw100"]
-    assert {c.seed for c in redraw} == {0, 1, 2}
-    assert all(c.lr == best[c.variant.replace(redraw_interval=0).name] for c in redraw)
+        (v.name, s) for v in plans.CHAR_LM_VARIANTS for s in (0, 1, 2))
+    assert all(c.lr == rate[c.variant.name] and c.steps == 2441 for c in seeds)
+    cell = {"favor-nodenom": 1.5, "elu-numerator_only": 1.7, "softmax-rope": 1.2}
+    results += fake_results(seeds, lambda c: cell.get(c.variant.name, 2.5) + 0.01 * c.seed)
+
+    check = plan.stage("lr_check", results)
+    assert sorted((c.variant.name, c.lr, c.seed, c.steps) for c in check) == [
+        ("favor-before_map", 3e-4, 0, 2441), ("favor-before_map", 3e-3, 0, 2441),
+        ("softmax-rope", 1e-3, 0, 2441), ("softmax-rope", 1e-2, 0, 2441)]
+    # The check's other rates, however good, do not move the cells off the chosen rate.
+    results += fake_results(check, lambda c: 0.5)
+    assert {r.lr for r in plans.cell_runs(results, "char_lm", 256,
+                                          from_name("favor-before_map"))} == {1e-3}
+
+    extras = plan.stage("extras", results)
+    assert sorted((c.variant.name, c.seed) for c in extras) == sorted(
+        (name, s) for name in ("favor-nodenom-conv4", "favor-nodenom-retnet") for s in (0, 1, 2))
+    assert {c.lr for c in extras} == {rate["favor-nodenom"]}
+    results += fake_results(extras, lambda c: 1.4 if c.variant.decay else 1.6)
+
     long = plan.stage("long", results)
-    assert list(dict.fromkeys(names(long))) == [
-        "softmax-rope", "favor-numerator_only", "favor-full", "elu-before_map",
-        "favor-before_map", "cos-full"]
-    assert {(c.context, c.batch_size) for c in long} == {(1024, 4)}
-    # Chosen by the grid's seed alone: the other seeds' results, however good, change nothing.
-    later = fake_results(seeds, lambda c: 0.0 if c.variant.name == "favor-full" else 9.0)
-    assert plan.stage("long", results + later) == long
-    assert plan.stage("redraw", results + later) == redraw
-    assert all(c.lr == best.get(c.variant.name, 1e-3) for c in long)
-    keys = [c.key() for c in grid + seeds + redraw + long + plan.stage("mqar")]
+    assert names(long) == ["softmax-rope", "elu-numerator_only", "favor-nodenom",
+                           "favor-nodenom-retnet"]
+    assert {(c.context, c.batch_size, c.steps) for c in long} == {(1024, 4, 2441)}
+    assert all(c.lr == rate[c.variant.base.name] for c in long)
+    keys = [c.key() for c in grid + seeds + check + extras + long] + [r.key for r in edges]
     assert len(set(keys)) == len(keys)
-    # The preview makes the same stages as results in which every grid run ends alike.
-    alike = fake_results(grid, lambda c: 2.0)
-    assert plan.preview() == [c for name in plan.stage_names()
-                              for c in (grid if name == "grid" else plan.stage(name, alike))]
+
+
+def test_mqar_stages_train_each_setting_alone_and_pick_by_accuracy_then_steps():
+    """mqar_grid: every variant, setting and rate, seed 0, one setting a run, each stopping at
+    0.99; mqar_seeds: the other seed at the rate of the highest final accuracy, the fewer steps
+    among equal accuracies (a run stops once it reaches the stop accuracy), per setting (three
+    here, whatever the full plan's)."""
+    plan = plans.Plan("full", tasks=("mqar",), mqar_settings=((64, 4), (128, 8), (256, 16)))
+    assert plan.stage_names() == ["mqar_grid", "mqar_seeds"]
+    grid = plan.stage("mqar_grid")
+    assert len(grid) == len(plans.MQAR_VARIANTS) * 3 * 3
+    assert {c.mqar_settings for c in grid} == {((64, 4),), ((128, 8),), ((256, 16),)}
+    assert {(c.seed, c.steps, c.batch_size, c.stop_accuracy) for c in grid} == {
+        (0, 5000, 64, 0.99)}
+
+    def accuracy(c):
+        if c.mqar_settings == ((256, 16),):
+            return {3e-4: 0.5, 1e-3: 0.7, 3e-3: None}[c.lr]
+        return 1.0 if c.lr >= 1e-3 else 0.9
+
+    results = fake_results(grid, accuracy, steps=lambda c: 800 if c.lr == 1e-3 else 400)
+    seeds = plan.stage("mqar_seeds", results)
+    assert {c.seed for c in seeds} == {1}
+    assert len(seeds) == len(grid) // 3
+    rates = {(c.variant.name, c.mqar_settings): c.lr for c in seeds}
+    assert rates[("softmax-rope", ((64, 4),))] == 3e-3
+    assert rates[("elu-nodenom-conv4", ((256, 16),))] == 1e-3
 
 
 def test_plan_overrides():
-    """--tasks, --variants, --seeds, --steps (which also shortens the warm-up to a tenth),
-    --redraw-interval (FAVOR+'s W redrawn, no redraw stage then), --threads and --lrs reach every
-    config; the variants are those named, in their order, in every stage (FAVOR+'s extra
-    features for those of them the mode gives them to)."""
+    """--tasks, --variants, --seeds, --steps (the warm-up then a tenth of it), --redraw-interval
+    (FAVOR+'s W redrawn), --threads, --lrs and --mqar-settings reach every config; the variants
+    are those named, in their order, in every stage; --stages selects the stages trained, the
+    plan keeping every stage of its tasks."""
     plan = plans.Plan("full", ("mqar",), tuple(map(from_name, (
-        "favor-full", "softmax-rope", "favor-numerator_only"))), (4, 5), 30, 7, 2, (1e-2, 2e-2))
-    assert plan.stage_names() == ["mqar"]
-    configs = plan.stage("mqar")
-    assert [(c.task, c.variant.name, c.seed) for c in configs] == [
-        ("mqar", "favor-full-redraw7", 4), ("mqar", "favor-full-redraw7", 5),
-        ("mqar", "softmax-rope", 4), ("mqar", "softmax-rope", 5),
-        ("mqar", "favor-numerator_only-redraw7", 4), ("mqar", "favor-numerator_only-redraw7", 5),
-        ("mqar", "favor-numerator_only-m4x-redraw7", 4),
-        ("mqar", "favor-numerator_only-m4x-redraw7", 5)]
+        "favor-full", "softmax-rope"))), (4, 5), 30, 7, 2, (1e-2, 2e-2),
+        mqar_settings=((32, 2),))
+    assert plan.stage_names() == ["mqar_grid", "mqar_seeds"]
+    configs = plan.stage("mqar_grid")
+    assert [(c.variant.name, c.lr, c.seed, c.mqar_settings) for c in configs] == [
+        ("favor-full-redraw7", 1e-2, 4, ((32, 2),)), ("favor-full-redraw7", 2e-2, 4, ((32, 2),)),
+        ("softmax-rope", 1e-2, 4, ((32, 2),)), ("softmax-rope", 2e-2, 4, ((32, 2),))]
     for c in configs:
         assert (c.steps, c.warmup, c.threads, c.context) == (30, 3, 2, 0)
     grid = plans.Plan("full", variants=(from_name("cos-full"),), lrs=(1e-2, 2e-2)).stage("grid")
     assert [(c.variant.name, c.lr, c.seed) for c in grid] == [("cos-full", 1e-2, 0),
                                                               ("cos-full", 2e-2, 0)]
-    assert plans.Plan("full", stages=("long", "grid")).stage_names() == ["grid", "long"]
+    chosen = plans.Plan("full", stages=("long", "grid"))
+    assert chosen.stage_names() == list(plans.STAGES)
+    assert [s for s in plans.STAGES if chosen.selected(s)] == ["grid", "long"]
 
 
 # ---- the command line -----------------------------------------------------------------------
@@ -496,8 +565,8 @@ def test_list_variants_prints_the_catalogue_and_the_name_parts(cli, capsys):
     assert [line.split()[0] for line in listed] == [v.name for v in CATALOGUE]
     assert [line.split(None, 1)[1] for line in listed] == [v.describe() for v in CATALOGUE]
     assert listed[0].split(None, 1)[1] == "softmax, RoPE"
-    assert "  favor-nodenom          favor+, no denominator (RoPE on the features, RMSNorm per " \
-        "head)" in listed
+    assert "  favor-nodenom                favor+, no denominator (RoPE on the features, RMSNorm " \
+        "per head)" in listed
     for part in ("-m<f>x", "-redraw<k>", "-decay<gamma>", "-retnet", "-conv<w>"):
         assert any(part in line for line in lines[2 + len(CATALOGUE):]), part
 
@@ -522,7 +591,7 @@ def test_main_end_to_end_on_a_small_text(cli, tmp_path, word_text):
             "--stages", "grid", "--lrs", "3e-3", "--steps", "4", "--no-step-time", "--jobs", "1",
             "--quiet", "--out", str(out)]
     assert cli.main(argv) == 0
-    run_file = out / "runs" / "char_lm-n64-softmax-rope-lr0.003-s0.json"
+    run_file = out / "runs" / "char_lm-n64-softmax-rope-lr0.003-steps4-s0.json"
     result = json.loads(run_file.read_text())
     assert result["summary"]["status"] == "complete" and result["summary"]["steps"] == 4
     for name in ("runs.csv", "curves.csv", "layers.csv", "evaluations.csv", "training.json"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import linrope
-from training.train import Run, learning_rate
+from training.train import TIMING, Run, learning_rate
 
 
 class Stop(Exception):
@@ -46,8 +46,8 @@ def same_tensors(a, b):
 def same_records(a, b):
     """Records equal except the wall-clock time. NaN (a diverged step's gradient norm) equals
     NaN here."""
-    strip = {k: v for k, v in a.items() if k != "train_seconds"}
-    other = {k: v for k, v in b.items() if k != "train_seconds"}
+    strip = {k: v for k, v in a.items() if k not in TIMING}
+    other = {k: v for k, v in b.items() if k not in TIMING}
     return repr(strip) == repr(other)
 
 
@@ -117,6 +117,36 @@ def test_mqar_run_evaluates_each_setting(tiny):
     assert all(0.0 <= e["value"] <= 1.0 for e in run.records["evaluations"])
     expected_tokens = 4 * config.batch_size * (16 + 32) / 2
     assert summary["tokens_per_s"] == pytest.approx(expected_tokens / summary["train_seconds"])
+
+
+def test_mqar_run_stops_at_the_first_evaluation_reaching_the_stop_accuracy(tiny):
+    """stop_accuracy 0 (every accuracy reaches it): the run ends at its first evaluation, whose
+    rows become its final ones, target_step there; unreachable (above 1) it runs to its cap.
+    Either way the summary gives the final accuracy (the worst setting's) and the state size."""
+    config = tiny(task="mqar", context=0, variant="elu-numerator_only", steps=8, eval_every=2,
+                  stop_accuracy=0.0)
+    run = Run(config)
+    summary = run.train()
+    assert (summary["steps"], summary["target_step"], summary["status"]) == (2, 2, "complete")
+    assert [(e["step"], e["final"]) for e in run.records["evaluations"]] == [(2, True), (2, True)]
+    assert summary["final_accuracy"] == min(e["value"] for e in run.records["evaluations"])
+    assert summary["steps_to_0.9"] is None or summary["steps_to_0.9"] == 2
+    never = Run(tiny(task="mqar", context=0, variant="elu-numerator_only", steps=8,
+                     eval_every=2, stop_accuracy=1.5)).train()
+    assert (never["steps"], never["target_step"]) == (8, None)
+    assert summary["state_floats"] == never["state_floats"] > 0
+
+
+def test_steps_to_an_accuracy_are_the_first_evaluated_steps_every_setting_reaches_it(tiny):
+    """steps_to_0.9 and steps_to_0.99: the first evaluated step at which every setting's
+    accuracy reached the threshold (None: never); final_accuracy the worst setting's final."""
+    run = Run(tiny(task="mqar", context=0, variant="elu-numerator_only"))
+    rows = [(2, False, 16, 0.95), (2, False, 32, 0.5), (4, False, 16, 0.92),
+            (4, False, 32, 0.91), (6, True, 16, 1.0), (6, True, 32, 0.98)]
+    run.records["evaluations"] = [dict(step=step, final=final, length=n, value=value)
+                                  for step, final, n, value in rows]
+    assert run._recall() == {"final_accuracy": 0.98, "target_step": None, "steps_to_0.9": 4,
+                             "steps_to_0.99": None}
 
 
 # ---- learning rate --------------------------------------------------------------------------
@@ -383,9 +413,8 @@ def test_resumed_run_equals_an_uninterrupted_one(variant, tiny, corpus, tmp_path
     assert same_records(resumed.records, whole.records)
     assert same_tensors(resumed.model.state_dict(), whole.model.state_dict())
     assert same_tensors(resumed.optimiser.state_dict(), whole.optimiser.state_dict())
-    timing = ("train_seconds", "tokens_per_s")
-    assert {k: v for k, v in summary.items() if k not in timing} == \
-        {k: v for k, v in whole_summary.items() if k not in timing}
+    assert {k: v for k, v in summary.items() if k not in TIMING} == \
+        {k: v for k, v in whole_summary.items() if k not in TIMING}
     if config.variant.redraw_interval:
         seeds = [int(b.attention.feature_seed) for b in resumed.model.blocks]
         assert seeds == [int(b.attention.feature_seed) for b in whole.model.blocks]

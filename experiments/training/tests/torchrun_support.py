@@ -10,7 +10,7 @@ import pytest
 import linrope
 from linrope.torch import launch
 from training.data import load_corpus
-from training.train import Config, Run
+from training.train import TIMING, Config, Run
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ENTRY = os.path.join(TESTS, "torchrun_entry.py")
@@ -30,17 +30,31 @@ TIMEOUT = 120  # seconds for one torchrun; a run here takes ~10
 RELATIVE = 2e-5
 
 
+STEPS = 12
+
+
 def tiny_plan(layers, heads, context, mqar_settings):
     """TRAINING_TEST_PLAN for runs of seconds through the real command line (--quick with these
-    sizes: d_model 16, 12 steps, checkpoints every 4, one seed, no long context)."""
+    sizes: d_model 16, 12 steps with a warm-up of 2, checkpoints every 4, one seed, one rate, no
+    later char_lm stage; MQAR's settings trained in turn in one run)."""
+    run = dict(eval_every=4, log_every=1, checkpoint_every=4)
+    tokens = STEPS * 4 * context
     return dict(model=dict(d_model=16, layers=layers, heads=heads),
-                char_lm=dict(steps=12, batch_size=4, context=context, lrs=(1e-2,), warmup=2,
-                             eval_every=4, eval_tokens=64, final_eval_tokens=128,
-                             extrapolation=(1, 2), log_every=1, checkpoint_every=4, seeds=(0,),
-                             long=None),
-                mqar=dict(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=4, log_every=1,
-                          more_features=None, checkpoint_every=4, mqar_settings=mqar_settings,
-                          mqar_vocab=64, mqar_test_size=16))
+                char_lm=dict(tokens=tokens, grid=dict(lrs=(1e-2,), tokens=tokens, extensions=0),
+                             batch_size=4, context=context, warmup=2 / STEPS, seeds=(0,),
+                             lr_check=None, extras=None, long=None,
+                             run=dict(run, eval_tokens=64, final_eval_tokens=128,
+                                      extrapolation=(1, 2))),
+                mqar=dict(steps=STEPS, batch_size=4, lrs=(1e-2,), warmup=2 / STEPS, seeds=(0,),
+                          settings=(mqar_settings,),
+                          run=dict(run, mqar_vocab=64, mqar_test_size=16)))
+
+
+def run_key(plan, task, variant, seed=0):
+    """The name (train.Config.key) of a run of a tiny_plan."""
+    where = ("n%d" % plan["char_lm"]["context"] if task == "char_lm" else
+             "+".join("%dx%d" % s for s in plan["mqar"]["settings"][0]))
+    return "%s-%s-%s-lr0.01-steps%d-s%d" % (task, where, variant, STEPS, seed)
 
 
 def torchrun(args, cwd, processes=2, env=None):
@@ -140,7 +154,7 @@ def assert_records_match(key, saved, run):
     return worst
 
 
-def assert_same_records(got, want, skip=("train_seconds",)):
+def assert_same_records(got, want, skip=TIMING):
     """Two saved runs' records bitwise equal but for the wall-clock time."""
     assert {k: v for k, v in got["records"].items() if k not in skip} == \
         {k: v for k, v in want["records"].items() if k not in skip}

@@ -1,4 +1,5 @@
-"""linrope.torch: linrope's kernels as differentiable PyTorch functions and layers (CPU tensors).
+"""linrope.torch: linrope's kernels as differentiable PyTorch functions and layers (CPU tensors;
+tensors on other devices, or under backend("native"), run on native/, docs/DESIGN.md "Any device").
 
 As torch.nn.functional beside torch.nn, the package holds apart
 
@@ -20,6 +21,7 @@ and re-exports here the names of the first four; the last two are used by their 
 from linrope.torch.convolution import ShortConvolution
 from linrope.torch.functional import (feature_map_apply, head_decays, linear_attention,
                                       rope_apply, softmax_attention)
+from linrope.torch.native.dispatch import backend
 from linrope.torch.layers import (HeadRMSNorm, KeyValueCache, MultiheadAttention,
                                   RedrawSchedule, RotaryEmbedding, ShortConvCache)
 from linrope.torch.states import LinearState, merge_states
@@ -28,5 +30,5 @@ __all__ = [
     "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
     "feature_map_apply", "head_decays",
     "RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "HeadRMSNorm", "RedrawSchedule",
-    "ShortConvolution", "ShortConvCache",
+    "ShortConvolution", "ShortConvCache", "backend",
 ]

@@ -8,11 +8,14 @@
     feature_map_apply(x, feature_map)
 
 Each is a torch.autograd.Function over the C++ forward and backward: it saves only its inputs and
-options, and its backward calls the C++ backward. q_lengths / k_lengths (B entries: a list, array or
-tensor) mark padding in (B, H, n, d) batches: rows at or past them are not attended to, their
-outputs are 0 and their gradients 0. Tensors are float32 or float64, shaped (n, d) or (B, H, n, d),
-as in ``linrope``; arguments and names are those of the NumPy functions. Contiguous tensors reach
-the kernels without a copy (torch and NumPy share the memory), outputs are new tensors.
+options, and its backward calls the C++ backward. A call whose tensors are on another device than
+the CPU, or made under linrope.torch.backend("native"), runs on linrope.torch.native instead
+(native.runs_native decides; docs/DESIGN.md, "Any device"). q_lengths / k_lengths (B entries: a
+list, array or tensor) mark padding in (B, H, n, d) batches: rows at or past them are not
+attended to, their outputs are 0 and their gradients 0. Tensors are float32 or float64, shaped
+(n, d) or (B, H, n, d), as in ``linrope``; arguments and names are those of the NumPy functions.
+Contiguous tensors reach the kernels without a copy (torch and NumPy share the memory), outputs
+are new tensors.
 """
 import numbers
 
@@ -20,6 +23,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 import linrope
+from linrope.torch import native
 from linrope.torch.states import LinearState
 
 __all__ = ["softmax_attention", "linear_attention", "rope_apply", "feature_map_apply",
@@ -211,6 +215,11 @@ def softmax_attention(q, k, v, causal=_SOFTMAX.causal, scale=None, rope=None,
                       q_offset=_SOFTMAX.q_offset, k_offset=_SOFTMAX.k_offset, q_lengths=None,
                       k_lengths=None):
     """Exact softmax attention, differentiable in q, k and v; see linrope.softmax_attention."""
+    if native.runs_native("softmax_attention", [("q", q), ("k", k), ("v", v)]):
+        return native.softmax_attention(q, k, v, causal=causal, scale=scale, rope=rope,
+                                        q_offset=q_offset, k_offset=k_offset,
+                                        q_lengths=_int_list(q_lengths),
+                                        k_lengths=_int_list(k_lengths))
     options = dict(causal=causal, scale=scale, rope=rope, q_offset=q_offset, k_offset=k_offset,
                    q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths))
     return _SoftmaxAttention.apply(q, k, v, options)
@@ -244,6 +253,16 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
     fixed setting, with no gradient. A state is then the decayed sum at its last key's position
     (k_offset + n_k - 1), and initial_state is read as the state at k_offset - 1, so that a
     sequence cut anywhere still equals one call."""
+    state = () if initial_state is None else tuple(initial_state)
+    if native.runs_native("linear_attention", [("q", q), ("k", k), ("v", v)] + list(
+            zip(("initial_state.S", "initial_state.z", "initial_state.log_scale"), state))):
+        return native.linear_attention(
+            q, k, v, feature_map, causal=causal, placement=placement, rope=rope, eps=eps,
+            q_offset=q_offset, k_offset=k_offset, return_stats=return_stats,
+            stats_threshold=stats_threshold, method=method, chunk_size=chunk_size,
+            q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths),
+            initial_state=initial_state, return_state=return_state, denominator=denominator,
+            decay=decay)
     options = dict(causal=causal, placement=placement, rope=rope, eps=eps, q_offset=q_offset,
                    k_offset=k_offset, method=method, chunk_size=chunk_size,
                    q_lengths=_int_list(q_lengths), k_lengths=_int_list(k_lengths),
@@ -263,9 +282,13 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
 def rope_apply(x, rope, first_position=0, positions=None):
     """R x for a linrope.Rope, differentiable (the gradient is R^T): row i at first_position + i,
     or at positions[i] (a list, array or tensor of n integers)."""
+    if native.runs_native("Rope.apply", [("x", x)]):
+        return native.rope_apply(x, rope, first_position, _int_list(positions))
     return _RopeApply.apply(x, rope, first_position, _int_list(positions))
 
 
 def feature_map_apply(x, feature_map):
     """phi(x) row by row for a linrope.FeatureMap, differentiable in x (W held fixed)."""
+    if native.runs_native("FeatureMap.apply", [("x", x)]):
+        return native.feature_map_apply(x, feature_map)
     return _FeatureMapApply.apply(x, feature_map)
