@@ -1,6 +1,6 @@
-"""pip's way in: `pip install .` (or `-e .`, or `python3 -m build --wheel`) builds linrope._core with
-the project's own CMake, the same build `cmake -S . -B build/...` gives, restricted to the Python
-module and the library it links.
+"""pip's way in: `pip install .` (or `-e .`, or `python3 -m build --wheel`) builds linrope._core
+with the project's own CMake, the same build `cmake -S . -B build/...` gives, restricted to the
+Python module and the library it links.
 
 The build directory persists, build/python-<interpreter>-<native|portable>-<openmp|serial>, so a
 second install recompiles only what changed. Options, read from the environment at install time
@@ -23,7 +23,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import SetupError
 
@@ -170,7 +170,7 @@ class CMakeBuild(build_ext):
 setup(
     version=cmake_version(),
     package_dir={"": "python"},
-    packages=["linrope", "linrope.torch"],
+    packages=find_packages("python"),  # every package under python/, subpackages included
     ext_modules=[Extension("linrope._core", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -88,7 +88,8 @@ sanitizers() {
 # The Python sources' style (pycodestyle's and pyflakes' checks, lines up to 100 characters, as
 # .clang-format's ColumnLimit): seconds, so first.
 python_style() {
-  flake8 --max-line-length 100 "$ROOT/python" "$ROOT/experiments" "$ROOT/bench" "$ROOT/examples"
+  flake8 --max-line-length 100 "$ROOT/python" "$ROOT/experiments" "$ROOT/bench" "$ROOT/examples" \
+    "$ROOT/scripts" "$ROOT/setup.py"
 }
 
 install_dependencies
