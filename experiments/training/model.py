@@ -115,10 +115,16 @@ class Decoder(nn.Module):
                 residual = name.endswith("out_proj.weight") or name.endswith("mlp.2.weight")
                 nn.init.normal_(p, 0.0, 0.02 / (math.sqrt(2 * layers) if residual else 1.0))
 
-    def forward(self, tokens):
+    def forward(self, tokens, at=None):
+        """The logits [B, n, vocab_size], or with `at` (a boolean [B, n]) those of the positions
+        it marks only, [at.sum(), vocab_size]: MQAR scores a few positions of a sequence (16 of
+        256), and the output layer's product and the loss's softmax at every other one were up
+        to 40% of its training step (bench/RESULTS.md, "The study's training step")."""
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)
+        if at is not None:
+            x = x[at]
         return self.output(self.final_norm(x))
 
     def decode(self, tokens, first_position=0, caches=None):

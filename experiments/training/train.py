@@ -127,9 +127,14 @@ def optimiser(model, config):
 
 
 def loss_of(model, inputs, targets, reduction="mean"):
-    logits = model(inputs)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=mqar.IGNORE, reduction=reduction)
+    """The cross-entropy over the scored positions (targets not mqar.IGNORE), whose logits alone
+    are computed where some positions are not scored: model(inputs, at) gives them."""
+    scored = targets != mqar.IGNORE
+    if bool(scored.all()):
+        logits = model(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction=reduction)
+    return F.cross_entropy(model(inputs, scored), targets[scored], reduction=reduction)
 
 
 @torch.no_grad()
@@ -153,9 +158,9 @@ def mqar_accuracy(model, config, length, pairs, batch=64):
     x, y = mqar.test_set(config.seed, config.mqar_test_size, length, pairs, config.mqar_vocab)
     right = total = 0
     for i in range(0, len(x), batch):
-        predicted = model(x[i:i + batch]).argmax(-1)
         scored = y[i:i + batch] != mqar.IGNORE
-        right += int((predicted[scored] == y[i:i + batch][scored]).sum())
+        predicted = model(x[i:i + batch], scored).argmax(-1)
+        right += int((predicted == y[i:i + batch][scored]).sum())
         total += int(scored.sum())
     model.train()
     return right / total
@@ -280,10 +285,11 @@ class Run:
             self.records["den_totals"] = combine_stats([stats] if totals is None else
                                                        [totals, stats])
 
-    def forward(self, tokens):
-        """The logits of this rank's share of a training batch: the model's (a subclass may
-        compute them otherwise: the tests stand in for the other ranks of a sequence)."""
-        return self.model(tokens)
+    def forward(self, tokens, at=None):
+        """The logits of this rank's share of a training batch, at the positions `at` marks
+        (None: every one): the model's (a subclass may compute them otherwise: the tests stand in
+        for the other ranks of a sequence)."""
+        return self.model(tokens, at)
 
     def step_loss(self, step):
         """This rank's loss on its share of the step's batch, weighted so that the ranks' losses

@@ -59,13 +59,14 @@ class StandingInForTheRanks(Run):
     (through the earlier slices too, as the layers' backward all-reduce carries it)."""
     step = None  # the step whose batch forward() computes
 
-    def forward(self, tokens):
+    def forward(self, tokens, at=None):
         whole, _ = self.batch(self.step)
         n, world = whole.shape[1], self.group.world_size
         columns = slice(self.group.rank * n // world, (self.group.rank + 1) * n // world)
         assert torch.equal(tokens, whole[:, columns])
         with self.model.alone():  # TrainingGroup.prepare switched it on; one process does all
-            return self.model(whole)[:, columns]
+            logits = self.model(whole)[:, columns]
+        return logits if at is None else logits[at]
 
 
 @pytest.mark.parametrize("task", ["char_lm", "mqar"])

@@ -5,9 +5,11 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import linrope
-from training.train import TIMING, Run, learning_rate
+from training import mqar
+from training.train import TIMING, Run, learning_rate, loss_of
 
 
 class Stop(Exception):
@@ -119,6 +121,32 @@ def test_mqar_run_evaluates_each_setting(tiny):
     assert summary["tokens_per_s"] == pytest.approx(expected_tokens / summary["train_seconds"])
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mqar_loss_from_the_scored_positions_logits_is_the_whole_sequences(reduction, tiny):
+    """loss_of computes the logits of MQAR's scored positions only; its loss and gradients are
+    those of the logits at every position with the others ignored (F.cross_entropy's
+    ignore_index), to float32 rounding: a sum of 64 terms of size ~ln(vocab) ~ 4, relative
+    1e-5 allowed (~100 x 2^-24 per term)."""
+    config = tiny(task="mqar", context=0, variant="elu-numerator_only", steps=1)
+    run = Run(config)
+    inputs, targets = run.batch(0)
+    assert 0 < int((targets != mqar.IGNORE).sum()) < targets.numel()
+
+    def loss_and_gradients(loss):
+        run.model.zero_grad()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in run.model.parameters()]
+
+    fast, fast_grads = loss_and_gradients(loss_of(run.forward, inputs, targets, reduction))
+    logits = run.model(inputs)
+    whole, whole_grads = loss_and_gradients(F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=mqar.IGNORE,
+        reduction=reduction))
+    assert torch.allclose(fast, whole, rtol=1e-5, atol=0)
+    for a, b in zip(fast_grads, whole_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()))
+
+
 def test_mqar_run_stops_at_the_first_evaluation_reaching_the_stop_accuracy(tiny):
     """stop_accuracy 0 (every accuracy reaches it): the run ends at its first evaluation, whose
     rows become its final ones, target_step there; unreachable (above 1) it runs to its cap.
@@ -187,8 +215,8 @@ class Poisoned(Run):
         super().__init__(config, corpus)
         self.at_call, self.how, self.calls = at_call, how, 0
 
-    def forward(self, tokens):
-        logits = super().forward(tokens)
+    def forward(self, tokens, at=None):
+        logits = super().forward(tokens, at)
         self.calls += 1
         return self.how(self.model, logits) if self.calls == self.at_call + 1 else logits
 
@@ -272,10 +300,10 @@ class Refusing(Run):
         super().__init__(config, corpus)
         self.at, self.error = at, error
 
-    def forward(self, tokens):
+    def forward(self, tokens, at=None):
         if self.step == self.at:
             raise self.error
-        return super().forward(tokens)
+        return super().forward(tokens, at)
 
 
 def test_a_kernel_refusing_non_finite_input_is_a_divergence_by_its_type(tiny, corpus):
