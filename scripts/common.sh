@@ -8,14 +8,16 @@ JOBS="$(nproc)"
 # package's build and tests (pybind11, the headers, PyTorch, pytest; OpenBLAS's OpenMP build, without
 # which Debian's torch runs its matrix products on the reference BLAS, ~20x slower), and Jane
 # Austen's novels, the training experiment's text (r-cran-janeaustenr, with R to extract them),
-# and flake8, the Python style check of the test command.
+# and flake8, the Python style check of the test command. Ninja builds the trees (it starts a
+# target's compiles before the libraries it links are built, where make waits), and pytest-xdist
+# runs the Python suites on every core.
 # The Python package is installed with pip into a venv, offline: python3-venv (with pip), and
 # Debian's setuptools and wheel, which pip uses as they are (--no-build-isolation).
 PACKAGES=(g++ cmake make git libeigen3-dev doctest-dev libbenchmark-dev libcli11-dev
           nlohmann-json3-dev python3 python3-matplotlib python3-numpy
           python3-dev pybind11-dev python3-pybind11 python3-torch python3-pytest
           python3-venv python3-pip python3-setuptools python3-wheel
-          libopenblas0-openmp r-cran-janeaustenr flake8)
+          libopenblas0-openmp r-cran-janeaustenr flake8 ninja-build python3-pytest-xdist)
 
 install_dependencies() {
   local missing=()
@@ -33,10 +35,13 @@ install_dependencies() {
 
 # build_tree DIR [cmake options...]: configure (first time) and build everything in DIR.
 # Debian's interpreter, where the packages above are: a python3 earlier on PATH (pyenv, a venv)
-# may lack them.
+# may lack them. A new tree is Ninja's; one configured before keeps its generator (CMake refuses
+# to change it).
 build_tree() {
   local dir="$1"; shift
-  cmake -S "$ROOT" -B "$dir" -DPython_EXECUTABLE=/usr/bin/python3 "$@"
+  local generator=()
+  [ -f "$dir/CMakeCache.txt" ] || ! command -v ninja > /dev/null || generator=(-G Ninja)
+  cmake -S "$ROOT" -B "$dir" "${generator[@]}" -DPython_EXECUTABLE=/usr/bin/python3 "$@"
   cmake --build "$dir" -j "$JOBS"
 }
 

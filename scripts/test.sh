@@ -33,11 +33,13 @@ release() {
   ctest --test-dir "$ROOT/build/release" -j "$JOBS" --output-on-failure -LE python
 }
 
-# pytest_suite DIR: one pytest run; exit 5 (no test collected: a renamed function, an import turned
-# into a skip) fails, saying why, as it would otherwise pass unseen.
+# pytest_suite DIR: one pytest run, its tests spread over JOBS processes (pytest-xdist; the
+# multi-process tests take free ports, and each worker runs them whole); exit 5 (no test
+# collected: a renamed function, an import turned into a skip) fails, saying why, as it would
+# otherwise pass unseen.
 pytest_suite() {
   local status=0
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$1" || status=$?
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "$JOBS" "$1" || status=$?
   if [ "$status" -eq 5 ]; then
     echo "linrope: pytest collected no tests from $1" >&2
   fi
