@@ -375,7 +375,8 @@ def _train(args, argv, group, plan, hooks):
 
     try:
         try:
-            progress = stages.run(plan, args.out, corpus, train, args.jobs, group, after_stage)
+            progress = stages.run(plan, args.out, corpus, train, args.jobs, group, after_stage,
+                                  args.resume)
         finally:
             if pool is not None:
                 pool.shutdown()

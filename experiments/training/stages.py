@@ -46,31 +46,37 @@ def _read_stage(plan, name, results, out, corpus):
         found += present
 
 
-def _train_stage(plan, name, progress, corpus, train, jobs, group):
-    """Trains the stage's runs, round after round, each round's configs sent by rank 0."""
+def _train_stage(plan, name, progress, out, corpus, train, jobs, group, resume):
+    """Trains the stage's runs, round after round, each round's configs sent by rank 0. The stage
+    counts as trained by this process (progress.trained: its command and commit go in the stage
+    log) unless every run was finished before and `resume` keeps them: --resume over a finished
+    stage (to write the tables and samples again) leaves the log as it was."""
     while True:
         configs = group.broadcast(_new_configs(plan, name, progress.results, corpus)
                                   if group.main else None)
         if not configs:
             return
+        unfinished = False
         if group.main:
             sys.stderr.write("training: %s\n" % budget.stage_estimate(
                 name, configs, progress.results, plan, jobs))
+            unfinished = not resume or any(sweep.finished(out, c) is None for c in configs)
         progress.results += train(configs) or []
-        if name not in progress.trained:
+        if unfinished and name not in progress.trained:
             progress.trained.append(name)
 
 
-def run(plan, out, corpus, train, jobs, group, after_stage=None):
+def run(plan, out, corpus, train, jobs, group, after_stage=None, resume=False):
     """Runs the plan's stages; returns the Progress. train(configs): the stage's runs trained
-    (sweep.run_all's results, in order; None on ranks other than 0); after_stage(progress):
-    called on rank 0 after every stage trained (to write the tables and the metadata)."""
+    (sweep.run_all's results, in order; None on ranks other than 0), finished ones kept if
+    `resume` (as the command's --resume); after_stage(progress): called on rank 0 after every
+    stage trained (to write the tables and the metadata)."""
     progress = Progress()
     names = plan.stage_names()
     for i, name in enumerate(names):
         earlier = [s for s in names[:i] if TASK_OF[s] == TASK_OF[name]]
         if plan.selected(name):
-            _train_stage(plan, name, progress, corpus, train, jobs, group)
+            _train_stage(plan, name, progress, out, corpus, train, jobs, group, resume)
             missing = 0
         elif group.main:
             found, missing = _read_stage(plan, name, progress.results, out, corpus)

@@ -43,11 +43,11 @@ def fake_training(out):
     return train
 
 
-def run(plan, out):
+def run(plan, out, resume=False):
     train = fake_training(out)
     after = []
     progress = stages.run(plan, out, TEXT, train, 2, ONE_PROCESS,
-                          lambda p: after.append(list(p.done)))
+                          lambda p: after.append(list(p.done)), resume)
     return progress, train.given, after
 
 
@@ -62,6 +62,18 @@ def test_every_stage_trains_in_order_and_is_done(tmp_path):
     # grid_edge's round: the grid's best rate (1e-2) is its largest, so each variant tries 3e-2.
     edge = [k for k in given[1]]
     assert all("-lr0.03-" in k for k in edge) and len(edge) == 4
+
+
+def test_resuming_a_finished_stage_does_not_count_as_training_it(tmp_path):
+    """--resume over a stage whose runs are all finished (to write the tables and samples again)
+    leaves the stage log's entry, the command and commit that trained it, as it was: the stage is
+    not in progress.trained. Without --resume the runs are trained again, and it is."""
+    out = str(tmp_path)
+    run(plans.Plan("quick"), out)
+    resumed, _, _ = run(plans.Plan("quick", stages=("long",)), out, resume=True)
+    assert resumed.trained == [] and "long" in resumed.done
+    again, _, _ = run(plans.Plan("quick", stages=("long",)), out, resume=False)
+    assert again.trained == ["long"]
 
 
 def test_stages_not_selected_are_read_from_the_output_directory(tmp_path):
