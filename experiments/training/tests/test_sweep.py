@@ -10,6 +10,10 @@ import importlib
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 import types
 
 import pytest
@@ -114,6 +118,41 @@ def test_worker_results_equal_in_process_runs(swept):
         assert result.records == comparable(run.records)
         assert {k: v for k, v in result.summary.items() if k not in TIMING} == \
             {k: v for k, v in as_json(summary).items() if k not in TIMING}
+
+
+POOL_OWNER = """
+import os, signal, sys, time
+from training import sweep
+pool = sweep.new_pool(1)
+print(pool.submit(os.getpid).result(), flush=True)  # the worker's pid
+pool.submit(time.sleep, 120)  # busy, and more queued behind it, as a sweep's runs are
+pool.submit(time.sleep, 120)
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGKILL)  # killed as a user kills a sweep: no shutdown
+"""
+
+
+def test_a_killed_sweeps_workers_end_with_it():
+    """A pool worker outlives nothing: when the process that started it is killed (SIGKILL, no
+    clean-up), the worker ends within seconds instead of training the runs queued to it."""
+    experiments = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    owner = subprocess.run([sys.executable, "-c", POOL_OWNER], cwd=experiments,
+                           capture_output=True, text=True, timeout=120)
+    assert owner.returncode == -signal.SIGKILL, owner.stderr
+    worker = int(owner.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(pid):
+    """Whether pid runs (a zombie, ended but not yet reaped by init, counts as ended)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_diverging_run_does_not_stop_the_sweep(swept):
