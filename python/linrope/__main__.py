@@ -33,10 +33,12 @@ def _report(argv=None):
     import linrope
     from linrope import _isa
 
-    info = linrope.build_info()
-    info["location"] = os.path.dirname(os.path.abspath(linrope.__file__))
-    info["python"] = "%s (%s)" % (platform.python_version(), sys.executable)
-    info["cpu"] = _cpu_model()
+    where = dict(location=os.path.dirname(os.path.abspath(linrope.__file__)),
+                 python="%s (%s)" % (platform.python_version(), sys.executable),
+                 cpu=_cpu_model())
+    if linrope._build_info is None:
+        return _report_sources_only(linrope.__version__, where, args.json)
+    info = dict(linrope.build_info(), built=True, **where)
     flags = _isa.cpu_flags()
     info["cpu_lacks"] = None if flags is None else _isa.missing(info["isa"], flags)
     if args.json:
@@ -56,6 +58,21 @@ def _report(argv=None):
                             else "off (serial)"))
     print("python    %s" % info["python"])
     print("location  %s" % info["location"])
+    return 0
+
+
+def _report_sources_only(version, where, as_json):
+    # The package's sources without its C++ module (a machine without Eigen, docs/DESIGN.md "Any
+    # device"): no build to describe, and only linrope.torch's native path to run.
+    if as_json:
+        print(json.dumps(dict(version=version, built=False, **where), indent=2))
+        return 0
+    print("linrope %s" % version)
+    print("built     no: the C++ module is not built here (linrope.torch runs its native path "
+          "only)")
+    print("cpu       %s" % where["cpu"])
+    print("python    %s" % where["python"])
+    print("location  %s" % where["location"])
     return 0
 
 

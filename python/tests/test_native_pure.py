@@ -4,6 +4,7 @@ structs against the C++ module's (the same frequencies bit for bit, the same W t
 two QR factorisations, the same defaults), the native path with them equal to the native path with
 the C++ ones, and a copy of the package without a build: linrope.torch imports, runs its native
 path, and refuses CPU tensors on "auto" with a message that says why."""
+import json
 import os
 import shutil
 import subprocess
@@ -122,3 +123,15 @@ def test_without_a_build_linrope_torch_runs_natively_and_refuses_cpu_on_auto(tmp
     version = subprocess.run([sys.executable, "-c", "import linrope; print(linrope.__version__)"],
                              capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert version.stdout.strip() == linrope.__version__
+    # `python3 -m linrope` (the bug report) says what is there instead of failing.
+    report = subprocess.run([sys.executable, "-m", "linrope"], capture_output=True, text=True,
+                            timeout=60, env=env, cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    lines = report.stdout.splitlines()
+    assert lines[0] == "linrope " + linrope.__version__
+    assert lines[1].startswith("built     no: the C++ module is not built here")
+    assert [line.split()[0] for line in lines[2:]] == ["cpu", "python", "location"]
+    as_json = json.loads(subprocess.run([sys.executable, "-m", "linrope", "--json"],
+                                        capture_output=True, text=True, timeout=60, env=env,
+                                        cwd=tmp_path).stdout)
+    assert as_json["built"] is False and as_json["location"] == str(copy)

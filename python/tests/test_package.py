@@ -49,6 +49,7 @@ def test_main_prints_the_report():
     assert linrope.build_info()["git_commit"] in lines[1]
     as_json = json.loads(run_python("-m", "linrope", "--json").stdout)
     assert as_json["version"] == linrope.__version__ and as_json["cpu_lacks"] in ([], None)
+    assert as_json["built"] is True
 
 
 def test_main_into_a_reader_that_has_left_is_not_an_error():
