@@ -525,7 +525,7 @@ def test_mqar_stages_train_each_setting_alone_and_pick_by_accuracy_then_steps():
     assert len(seeds) == len(grid) // 3
     rates = {(c.variant.name, c.mqar_settings): c.lr for c in seeds}
     assert rates[("softmax-rope", ((64, 4),))] == 3e-3
-    assert rates[("elu-nodenom-conv4", ((256, 16),))] == 1e-3
+    assert rates[("elu-numerator_only-conv4", ((256, 16),))] == 1e-3
 
 
 def test_plan_overrides():
