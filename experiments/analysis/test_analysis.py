@@ -209,6 +209,15 @@ class RopeDecaySection(unittest.TestCase):
                 self.assertFalse([name for name in os.listdir(d) if ".tmp-" in name])
 
 
+def write_interrupted_scaling(results, **meta):
+    """A scaling run's metadata, interrupted after 3 of 40 points (no CSV needed)."""
+    interrupted = dict(ROPE_DECAY_META, experiment="scaling", status="interrupted",
+                       signal="SIGINT", points_saved=3, points_total=40, points_measured=3, **meta)
+    scaling = os.path.join(results, "scaling")
+    os.makedirs(scaling)
+    common.write_json(os.path.join(scaling, "scaling.json"), interrupted)
+
+
 class Report(unittest.TestCase):
     """REPORT.md: the analysis alone writes it, from the metadata and CSVs it finds."""
 
@@ -217,12 +226,10 @@ class Report(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.results)
 
     def test_sections_in_report_order_whatever_ran_last(self):
+        # scaling is dated a day before rope-decay and written after it: neither the newest
+        # first nor the last written first would put it ahead, the report's order does.
         write_rope_decay(self.results)
-        interrupted = dict(ROPE_DECAY_META, experiment="scaling", status="interrupted",
-                           signal="SIGINT", points_saved=3, points_total=40, points_measured=3)
-        scaling = os.path.join(self.results, "scaling")
-        os.makedirs(scaling)
-        common.write_json(os.path.join(scaling, "scaling.json"), interrupted)
+        write_interrupted_scaling(self.results, date="2024-04-30T12:00:00Z")
         self.assertEqual(run_report(self.results, "--no-plots")[0], 0)
         md = read(os.path.join(self.results, "REPORT.md"))
         self.assertTrue(md.startswith("# linrope experiments\n"))
@@ -265,6 +272,7 @@ class Report(unittest.TestCase):
 
     def test_a_misspelt_column_fails_that_section_in_one_line_and_keeps_the_others(self):
         write_rope_decay(self.results, column="decya")
+        write_interrupted_scaling(self.results)
         directory = write_rope_decay(os.path.join(self.results, "elsewhere"))
         os.rename(directory, os.path.join(self.results, "rope_relative"))  # not analysed: no JSON
         status, err = run_report(self.results, "--no-plots")
@@ -275,6 +283,7 @@ class Report(unittest.TestCase):
         self.assertIn(os.path.join(self.results, "rope_decay", "rope_decay.csv"), err[0])
         md = read(os.path.join(self.results, "REPORT.md"))
         self.assertIn("## rope-decay\n\n> The analysis failed: MissingColumn: ", md)
+        self.assertIn("## scaling: interrupted, incomplete", md)  # the other section, kept
 
     def test_nothing_to_analyse_and_bad_command_lines(self):
         self.assertEqual(run_report(self.results)[0], 0)

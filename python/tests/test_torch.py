@@ -2,6 +2,8 @@
 backward is the C++ backward), the functions against the pure-PyTorch reference, the layers
 (RotaryEmbedding, MultiheadAttention) in a small transformer, denominator statistics, feature
 redraws, memory sharing and bad input."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -250,18 +252,33 @@ def test_stats_redraws_and_state_dict():
         module(x)
         module(x)
     assert layer.feature_map.seed == resumed.feature_map.seed == 10
-    # Two forwards, then one backward across a redraw: each keeps the W it used.
-    a = layer(x)
-    b = layer(x)
+    # Two forwards, then one backward across a redraw: each keeps the W it used, so the gradients
+    # are those of the two forwards run again, each on a copy made after it (a redraw comes at the
+    # start of a forward: the copy holds the W the forward used) that never redraws.
+    used, outs = [], []
+    for _ in range(2):
+        outs.append(layer(x))
+        frozen = copy.deepcopy(layer)
+        frozen.redraw_interval = 0
+        used.append(frozen)
+    a, b = outs
+    assert not np.array_equal(used[0].feature_map.projection, used[1].feature_map.projection)
+    layer.zero_grad()
     (a.sum() + b.sum()).backward()
+    for u in used:
+        u.zero_grad()
+        u(x).sum().backward()
+    for name, p in layer.named_parameters():
+        want = sum(dict(u.named_parameters())[name].grad for u in used)
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
     # state_dict carries the seed, so W comes back.
-    copy = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
-                                 causal=True, seed=0)
-    copy.load_state_dict(layer.state_dict())
-    copy.eval()
+    loaded = lt.MultiheadAttention(16, 2, "linear", feature_map="favor+", num_features=8,
+                                   causal=True, seed=0)
+    loaded.load_state_dict(layer.state_dict())
+    loaded.eval()
     layer.eval()
-    torch.testing.assert_close(copy(x), layer(x))
-    np.testing.assert_array_equal(copy.feature_map.projection, layer.feature_map.projection)
+    torch.testing.assert_close(loaded(x), layer(x), rtol=0, atol=0)
+    np.testing.assert_array_equal(loaded.feature_map.projection, layer.feature_map.projection)
 
 
 def test_the_package_re_exports_its_modules_names():

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from training import mqar, parallel
 from training.data import load_corpus
@@ -97,14 +98,21 @@ def test_rank_losses_average_to_the_batch_mean(task, uneven, tiny, corpus):
     for i, whole in enumerate(whole_grads):
         mean = (parts[0][1][i] + parts[1][1][i]) / 2
         assert torch.allclose(mean, whole, rtol=1e-5, atol=1e-5 * float(whole.abs().max()))
-    _, targets = runs[0].batch(step)
+    # Each rank's loss is its share's plain mean (F.cross_entropy over the share's logits, the
+    # IGNOREd positions left out) times the weight 2 scored_r / scored, 1 for equal shares.
+    inputs, targets = runs[0].batch(step)
     counts = [int((y != mqar.IGNORE).sum()) for y in targets.chunk(2)]
     assert (counts[0] != counts[1]) == uneven, counts
-    plain = [loss / (2 * count / sum(counts)) for (loss, _), count in zip(parts, counts)]
+    plain = []
+    with torch.no_grad():
+        for x, y in zip(inputs.chunk(2), targets.chunk(2)):
+            logits = runs[0].model(x)
+            plain.append(float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                               y.reshape(-1), ignore_index=mqar.IGNORE)))
+    for (loss, _), mean, count in zip(parts, plain, counts):
+        assert loss == pytest.approx(mean * 2 * count / sum(counts), rel=1e-5, abs=0)
     if uneven:
         assert abs(sum(plain) / 2 - whole_loss) > 1e-3 * whole_loss
-    else:
-        assert plain == [loss for loss, _ in parts]  # weight 1.0
 
 
 def test_jobs_is_refused_under_torchrun(monkeypatch, capsys):

@@ -288,14 +288,18 @@ def test_huge_learning_rate_diverges_without_an_exception(tiny, corpus):
 
 
 def test_realistic_divergence_is_recorded_not_raised(tiny, corpus):
-    """lr = 1e3 overflows the activations: at step 5 the loss is still finite but its gradient
-    is NaN, which linrope's backward refuses (linrope.NonFiniteError). That is recorded as the
-    divergence, at its step, never raised."""
+    """lr = 1e3 overflows the activations within a few steps: here the loss is still finite when
+    its gradient turns NaN, which linrope's backward refuses (linrope.NonFiniteError). That is
+    recorded as the divergence, at its step, never raised. Which check fires first, and at which
+    step, depends on the CPU's rounding (the kernels' instruction sets), so either recorded form
+    is accepted: the refusal's reason, or a non-finite loss or gradient norm."""
     run = Run(tiny(lr=1e3), corpus)
     summary = run.train()
     assert summary["status"] == "diverged"
     assert summary["diverged_step"] == run.step + 1  # the failing step was not applied
-    assert "non-finite" in summary["diverged_reason"] or "nan" in summary["diverged_reason"]
+    reason = summary["diverged_reason"]
+    assert (reason.startswith("non-finite values in a kernel's input: ")
+            or reason in ("loss nan", "loss inf", "gradient norm nan", "gradient norm inf")), reason
 
 
 class Refusing(Run):
@@ -495,7 +499,8 @@ def test_resume_with_checkpoints_between_log_rows(tiny, corpus, tmp_path):
     assert resumed.load(path) and resumed.step == 4
     resumed.train()
     assert same_tensors(resumed.model.state_dict(), whole.model.state_dict())  # holds
-    assert resumed.records["curves"] == whole.records["curves"]  # fails: step 6's train_loss
+    # The loss window since the last curve row is checkpointed: step 6's row averages 4-6.
+    assert resumed.records["curves"] == whole.records["curves"]
 
 
 def test_a_run_refuses_a_text_other_than_its_configured_one(tiny, corpus):
