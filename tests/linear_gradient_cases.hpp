@@ -267,6 +267,16 @@ void check_gradients(const AttentionGradients<T>& got, const Gradients& want, co
 
 std::string describe(const Problem& p);
 
+// Whether some D_i can vanish or change sign, so that a comparison may be skipped as
+// ill-conditioned: Full's rotated denominator, favor-trig's signed features, relu's features that
+// can all be zero. Elsewhere (eq. 19 or before_map with elu+1, FAVOR+, favor-hyp or 1+cos) each
+// D_i is eps plus a sum of positive terms, so |D_i| > 2 gamma (D_i^mag + eps) at any gamma < 1/2
+// where eps is not far above the sums.
+inline bool denominator_may_vanish(FeatureMapKind kind, RopePlacement placement) {
+  return placement == RopePlacement::Full || kind == FeatureMapKind::FavorTrig ||
+         kind == FeatureMapKind::Relu;
+}
+
 // Counts of comparisons run and skipped as ill-conditioned, per precision.
 struct Tally {
   int run_float = 0, skipped_float = 0, run_double = 0, skipped_double = 0;

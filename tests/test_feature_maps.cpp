@@ -405,7 +405,9 @@ TEST_CASE("1+cos gives phi(q).phi(k) = 1 + cos(q k) and handles x = 0 and extrem
       const MatrixF x = direction.cast<float>() * magnitude;
       const MatrixD got = features<float>(*map, x).cast<double>();
       CHECK(got.allFinite());
-      CHECK((got - expected).cwiseAbs().maxCoeff() <= 1e-6);
+      // The direction rounded to float (u_f an entry), then normalised in float ((d + 4) u_f,
+      // as in double above); entries of a unit vector, so absolute.
+      CHECK((got - expected).cwiseAbs().maxCoeff() <= double(d + 5) * 0x1.0p-24);
     }
   }
 }
