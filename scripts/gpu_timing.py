@@ -1,9 +1,10 @@
 """Times linrope.torch's native path on one device: forward, and forward + backward, of
-MultiheadAttention (causal linear attention, favor+ with RoPE) against the same layer with softmax
-attention (RoPE, then scaled_dot_product_attention where PyTorch has it, else the native blocked
-softmax) and against a bare softmax + RoPE (linrope.torch.rope_apply on q and k, then
-torch.nn.functional.scaled_dot_product_attention; absent on PyTorch < 2.0). Writes one CSV row per
-(case, n, pass) with the median of the repetitions, the file rewritten after each size.
+MultiheadAttention (causal linear attention, favor+ with RoPE, chunks of 64 and of 256) against
+the same layer with softmax attention (RoPE, then scaled_dot_product_attention where PyTorch has
+it, else the native blocked softmax) and against a bare softmax + RoPE (linrope.torch.rope_apply
+on q and k, then torch.nn.functional.scaled_dot_product_attention; absent on PyTorch < 2.0).
+Writes one CSV row per (case, n, pass) with the median of the repetitions, the file rewritten
+after each size.
 
     python3 scripts/gpu_timing.py --device cuda --out gpu_timing.csv
     python3 scripts/gpu_timing.py --device cpu --sizes 256,512 --repeats 3 --out cpu.csv
@@ -56,10 +57,12 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def layer_case(attention, args, device, dtype):
+def layer_case(attention, args, device, dtype, chunk_size=None):
     embed = args.heads * args.head_dim
     layer = lt.MultiheadAttention(embed, args.heads, attention, causal=True, rope=True,
                                   device=device, dtype=dtype)
+    if chunk_size is not None:
+        layer.chunk_size = chunk_size
 
     def inputs(n):
         return [torch.randn(args.batch, n, embed, device=device, dtype=dtype,
@@ -103,7 +106,10 @@ def run(args):
     """Times every case at every size, rewriting args.out after each size, so that a run stopped
     early (gpu_check.sh's time limit) leaves the sizes it finished."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    # The layer's chunk (64, the C++ default) and a larger one: on a GPU the chunks' products are
+    # cheap and each chunk costs the state's recurrence a step.
     cases = {"layer-linear": layer_case("linear", args, device, dtype),
+             "layer-linear-c256": layer_case("linear", args, device, dtype, chunk_size=256),
              "layer-softmax": layer_case("softmax", args, device, dtype)}
     bare = sdpa_case(args, device, dtype)
     if bare is not None:
@@ -141,7 +147,7 @@ def run(args):
                 rows.append(dict(common, case=name, n=n, median_ms=f"{statistics.median(ms):.4f}",
                                  min_ms=f"{min(ms):.4f}", repeats=len(ms), status="ok",
                                  **{"pass": which}))
-                print(f"{name:14s} n={n:6d} {which:17s} {statistics.median(ms):10.3f} ms",
+                print(f"{name:17s} n={n:6d} {which:17s} {statistics.median(ms):10.3f} ms",
                       flush=True)
             del tensors
             if device.type == "cuda":

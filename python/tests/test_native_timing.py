@@ -24,7 +24,7 @@ def test_the_timing_writes_every_case_size_and_pass(tmp_path):
                  "--head-dim", "8", "--out", str(out)])
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
-    cases = ["layer-linear", "layer-softmax"]
+    cases = ["layer-linear", "layer-linear-c256", "layer-softmax"]
     if hasattr(torch.nn.functional, "scaled_dot_product_attention"):
         cases.append("sdpa+rope")
     assert sorted((r["case"], int(r["n"]), r["pass"]) for r in rows) == sorted(

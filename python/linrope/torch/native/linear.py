@@ -37,6 +37,7 @@ import numbers
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from linrope.torch.native import checks, feature_maps
 from linrope.torch.native.rope import positions_of, rotate
@@ -288,6 +289,57 @@ def _causal(s, v, state, denominator, chunk, q_offset, k_offset, keep_all_keys):
     return Scaled(num, den, s.alpha + M_rows), (S, z, M)
 
 
+def _causal_aligned(s, v, state, denominator, chunk):
+    """The chunked causal form when query i sees keys j <= i (q_offset = k_offset, n = n_k), every
+    chunk at once: the same products as _causal (which takes every other alignment), but batched
+    over the chunks, so that only the state's recurrence is a loop, two ops a chunk. On a GPU the
+    loop of _causal, some twenty small ops a chunk, is what the time goes to.
+
+    With the running maximum R of the scales (the state's first, then the keys'), query i reads
+    at M_i = R[i + 1]; the state before chunk t sits at R[t L] and takes the chunk's keys at
+    R[(t + 1) L], each weighted exp(gamma_j - R[(t + 1) L]). The rows are padded to whole chunks
+    (zero features, keys at scale -inf: they add nothing) and the padding cut off after."""
+    batch, heads, n = s.a.shape[:3]
+    length = min(chunk, n)
+    count = -(-n // length)
+    pad = count * length - n
+
+    def blocks(t):  # [B, H, n, w] -> [B, H, count, length, w], zero rows appended
+        return F.pad(t, (0, 0, 0, pad)).unflatten(2, (count, length))
+    a, c, v_b = blocks(s.a), blocks(s.c), blocks(v)
+    b = a if s.b is s.a else blocks(s.b)
+    e = c if s.e is s.c else blocks(s.e)
+    S, z, M = state
+    gamma = F.pad(s.gamma, (0, pad), value=-INF)
+    running = torch.cummax(torch.cat([M[..., None], gamma], -1), -1).values
+    M_i = running[..., 1:].unflatten(2, (count, length))  # [B, H, count, length]
+    starts = running[..., ::length]  # [B, H, count + 1]: the state's scale before each chunk
+    gamma = gamma.unflatten(2, (count, length))
+    w = _ratio(gamma, starts[..., 1:, None]).to(v.dtype)[..., None]
+    S_chunks = (c.transpose(-1, -2) @ (w * v_b)).unbind(2)
+    z_chunks = (w * e).sum(-2).unbind(2)
+    keeps = _ratio(starts[..., :-1], starts[..., 1:]).to(v.dtype).unbind(2)
+    S_before, z_before = [], []
+    for keep, S_chunk, z_chunk in zip(keeps, S_chunks, z_chunks):
+        S_before.append(S)
+        z_before.append(z)
+        S = torch.addcmul(S_chunk, keep[..., None, None], S)
+        z = torch.addcmul(z_chunk, keep[..., None], z)
+    from_state = _ratio(starts[..., :-1, None], M_i).to(v.dtype)  # [B, H, count, length]
+    seen = torch.ones(length, length, dtype=torch.bool, device=v.device).tril()
+    weights = torch.where(seen, _ratio(gamma[..., None, :], M_i[..., None]),
+                          torch.zeros((), dtype=torch.float64, device=v.device)).to(v.dtype)
+    scores = (a @ c.transpose(-1, -2)) * weights
+    num = from_state[..., None] * (a @ torch.stack(S_before, 2)) + scores @ v_b
+    den = None
+    if denominator:
+        den_scores = scores if b is a else (b @ e.transpose(-1, -2)) * weights
+        den = from_state * (b @ torch.stack(z_before, 2)[..., None])[..., 0] + den_scores.sum(-1)
+        den = den.flatten(2)[..., :n]
+    scaled = Scaled(num.flatten(2, 3)[:, :, :n], den, s.alpha + M_i.flatten(2)[..., :n])
+    return scaled, (S, z, starts[..., -1])
+
+
 def _output(scaled, eps, denominator, dtype):
     """o = num~ / D~ (docs/DESIGN.md, "Denominators"), and the rows written as zeros: nothing
     seen, or D~ 0 or not finite."""
@@ -363,8 +415,11 @@ def linear_attention(q, k, v, feature_map, *, causal, placement, rope, eps, q_of
         scaled, final = _noncausal(sides, v, denominator), None
     else:
         state = _start(initial_state, single, batch, heads, m, d_v, work, q.device)
-        scaled, final = _causal(sides, v, state, denominator, chunk_size, q_offset, k_offset,
-                                keep_all_keys=return_state)
+        if q_offset == k_offset and n == n_k and n > 0:
+            scaled, final = _causal_aligned(sides, v, state, denominator, chunk_size)
+        else:
+            scaled, final = _causal(sides, v, state, denominator, chunk_size, q_offset,
+                                    k_offset, keep_all_keys=return_state)
     out, nothing, zero = _output(scaled, eps, denominator, work)
     if q_valid is not None:
         out = torch.where(q_valid, out, torch.zeros((), dtype=work, device=q.device))
