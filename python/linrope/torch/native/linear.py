@@ -15,7 +15,8 @@ With the sides of "Placements" (a, b for queries, c, e for keys) and the stabili
                  before the chunk, the chunk's own keys enter through masked products weighted
                  exp(gamma_j - M_i), M_i the running maximum over the keys query i sees (never a
                  later key's: a causal output depends on no later key, not even through the
-                 stabiliser), then are absorbed into the state
+                 stabiliser), then are absorbed into the state; every chunk's products at
+                 once where queries and keys align (_causal_aligned), else chunk by chunk
 
 and o_i = num~_i / D~_i, D~_i = den~_i + eps exp(-(alpha_i + M_i)) in float64 (no denominator:
 exp(-(alpha_i + M_i))), a zero row where no key is seen or D~_i is 0 or not finite. With a decay
