@@ -294,7 +294,7 @@ def _causal_aligned(s, v, state, denominator, chunk):
     """The chunked causal form when query i sees keys j <= i (q_offset = k_offset, n = n_k), every
     chunk at once: the same products as _causal (which takes every other alignment), but batched
     over the chunks, so that only the state's recurrence is a loop, two ops a chunk. On a GPU the
-    loop of _causal, some twenty small ops a chunk, is what the time goes to.
+    loop of _causal, tens of small ops a chunk, is what the time goes to.
 
     With the running maximum R of the scales (the state's first, then the keys'), query i reads
     at M_i = R[i + 1]; the state before chunk t sits at R[t L] and takes the chunk's keys at
