@@ -12,6 +12,14 @@
 //   pv         128 x 64 x 256    P * V_b                                      softmax
 //   chunk      64 x 256 x 64     one 64-row chunk's feature projection        causal chunked
 //   square     1024 x 1024 x 1024                                             the classic yardstick
+// and the products of a decoder layer's linear maps at the study's step (16 x 256 tokens, d_model
+// 128, the MLP 4x wider; nn.Linear's weight W [out x in] row-major):
+//   proj       4096 x 128 x 128  x * W^T (B column-major view)                 q, k, v, out
+//   mlp_up     4096 x 512 x 128  x * W^T                                       the MLP's first
+//   mlp_down   4096 x 128 x 512  h * W^T                                       the MLP's second
+//   up_dx      4096 x 128 x 512  dy * W                                        its input gradient
+//   up_dw      512 x 128 x 4096  dy^T (column-major view) * x                  its weight gradient
+//   proj_dw    128 x 128 x 4096  dy^T * x                                      a projection's
 // The single-thread fp32 peak is machine/peak_fma divided by its thread count (reported there).
 #include <Eigen/Core>
 #include <string>
@@ -35,10 +43,13 @@ struct Shape {
   bool a_columns, b_columns;  // stored transposed: a column-major view
 };
 constexpr Shape kShapes[] = {
-    {"features", 256, 256, 64, false, false},  {"state", 256, 64, 256, true, false},
-    {"readout", 256, 64, 256, false, false},   {"scores", 128, 256, 64, false, true},
-    {"pv", 128, 64, 256, false, false},        {"chunk", 64, 256, 64, false, false},
-    {"square", 1024, 1024, 1024, false, false}};
+    {"features", 256, 256, 64, false, false},   {"state", 256, 64, 256, true, false},
+    {"readout", 256, 64, 256, false, false},    {"scores", 128, 256, 64, false, true},
+    {"pv", 128, 64, 256, false, false},         {"chunk", 64, 256, 64, false, false},
+    {"square", 1024, 1024, 1024, false, false}, {"proj", 4096, 128, 128, false, true},
+    {"mlp_up", 4096, 512, 128, false, true},    {"mlp_down", 4096, 128, 512, false, true},
+    {"up_dx", 4096, 128, 512, false, false},    {"up_dw", 512, 128, 4096, true, false},
+    {"proj_dw", 128, 128, 4096, true, false}};
 
 // Operands as the kernels hold them: A [m x k] or, when a_columns, A^T [k x m] row-major.
 struct Operands {

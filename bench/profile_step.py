@@ -43,9 +43,10 @@ import time
 VARIANTS = "softmax-rope,elu-numerator_only,favor-numerator_only"
 MARK = "profile_step: "  # the record_function ranges this script puts around parts of a step
 ATTENTION_MARK, DATA_MARK, CLIP_MARK = MARK + "attention", MARK + "data", MARK + "clipping"
-FORWARD_MARK = MARK + "forward"
-GEMMS = ("aten::linear", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul")
-GEMM_NODES = ("AddmmBackward0", "MmBackward0", "BmmBackward0")
+FORWARD_MARK, LINEAR_MARK = MARK + "forward", MARK + "linrope.torch.Linear"
+GEMMS = ("aten::linear", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", LINEAR_MARK)
+# linrope.torch.Linear's node is its autograd Function's: _LinearBackward.
+GEMM_NODES = ("AddmmBackward0", "MmBackward0", "BmmBackward0", "_LinearBackward")
 ENGINE = "autograd::engine::evaluate_function: "
 CATEGORIES = ("linrope attention forward", "linrope attention backward",
               "projections, MLP and output (GEMMs, forward and backward)",
@@ -80,6 +81,8 @@ def category(chain, node, forward_of):
     """The category of an event: `chain` as in forward_category; `node` the backward node it
     runs in (the event under the engine's evaluate_function), None outside the backward;
     forward_of: {sequence number: forward category} of the step's forward operators."""
+    if chain[-1] == LINEAR_MARK:  # linrope.matmul is no operator: its time is the range's own
+        return "projections, MLP and output (GEMMs, forward and backward)"
     if chain[-1].startswith(MARK):
         return "Python and framework (no operator)"  # a range's own time: the Python in it
     if node is None:
@@ -94,23 +97,30 @@ def category(chain, node, forward_of):
 
 
 def ranges_around(run):
-    """Puts record_function ranges around the model's forward, each attention layer's, the data
-    and the clipping (this script's own seams: instance attributes, a module's hooks, torch's
-    function as train.py looks it up); returns what undoes them."""
+    """Puts record_function ranges around the model's forward, each attention layer's, each
+    linrope.torch.Linear's, the data and the clipping (this script's own seams: instance
+    attributes, a module's hooks, torch's function as train.py looks it up); returns what undoes
+    them."""
     import torch
     from torch.autograd.profiler import record_function
+
+    import linrope.torch as lt
     open_ranges, undo = [], []
 
-    def enter(*_):
-        open_ranges.append(record_function(ATTENTION_MARK))
-        open_ranges[-1].__enter__()
+    def entering(mark):
+        def enter(*_):
+            open_ranges.append(record_function(mark))
+            open_ranges[-1].__enter__()
+        return enter
 
     def leave(*_):
         open_ranges.pop().__exit__(None, None, None)
 
-    for block in run.model.blocks:
-        undo += [block.attention.register_forward_pre_hook(enter).remove,
-                 block.attention.register_forward_hook(leave).remove]
+    marked_modules = [(block.attention, ATTENTION_MARK) for block in run.model.blocks]
+    marked_modules += [(m, LINEAR_MARK) for m in run.model.modules() if isinstance(m, lt.Linear)]
+    for module, mark in marked_modules:
+        undo += [module.register_forward_pre_hook(entering(mark)).remove,
+                 module.register_forward_hook(leave).remove]
     batch, clip = run.batch, torch.nn.utils.clip_grad_norm_
 
     def marked(function, name):
@@ -341,7 +351,8 @@ def measure(args):
     say(f"# {args.task}: d_model {model['d_model']}, {model['layers']} layers, {model['heads']} "
         f"heads, {args.threads} thread(s), {args.rounds} rounds of {args.steps} steps per case; "
         f"load average {' '.join('%.2f' % x for x in os.getloadavg())}; linrope from "
-        f"{os.path.dirname(linrope.__file__)}")
+        f"{os.path.dirname(linrope.__file__)}; OPENBLAS_CORETYPE "
+        f"{os.environ.get('OPENBLAS_CORETYPE', 'unset')}")
     shapes = args.contexts if args.task == "char_lm" else args.settings
     cases = [(make_run(args, v, shape, corpus), shape) for shape in shapes for v in args.variants]
     for run, _ in cases:

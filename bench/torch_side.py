@@ -8,7 +8,6 @@ its name says; the benchmarks themselves check nothing.
 torch is imported inside the functions: a script re-executes itself with GLIBC_TUNABLES
 (reexec_with_tunables) first, and an import of torch before that would be paid twice.
 """
-import copy
 import math
 import os
 import sys
@@ -143,15 +142,23 @@ BY_KEY = {c.key: c for c in COMPETITORS}
 
 
 def torch_layer(reference, attention):
-    """The layer in plain PyTorch: copies of `reference`'s four projections (a
-    linrope.torch.MultiheadAttention) around attention(q, k, v) on [B, H, n, head_dim]."""
+    """The layer in plain PyTorch: `reference`'s four projections (a
+    linrope.torch.MultiheadAttention) copied into torch.nn.Linear (linrope's own are
+    linrope.torch.Linear, on linrope's GEMM) around attention(q, k, v) on [B, H, n, head_dim]."""
     from torch import nn
+
+    def plain(projection):
+        copied = nn.Linear(projection.in_features, projection.out_features,
+                           bias=projection.bias is not None, device=projection.weight.device,
+                           dtype=projection.weight.dtype)
+        copied.load_state_dict(projection.state_dict())
+        return copied
 
     class TorchLayer(nn.Module):
         def __init__(self):
             super().__init__()
             for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                setattr(self, name, copy.deepcopy(getattr(reference, name)))
+                setattr(self, name, plain(getattr(reference, name)))
             self.heads, self.head_dim = reference.num_heads, reference.head_dim
 
         def forward(self, x):

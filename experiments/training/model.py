@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from linrope.torch import MultiheadAttention
+from linrope.torch import Linear, MultiheadAttention
 
 
 def attention_arguments(variant, d_model, heads, seed=0, stats_threshold=1e-3):
@@ -68,8 +68,11 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(d_model)
         self.attention = MultiheadAttention(d_model, heads, causal=True, **attention_args)
         self.mlp_norm = RMSNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                 nn.Linear(4 * d_model, d_model))
+        # linrope.torch.Linear: nn.Linear on linrope's GEMM, 1.4-1.8x PyTorch's OpenBLAS as this
+        # machine runs it; these products are most of a step (bench/RESULTS.md, "The study's
+        # linear maps on linrope's GEMM").
+        self.mlp = nn.Sequential(Linear(d_model, 4 * d_model), nn.GELU(),
+                                 Linear(4 * d_model, d_model))
 
     def forward(self, x, first_position=0, cache=None, decoding=False):
         """x + attention, + MLP; decoding: through the attention's cache, returning (x, cache)."""
@@ -103,7 +106,7 @@ class Decoder(nn.Module):
                                                       stats_threshold))
             for layer in range(layers))
         self.final_norm = RMSNorm(d_model)
-        self.output = nn.Linear(d_model, vocab_size, bias=False)
+        self.output = Linear(d_model, vocab_size, bias=False)
         self._initialise(layers)
 
     def _initialise(self, layers):

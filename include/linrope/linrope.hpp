@@ -4,6 +4,7 @@
 #include <linrope/attention.hpp>
 #include <linrope/batched.hpp>
 #include <linrope/feature_maps.hpp>
+#include <linrope/matmul.hpp>
 #include <linrope/random.hpp>
 #include <linrope/rope.hpp>
 #include <linrope/types.hpp>

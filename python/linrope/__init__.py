@@ -44,6 +44,7 @@ else:
         get_num_threads,
         linear_attention,
         linear_attention_backward,
+        matmul,
         openmp,
         set_num_threads,
         softmax_attention,

@@ -18,5 +18,6 @@ void bind_feature_maps(py::module_& m);       // bind_feature_maps.cpp: FeatureM
 void bind_stream(py::module_& m);             // bind_stream.cpp: LinearAttentionStream
 void bind_softmax_attention(py::module_& m);  // bind_softmax_attention.cpp
 void bind_linear_attention(py::module_& m);   // bind_linear_attention.cpp
+void bind_matmul(py::module_& m);             // bind_matmul.cpp: matmul
 
 }  // namespace linrope::python

@@ -38,4 +38,5 @@ PYBIND11_MODULE(_core, m) {
   bind_stream(m);
   bind_softmax_attention(m);
   bind_linear_attention(m);
+  bind_matmul(m);
 }

@@ -362,11 +362,17 @@ def test_pytorch_layer_is_the_linrope_layers_projections_around_its_attention(at
     # torch_side.torch_layer(mha, f) copies mha's projections and splits the heads itself; with f
     # the very call mha makes, both layers do the same operations on the same numbers (linrope's
     # kernels are deterministic: tests/test_determinism.cpp), so they agree bit for bit. The
-    # attention the benchmark puts in f's place is checked against the reference above.
+    # attention the benchmark puts in f's place is checked against the reference above. The
+    # twin's projections are torch.nn.Linear, mha's linrope.torch.Linear (linrope's GEMM, checked
+    # in test_linear_maps.py): mha gets nn.Linear copies too, so that the products round alike.
     torch.manual_seed(0)
     options = dict(feature_map="favor+", num_features=M, placement="none") if (
         attention == "linear") else {}
     mha = lt.MultiheadAttention(128, 2, attention=attention, causal=True, rope=False, **options)
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        plain = torch.nn.Linear(128, 128)
+        plain.load_state_dict(getattr(mha, name).state_dict())
+        setattr(mha, name, plain)
 
     def same_call(q, k, v):
         if attention == "softmax":

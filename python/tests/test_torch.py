@@ -286,9 +286,9 @@ def test_the_package_re_exports_its_modules_names():
     from linrope.torch.native import dispatch
     assert set(lt.__all__) == {
         "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
-        "feature_map_apply", "head_decays", "RotaryEmbedding", "MultiheadAttention",
-        "KeyValueCache", "HeadRMSNorm", "RedrawSchedule", "ShortConvolution", "ShortConvCache",
-        "backend"}
+        "feature_map_apply", "head_decays", "linear", "RotaryEmbedding", "MultiheadAttention",
+        "KeyValueCache", "HeadRMSNorm", "RedrawSchedule", "Linear", "ShortConvolution",
+        "ShortConvCache", "backend"}
     assert lt.backend is dispatch.backend
     for module in (convolution, functional, layers, states):
         for name in module.__all__:

@@ -4,11 +4,11 @@ tensors on other devices, or under backend("native"), run on native/, docs/DESIG
 As torch.nn.functional beside torch.nn, the package holds apart
 
     functional   the autograd functions over the C++ forward and backward: softmax_attention,
-                 linear_attention, rope_apply, feature_map_apply; head_decays (a decay= setting
-                 as one float per head)
+                 linear_attention, rope_apply, feature_map_apply, linear (F.linear on linrope's
+                 matmul); head_decays (a decay= setting as one float per head)
     states       LinearState (causal linear attention's state) and merge_states
     layers       the torch.nn.Module layers: RotaryEmbedding, MultiheadAttention (and its
-                 KeyValueCache, ShortConvCache), HeadRMSNorm, RedrawSchedule
+                 KeyValueCache, ShortConvCache), HeadRMSNorm, RedrawSchedule, Linear
     convolution  ShortConvolution, the causal depthwise convolution MultiheadAttention(short_conv=k)
                  puts on q, k and v
     distributed  causal linear attention over a sequence split across processes, the halo of a
@@ -19,16 +19,16 @@ and re-exports here the names of the first four; the last two are used by their 
 (`import linrope.torch.distributed`).
 """
 from linrope.torch.convolution import ShortConvolution
-from linrope.torch.functional import (feature_map_apply, head_decays, linear_attention,
-                                      rope_apply, softmax_attention)
+from linrope.torch.functional import (feature_map_apply, head_decays, linear,
+                                      linear_attention, rope_apply, softmax_attention)
 from linrope.torch.native.dispatch import backend
-from linrope.torch.layers import (HeadRMSNorm, KeyValueCache, MultiheadAttention,
+from linrope.torch.layers import (HeadRMSNorm, KeyValueCache, Linear, MultiheadAttention,
                                   RedrawSchedule, RotaryEmbedding, ShortConvCache)
 from linrope.torch.states import LinearState, merge_states
 
 __all__ = [
     "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
-    "feature_map_apply", "head_decays",
+    "feature_map_apply", "head_decays", "linear",
     "RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "HeadRMSNorm", "RedrawSchedule",
-    "ShortConvolution", "ShortConvCache", "backend",
+    "Linear", "ShortConvolution", "ShortConvCache", "backend",
 ]

@@ -6,6 +6,7 @@
                      initial_state, return_state, denominator, decay)
     rope_apply(x, rope, first_position, positions)
     feature_map_apply(x, feature_map)
+    linear(x, weight, bias)                         F.linear on linrope's matmul
 
 Each is a torch.autograd.Function over the C++ forward and backward: it saves only its inputs and
 options, and its backward calls the C++ backward. A call whose tensors are on another device than
@@ -27,7 +28,7 @@ from linrope.torch import native
 from linrope.torch.states import LinearState
 
 __all__ = ["softmax_attention", "linear_attention", "rope_apply", "feature_map_apply",
-           "head_decays"]
+           "head_decays", "linear"]
 
 # The defaults of the options, read from the default-constructed C++ structs so that each lives in
 # the C++ header alone (the NumPy functions take theirs from the same structs).
@@ -209,6 +210,64 @@ class _FeatureMapApply(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dx = ctx.feature_map.backward(_array(x, fn, "x"), _array(d_out, fn, "d_out"))
         return torch.from_numpy(dx), None
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b by linrope.matmul, and its gradients dx = dy W, dW = dy^T x, db = sum dy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        fn = "linear"
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+        linrope.matmul(_array(rows, fn, "input"), _array(weight, fn, "weight"),
+                       transpose_b=True, out=y.numpy())
+        if bias is not None:
+            y.add_(bias)  # measured faster than y = b, then y += x W^T in the product
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_y):
+        fn = "linear backward"
+        x, weight = ctx.saved_tensors
+        d_rows = _array(d_y.reshape(-1, weight.shape[0]), fn, "d_y")
+        d_x = d_weight = d_bias = None
+        if ctx.needs_input_grad[0]:
+            d_x = torch.from_numpy(linrope.matmul(d_rows, _array(weight, fn, "weight")))
+            d_x = d_x.reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            rows = _array(x.reshape(-1, x.shape[-1]), fn, "input")
+            d_weight = torch.from_numpy(linrope.matmul(d_rows, rows, transpose_a=True))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            d_bias = d_y.reshape(-1, weight.shape[0]).sum(0)
+        return d_x, d_weight, d_bias
+
+
+def linear(x, weight, bias=None):
+    """torch.nn.functional.linear, y = x W^T + b (x [..., in], W [out, in], b [out]), with the
+    products on linrope.matmul: linrope's own GEMM, 1.4-1.8x PyTorch's products on a small
+    model's shapes where its OpenBLAS runs AVX2 kernels on an AVX-512 CPU, about even with
+    OpenBLAS's AVX-512 kernels (bench/RESULTS.md). Differentiable once (no double backward). Where
+    linrope's kernels do not run (tensors on another device, under backend("native"), dtypes
+    other than float32 and float64, or no C++ module here) it is F.linear itself."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if (native.dispatch.backend.current() == "native" or not native.dispatch.core_built()
+            or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64)
+                   for t in tensors)):
+        return torch.nn.functional.linear(x, weight, bias)
+    if any(t.dtype != x.dtype for t in tensors):
+        raise ValueError("linear: input, weight and bias have dtypes "
+                         f"{', '.join(str(t.dtype) for t in tensors)}; expected one")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: input has shape {tuple(x.shape)} and weight "
+                         f"{tuple(weight.shape)}; expected input (..., in) and weight (out, in)")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"linear: bias has shape {tuple(bias.shape)} but weight has "
+                         f"{weight.shape[0]} rows")
+    return _Linear.apply(x, weight, bias)
 
 
 def softmax_attention(q, k, v, causal=_SOFTMAX.causal, scale=None, rope=None,

@@ -10,6 +10,8 @@
     HeadRMSNorm         RMSNorm over each head's channels with a learned gain: the output
                         normalisation of linear attention without a denominator.
     RedrawSchedule      when Performer's feature redrawing draws a new W.
+    Linear              nn.Linear whose products run on linrope.matmul (functional.linear): the
+                        projections of MultiheadAttention, and a drop-in for a model's others.
 """
 import functools
 import numbers
@@ -21,16 +23,26 @@ from torch import nn
 import linrope
 from linrope.torch import distributed
 from linrope.torch.convolution import ShortConvolution
-from linrope.torch.functional import head_decays, linear_attention, rope_apply, softmax_attention
+from linrope.torch.functional import (head_decays, linear, linear_attention, rope_apply,
+                                      softmax_attention)
 
 __all__ = ["RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "ShortConvCache",
-           "HeadRMSNorm", "RedrawSchedule"]
+           "HeadRMSNorm", "RedrawSchedule", "Linear"]
 
 # Defaults from the default-constructed C++ structs, so that each lives in the C++ header alone.
 _LINEAR = linrope.LinearOptions()
 _STATS = linrope.DenominatorStats()
 _ROPE = linrope.RopeConfig()
 _MAP = linrope.FeatureMapConfig()
+
+
+class Linear(nn.Linear):
+    """torch.nn.Linear (the same parameters, initialisation and state_dict) whose forward is
+    linrope.torch.functional.linear: y = x W^T + b on linrope's own GEMM for CPU tensors in
+    float32 and float64, F.linear elsewhere."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
 
 
 class RotaryEmbedding(nn.Module):
@@ -183,10 +195,10 @@ class MultiheadAttention(nn.Module):
             if attention != "linear":
                 raise ValueError("MultiheadAttention: denominator=False needs attention='linear'")
             self.output_norm = HeadRMSNorm(num_heads, self.head_dim, norm_eps, **factory)
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.q_proj = Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.v_proj = Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.short_conv = short_conv
         self.decay, self.head_decays = self._decay_setting(decay, attention, causal, num_heads)
         if short_conv:

@@ -300,7 +300,7 @@ def _causal_aligned(s, v, state, denominator, chunk):
     at M_i = R[i + 1]; the state before chunk t sits at R[t L] and takes the chunk's keys at
     R[(t + 1) L], each weighted exp(gamma_j - R[(t + 1) L]). The rows are padded to whole chunks
     (zero features, keys at scale -inf: they add nothing) and the padding cut off after."""
-    batch, heads, n = s.a.shape[:3]
+    n = s.a.shape[2]
     length = min(chunk, n)
     count = -(-n // length)
     pad = count * length - n
