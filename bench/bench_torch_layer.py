@@ -12,8 +12,9 @@ reference.
    triu-masked, softmax, @ v). x [1, n, 512] requiring grad, grads reset (set_to_none),
    (layer(x) * d_out).sum().backward(); median of --repetitions calls (<= 3 at n >= 16384) after a
    warm-up. Speed-up = PyTorch / linrope. Also: linrope's favor+ numerator_only (RoFormer eq. 19,
-   which PyTorch lacks) and the projections alone (attention = identity on v: PyTorch's time in
-   both layers), subtracted from both for the attention's own speed-up (approximate). A case is
+   which PyTorch lacks) and the projections alone (attention = identity on v; linrope's layer
+   runs them on linrope.torch.Linear, PyTorch's on nn.Linear), each side's subtracted from its
+   layer for the attention's own speed-up (approximate). A case is
    skipped when the previous n predicts > 60 s per call, a PyTorch case also when its memory
    (autograd keeps ~10x the n x n scores of all heads for softmax, 11-12x the chunked form's
    blocks, 13x taken) exceeds --max-gb.
@@ -21,8 +22,8 @@ reference.
    numerator_only with a Rope(256) on the features, and none) and softmax_attention (causal) on
    q, k, v [1, 8, 256, 64] requiring grad, then out.backward(d_out), --overhead-calls times.
    linrope._core._kernel_seconds() (time inside the C++ kernels) is read around the loop:
-   overhead = (wall - kernel) / kernel, target < 10%. The layer is listed too, but there
-   wall - kernel is mostly its projections' PyTorch time.
+   overhead = (wall - kernel) / kernel, target < 10%. The layer is listed too (its projections,
+   on linrope.matmul, count as kernel time).
 
 Environment, as compare_pytorch.py (its docstring says why): re-executed with GLIBC_TUNABLES
 (mmap_max=0, trim_threshold) before torch is imported; PyTorch's BLAS must be OpenBLAS
@@ -110,7 +111,8 @@ def layer_cases():
         ("softmax causal", softmax, torch_layer(softmax, softmax_causal),
          lambda n: 10 * HEADS * n * n * 4 + n * n),
         ("favor+ numerator_only causal", eq19, None, None),
-        (PROJECTIONS, None, torch_layer(favor, lambda q, k, v: v), lambda n: 0)]
+        (PROJECTIONS, torch_layer(favor, lambda q, k, v: v, own_projections=True),
+         torch_layer(favor, lambda q, k, v: v), lambda n: 0)]
 
 
 def step(layer, x, d_out):
@@ -168,13 +170,14 @@ def layer_table(cases):
                     + (f"{value:10.2f} ms" if isinstance(value, float) else value))
             rows.append(row)
         this_n = rows[-len(cases):]
-        projections = next(r["torch"] for r in this_n if r["case"] == PROJECTIONS)
+        projections = next(r for r in this_n if r["case"] == PROJECTIONS)
         for row in this_n:
             if isinstance(row["linrope"], float) and isinstance(row["torch"], float):
                 row["speedup"] = row["torch"] / row["linrope"]
-                if isinstance(projections, float):
-                    row["attention_speedup"] = ((row["torch"] - projections)
-                                                / (row["linrope"] - projections))
+                if row is not projections and all(
+                        isinstance(projections[side], float) for side in ("linrope", "torch")):
+                    row["attention_speedup"] = ((row["torch"] - projections["torch"])
+                                                / (row["linrope"] - projections["linrope"]))
     say("\n| n | case | linrope (ms) | PyTorch (ms) | speed-up | attention alone |\n"
         "|---|---|---|---|---|---|")
     for row in rows:
@@ -183,8 +186,8 @@ def layer_table(cases):
         cells += [f"{row[key]:.2f}x" if key in row else "-"
                   for key in ("speedup", "attention_speedup")]
         say(f"| {row['n']} | {row['case']} | " + " | ".join(cells) + " |")
-    say(f"\nSpeed-up = PyTorch / linrope (> 1: linrope faster); attention alone: both minus the "
-        f"{PROJECTIONS} row (PyTorch's nn.Linear, the same in both layers).\n")
+    say(f"\nSpeed-up = PyTorch / linrope (> 1: linrope faster); attention alone: each side minus "
+        f"its own {PROJECTIONS} (linrope.torch.Linear, nn.Linear) in the {PROJECTIONS} row.\n")
     return rows
 
 
@@ -242,7 +245,7 @@ def overhead_table():
         say(f"| {case} | {wall:.4f} | {kernel:.4f} | {wall / calls * 1e6:.1f} "
             f"| {kernel / calls * 1e6:.1f} | {rows[-1]['overhead']:.1%} |")
     say("\nOverhead = (wall - kernel) / kernel, target < 10% for the attention functions; the "
-        "layer's wall time also holds its four projections (PyTorch's time, not overhead).\n")
+        "layer's four projections run on linrope.matmul, whose time counts as the kernels'.\n")
     return rows
 
 

@@ -8,6 +8,7 @@ its name says; the benchmarks themselves check nothing.
 torch is imported inside the functions: a script re-executes itself with GLIBC_TUNABLES
 (reexec_with_tunables) first, and an import of torch before that would be paid twice.
 """
+import copy
 import math
 import os
 import sys
@@ -141,13 +142,16 @@ COMPETITORS = (
 BY_KEY = {c.key: c for c in COMPETITORS}
 
 
-def torch_layer(reference, attention):
+def torch_layer(reference, attention, own_projections=False):
     """The layer in plain PyTorch: `reference`'s four projections (a
     linrope.torch.MultiheadAttention) copied into torch.nn.Linear (linrope's own are
-    linrope.torch.Linear, on linrope's GEMM) around attention(q, k, v) on [B, H, n, head_dim]."""
+    linrope.torch.Linear, on linrope's GEMM; own_projections: copies of those instead) around
+    attention(q, k, v) on [B, H, n, head_dim]."""
     from torch import nn
 
     def plain(projection):
+        if own_projections:
+            return copy.deepcopy(projection)
         copied = nn.Linear(projection.in_features, projection.out_features,
                            bias=projection.bias is not None, device=projection.weight.device,
                            dtype=projection.weight.dtype)
