@@ -142,6 +142,17 @@ COMPETITORS = (
 BY_KEY = {c.key: c for c in COMPETITORS}
 
 
+def plain_linear(projection):
+    """A torch.nn.Linear holding a copy of `projection`'s parameters (a linrope.torch.Linear, whose
+    products run on linrope's GEMM, or any nn.Linear)."""
+    from torch import nn
+    copied = nn.Linear(projection.in_features, projection.out_features,
+                       bias=projection.bias is not None, device=projection.weight.device,
+                       dtype=projection.weight.dtype)
+    copied.load_state_dict(projection.state_dict())
+    return copied
+
+
 def torch_layer(reference, attention, own_projections=False):
     """The layer in plain PyTorch: `reference`'s four projections (a
     linrope.torch.MultiheadAttention) copied into torch.nn.Linear (linrope's own are
@@ -150,13 +161,7 @@ def torch_layer(reference, attention, own_projections=False):
     from torch import nn
 
     def plain(projection):
-        if own_projections:
-            return copy.deepcopy(projection)
-        copied = nn.Linear(projection.in_features, projection.out_features,
-                           bias=projection.bias is not None, device=projection.weight.device,
-                           dtype=projection.weight.dtype)
-        copied.load_state_dict(projection.state_dict())
-        return copied
+        return copy.deepcopy(projection) if own_projections else plain_linear(projection)
 
     class TorchLayer(nn.Module):
         def __init__(self):

@@ -26,7 +26,7 @@ for placement in ("numerator_only", "full"):
                                   num_features=64, placement=placement, causal=True,
                                   track_stats=True, seed=1)
     out = layer(x)          # linrope's C++ forward, on linrope.get_num_threads() threads
-    out.square().mean().backward()  # linrope's C++ backward, then PyTorch's for the projections
+    out.square().mean().backward()  # linrope's C++ backward, and its matmul for the projections
     stats = layer.last_stats  # the denominators of the forward just run
     nonpositive[placement] = stats["nonpositive"]
     print(f"{placement:>14}: out {tuple(out.shape)}, smallest denominator {stats['min']:.3g}, "

@@ -5,11 +5,9 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
-#include <limits>
 #include <linrope/matmul.hpp>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "reference/matmul_reference.hpp"
 #include "reference/random.hpp"
@@ -39,9 +37,7 @@ struct Stored {
   auto block() const { return buffer.leftCols(cols); }
 };
 
-// op(a) op(b) (+ c0) by matmul against the triple loop. The bound is test_gemm.cpp's: float inputs
-// and products are exact in double, so only matmul's k (+ 1) roundings count, each within u of the
-// running sum of magnitudes (Higham 3.1); for double the reference rounds as much: twice that.
+// op(a) op(b) (+ c0) by matmul against the triple loop, within reference::product_check's bound.
 template <class T>
 void check(Index m, Index n, Index k, const MatmulOptions& options, std::uint64_t seed) {
   CAPTURE(m);
@@ -55,23 +51,20 @@ void check(Index m, Index n, Index k, const MatmulOptions& options, std::uint64_
   const MatrixD b = rounded(linrope::testing::gaussian(k, n, seed + 1));
   const MatrixD c0 = rounded(linrope::testing::gaussian(m, n, seed + 2));
   const Stored<T> a_stored(a, options.transpose_a), b_stored(b, options.transpose_b);
+  // c sits inside a larger buffer, a row above and below it and two columns to its right: nothing
+  // outside its block may change (a row block written at the wrong offset would show here).
   const T sentinel = T(12345);
-  Matrix<T> c_buffer = Matrix<T>::Constant(m, n + 2, sentinel);
-  c_buffer.leftCols(n) = c0.cast<T>();
-  linrope::matmul(a_stored.block(), b_stored.block(), c_buffer.leftCols(n), options);
+  Matrix<T> c_buffer = Matrix<T>::Constant(m + 2, n + 2, sentinel);
+  c_buffer.block(1, 0, m, n) = c0.cast<T>();
+  linrope::matmul(a_stored.block(), b_stored.block(), c_buffer.block(1, 0, m, n), options);
 
-  MatrixD expected = linrope::reference::matmul(a, b);
-  MatrixD scale = linrope::reference::abs_matmul(a, b);
-  if (options.accumulate) {
-    expected += c0;
-    scale += c0.cwiseAbs();
-  }
-  const double u = std::numeric_limits<T>::epsilon() / 2;
-  const double sides = std::is_same_v<T, float> ? 1 : 2;
-  const MatrixD got = c_buffer.leftCols(n).template cast<double>();
-  CHECK(((got - expected).cwiseAbs().array() <= 1.01 * sides * double(k + 1) * u * scale.array())
-            .all());
-  CHECK((c_buffer.rightCols(2).array() == sentinel).all());
+  const auto [expected, bound] =
+      linrope::reference::product_check<T>(a, b, options.accumulate ? &c0 : nullptr);
+  const MatrixD got = c_buffer.block(1, 0, m, n).template cast<double>();
+  CHECK(((got - expected).cwiseAbs().array() <= bound.array()).all());
+  Matrix<T> outside = c_buffer;
+  outside.block(1, 0, m, n).setConstant(sentinel);
+  CHECK((outside.array() == sentinel).all());
 }
 
 template <class T>
@@ -149,7 +142,12 @@ TEST_CASE("matmul refuses shapes that disagree and an output sharing an input's 
   CHECK(refusal([&] {
           linrope::matmul(MatrixF::Ones(3, 3), square.leftCols(3), square.leftCols(3));
         }) == "matmul: c overlaps b; expected separate storage");
-  // Disjoint blocks of one buffer are fine: c below a.
+  // Spans are compared, not elements: two column blocks of one matrix are refused (documented).
+  MatrixF wide = MatrixF::Ones(3, 6);
+  CHECK(refusal([&] {
+          linrope::matmul(wide.rightCols(3), MatrixF::Ones(3, 3), wide.leftCols(3));
+        }) == "matmul: c overlaps a; expected separate storage");
+  // Disjoint row blocks of one buffer are fine: c below a.
   MatrixF buffer = MatrixF::Ones(6, 3);
   linrope::matmul(buffer.topRows(3), MatrixF::Ones(3, 3), buffer.bottomRows(3));
   CHECK((buffer.bottomRows(3).array() == 3.0f).all());

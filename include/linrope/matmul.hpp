@@ -20,9 +20,9 @@ struct MatmulOptions {
 };
 
 // Runs on linrope's threads, in fixed blocks of c's rows: the same bits whatever the thread count.
-// Throws std::invalid_argument when the shapes disagree or c shares memory with a or b. Values are
-// not checked: a NaN or inf in a or b propagates to c as IEEE arithmetic says (an inf times a 0
-// may give a NaN that a naive sum would not, as in any BLAS).
+// Throws std::invalid_argument when the shapes disagree or c's memory, from its first element to
+// its last, overlaps a's or b's (so two column blocks of one matrix are refused, though they share
+// no element). Values are not checked: a NaN or inf in a or b propagates to c.
 void matmul(const Eigen::Ref<const MatrixF>& a, const Eigen::Ref<const MatrixF>& b,
             Eigen::Ref<MatrixF> c, const MatmulOptions& options = {});
 void matmul(const Eigen::Ref<const MatrixD>& a, const Eigen::Ref<const MatrixD>& b,

@@ -1,7 +1,8 @@
 """linrope: linear attention with Rotary Position Embedding, on NumPy arrays.
 
-Arrays are float32 or float64, shaped (n, d) or (B, H, n, d); C-contiguous inputs are read in
-place, every output is a new array, the GIL is released inside every kernel, and bad input raises
+Arrays are float32 or float64, shaped (n, d) or (B, H, n, d) (``matmul``'s are matrices, and it
+may write into ``out``); C-contiguous inputs are read in place, every other output is a new
+array, the GIL is released inside every kernel, and bad input raises
 ValueError with the C++ library's message: NonFiniteError (a ValueError) when the input data holds
 NaN or inf. The differentiable PyTorch layer is ``linrope.torch``
 (imported on its own, so that ``import linrope`` does not load PyTorch).
@@ -68,7 +69,7 @@ def build_info():
 
 __all__ = [
     "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention",
-    "linear_attention_backward", "openmp", "set_num_threads", "softmax_attention",
+    "linear_attention_backward", "matmul", "openmp", "set_num_threads", "softmax_attention",
     "softmax_attention_backward",
     # The C++ options structs; default-constructed, they hold every function's defaults.
     "DenominatorStats", "FeatureMapConfig", "LinearOptions", "RopeConfig", "SoftmaxOptions",

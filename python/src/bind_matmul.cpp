@@ -39,6 +39,16 @@ py::object multiply(const py::array& a, const py::array& b, std::optional<py::ar
   } else {
     c = CArray<T>({m, n});
   }
+  // Named as Python names them (the C++ call would say c); the buffers are dense, so comparing
+  // their byte ranges is exact.
+  const auto shares = [&](const py::array& x) {
+    const auto* first = static_cast<const char*>(x.data());
+    const auto* c_first = reinterpret_cast<const char*>(c.data());
+    return x.nbytes() > 0 && c.nbytes() > 0 && first < c_first + c.nbytes() &&
+           c_first < first + x.nbytes();
+  };
+  if (shares(ac)) fail(kName, "out overlaps a; expected separate storage");
+  if (shares(bc)) fail(kName, "out overlaps b; expected separate storage");
   Eigen::Map<Matrix<T>> c_rows(c.mutable_data(), Index(c.shape(0)), Index(c.shape(1)));
   {
     KernelScope scope;

@@ -370,9 +370,7 @@ def test_pytorch_layer_is_the_linrope_layers_projections_around_its_attention(at
         attention == "linear") else {}
     mha = lt.MultiheadAttention(128, 2, attention=attention, causal=True, rope=False, **options)
     for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-        plain = torch.nn.Linear(128, 128)
-        plain.load_state_dict(getattr(mha, name).state_dict())
-        setattr(mha, name, plain)
+        setattr(mha, name, torch_side.plain_linear(getattr(mha, name)))
 
     def same_call(q, k, v):
         if attention == "softmax":

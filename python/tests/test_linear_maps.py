@@ -9,6 +9,19 @@ import torch
 import linrope
 import linrope.torch as lt
 from bounds import assert_within, unit_roundoff
+from linrope.torch import functional
+
+
+@pytest.fixture
+def every_size(monkeypatch):
+    """linrope.torch.linear on linrope's products at any size (it gives calls below
+    LINEAR_MIN_WORK multiply-adds to F.linear, which would leave the small cases untested)."""
+    monkeypatch.setattr(functional, "LINEAR_MIN_WORK", 0)
+
+
+def ours(y):
+    """Whether y came out of linrope's autograd Function (not F.linear)."""
+    return y.grad_fn is not None and type(y.grad_fn).__name__ == "_LinearBackward"
 
 
 def naive_product(a, b):
@@ -64,6 +77,18 @@ def test_matmul_reads_strided_inputs(rng):
     assert np.array_equal(c, linrope.matmul(np.ascontiguousarray(wide[:, ::3]), b))
 
 
+def test_matmul_refuses_an_out_sharing_an_input():
+    square = np.ones((3, 3), np.float32)
+    with pytest.raises(ValueError, match="^matmul: out overlaps a; expected separate storage$"):
+        linrope.matmul(square, np.ones((3, 3), np.float32), out=square)
+    with pytest.raises(ValueError, match="^matmul: out overlaps b; expected separate storage$"):
+        linrope.matmul(np.ones((3, 3), np.float32), square, out=square)
+    read_only = np.zeros((3, 3), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="C-contiguous, aligned, writeable"):
+        linrope.matmul(np.ones((3, 3), np.float32), np.ones((3, 3), np.float32), out=read_only)
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda a, b: linrope.matmul(a, b), "matmul: b is [4 x 3] but a is [5 x 3], so op(b) must "
                                         "have k = 3 rows; it has 4"),
@@ -76,6 +101,8 @@ def test_matmul_reads_strided_inputs(rng):
     (lambda a, b: linrope.matmul(a, b, transpose_b=True, out=np.zeros((4, 5), np.float32).T),
      "matmul: out must be a C-contiguous, aligned, writeable array (it is written in place)"),
     (lambda a, b: linrope.matmul(a[None], b), "matmul: a has 3 dimensions but expected 2"),
+    (lambda a, b: linrope.matmul(a, a[:3], out=a[2:5, :3].copy()),
+     "matmul: out has shape (3, 3) but expected (5, 3)"),
 ])
 def test_matmul_refuses_bad_calls(call, message):
     a, b = np.ones((5, 3), np.float32), np.ones((4, 3), np.float32)
@@ -84,25 +111,29 @@ def test_matmul_refuses_bad_calls(call, message):
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("shape", [(5, 7), (3, 4, 7), (2, 3, 1, 7), (0, 7)])
+@pytest.mark.parametrize("shape,out", [((5, 7), 6), ((3, 4, 7), 6), ((2, 3, 1, 7), 6), ((7,), 6),
+                                       ((0, 7), 6), ((5, 0), 6), ((5, 7), 0)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_gradcheck(shape, bias):
+def test_linear_gradcheck(every_size, shape, out, bias):
     torch.manual_seed(1)
     x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(6, dtype=torch.float64, requires_grad=True) if bias else None
+    w = torch.randn(out, shape[-1], dtype=torch.float64, requires_grad=True)
+    b = torch.randn(out, dtype=torch.float64, requires_grad=True) if bias else None
     inputs = (x, w, b) if bias else (x, w)
+    assert ours(lt.linear(*inputs))
     assert torch.autograd.gradcheck(lambda *t: lt.linear(*t), inputs)
 
 
-def test_linear_float32_matches_the_explicit_sum_forward_and_backward(rng):
+def test_linear_float32_matches_the_explicit_sum_forward_and_backward(every_size, rng):
     """y = x W^T + b, dx = dy W, dW = dy^T x, db = sum dy, each within its product's bound."""
     x = torch.from_numpy(rng.standard_normal((4, 75, 24)).astype(np.float32)).requires_grad_()
     w = torch.from_numpy(rng.standard_normal((40, 24)).astype(np.float32)).requires_grad_()
     b = torch.from_numpy(rng.standard_normal(40).astype(np.float32)).requires_grad_()
     d_y = rng.standard_normal((4, 75, 40)).astype(np.float32)
     y = lt.linear(x, w, b)
-    y.backward(torch.from_numpy(d_y))
+    assert ours(y)
+    # d_y as autograd may hand it over: a non-contiguous view (here its transpose's transpose).
+    y.backward(torch.from_numpy(np.ascontiguousarray(d_y.transpose(2, 1, 0))).permute(2, 1, 0))
     rows, dy_rows = x.detach().numpy().reshape(-1, 24), d_y.reshape(-1, 40)
     w_np, b_np = w.detach().numpy(), b.detach().numpy()
     bias_rows = np.broadcast_to(b_np, (300, 40))
@@ -117,20 +148,34 @@ def test_linear_float32_matches_the_explicit_sum_forward_and_backward(rng):
                   product_bound(ones, dy_rows, np.float32), "db")
 
 
-def test_linear_reads_a_non_contiguous_input():
+def test_linear_reads_non_contiguous_input_and_weight(every_size):
+    """Column-major x and W: gradcheck through them, and the same numbers as contiguous copies."""
     torch.manual_seed(2)
-    x = torch.randn(9, 5, dtype=torch.float64).t()  # [5 x 9], column-major
-    w = torch.randn(4, 9, dtype=torch.float64)
-    assert torch.equal(lt.linear(x, w), lt.linear(x.contiguous(), w))
+    x = torch.randn(9, 5, dtype=torch.float64).t().requires_grad_()  # [5 x 9], column-major
+    w = torch.randn(9, 4, dtype=torch.float64).t().requires_grad_()  # [4 x 9]
+    assert torch.equal(lt.linear(x, w), lt.linear(x.contiguous(), w.contiguous()))
+    assert torch.autograd.gradcheck(lambda a, b: lt.linear(a, b), (x, w))
 
 
-def test_linear_computes_only_the_gradients_asked_for():
+@pytest.mark.parametrize("frozen", ["weight", "input"])
+def test_linear_computes_only_the_gradients_asked_for(every_size, monkeypatch, frozen):
+    """One product in the backward when only one of dx and dW is wanted."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return matmul(*args, **kwargs)
+    matmul = linrope.matmul
     torch.manual_seed(3)
-    x = torch.randn(6, 5, requires_grad=True)
     layer = lt.Linear(5, 3)
-    layer.weight.requires_grad_(False)
-    layer(x).sum().backward()
-    assert layer.weight.grad is None and x.grad is not None and layer.bias.grad is not None
+    x = torch.randn(6, 5, requires_grad=frozen != "input")
+    layer.weight.requires_grad_(frozen != "weight")
+    y = layer(x)
+    monkeypatch.setattr(linrope, "matmul", counted)
+    y.sum().backward()
+    assert len(calls) == 1
+    assert (layer.weight.grad is None) == (frozen == "weight") and layer.bias.grad is not None
+    assert (x.grad is None) == (frozen == "input")
 
 
 def test_Linear_is_nn_Linear_with_the_same_parameters_and_state_dict():
@@ -144,24 +189,38 @@ def test_Linear_is_nn_Linear_with_the_same_parameters_and_state_dict():
     assert lt.MultiheadAttention(8, 2).q_proj.__class__ is lt.Linear
 
 
-@pytest.mark.parametrize("where", ["native", "bfloat16"])
-def test_linear_is_F_linear_where_linrope_kernels_do_not_run(where):
+@pytest.mark.parametrize("where", ["native", "bfloat16", "autocast", "small"])
+def test_linear_is_F_linear_where_linrope_kernels_do_not_run_or_pay(monkeypatch, where):
     torch.manual_seed(5)
+    if where != "small":
+        monkeypatch.setattr(functional, "LINEAR_MIN_WORK", 0)
     dtype = torch.bfloat16 if where == "bfloat16" else torch.float32
-    x, w, b = (torch.randn(*s).to(dtype) for s in ((3, 4), (2, 4), (2,)))
+    x, w, b = (torch.randn(*s).to(dtype).requires_grad_() for s in ((3, 4), (2, 4), (2,)))
     if where == "native":
         with lt.backend("native"):
             y = lt.linear(x, w, b)
+    elif where == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lt.linear(x, w, b)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(y, torch.nn.functional.linear(x, w, b))
     else:
         y = lt.linear(x, w, b)
-    assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+    assert not ours(y)
+    if where != "autocast":
+        assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+    monkeypatch.setattr(functional, "LINEAR_MIN_WORK", 0)
+    assert ours(lt.linear(x.float(), w.float(), b.float()))  # the same call, linrope's otherwise
 
 
 def test_linear_refuses_mixed_dtypes_and_shapes():
     x, w = torch.ones(3, 4), torch.ones(2, 4)
-    with pytest.raises(ValueError, match="linear: input, weight and bias have dtypes "
+    with pytest.raises(ValueError, match="linear: input, weight have dtypes "
                                          "torch.float32, torch.float64; expected one"):
         lt.linear(x, w.double())
+    with pytest.raises(ValueError, match="linear: input, weight, bias have dtypes "
+                                         "torch.float32, torch.float32, torch.float64"):
+        lt.linear(x, w, torch.ones(2, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"linear: input has shape \(3, 4\) and weight \(2, 5\); "
                                          r"expected input \(..., in\) and weight \(out, in\)"):
         lt.linear(x, torch.ones(2, 5))

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <linrope/types.hpp>
 #include <ostream>
 #include <sstream>
@@ -37,6 +38,19 @@ template <class Error, class... Parts>
 template <class... Parts>
 [[noreturn]] void throw_invalid(std::string_view function, const Parts&... parts) {
   throw_error<std::invalid_argument>(function, parts...);
+}
+
+// True when the memory spans of two row-major matrices (each from its first element to its last,
+// through its outer stride) overlap. Exact for dense matrices; for strided blocks it is
+// conservative: two column blocks of one matrix overlap by this test though no element is shared.
+template <class A, class B>
+bool spans_overlap(const A& a, const B& b) {
+  if (a.size() == 0 || b.size() == 0) return false;
+  const auto begin = [](const auto* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  const auto end = [&](const auto& m) {
+    return begin(m.data() + (m.rows() - 1) * m.outerStride() + m.cols());
+  };
+  return begin(a.data()) < end(b) && begin(b.data()) < end(a);
 }
 
 // Input data that is not finite (types.hpp, NonFiniteError).

@@ -1,7 +1,6 @@
 // linrope::matmul (include/linrope/matmul.hpp): detail::gemm behind the public call's checks, cut
 // into fixed blocks of c's rows for the threads.
 #include <algorithm>
-#include <cstdint>
 #include <linrope/matmul.hpp>
 #include <string_view>
 
@@ -21,22 +20,6 @@ using detail::throw_invalid;
 // activations (k <= 512) are 0.5 MiB of a, enough work to hide a task's start.
 constexpr Index kRowBlock = 256;
 
-// The bytes a row-major matrix spans, [first, last).
-template <class M>
-std::pair<std::uintptr_t, std::uintptr_t> span_of(const M& m) {
-  const auto first = reinterpret_cast<std::uintptr_t>(m.data());
-  if (m.rows() == 0 || m.cols() == 0) return {first, first};
-  const Index elements = (m.rows() - 1) * m.outerStride() + m.cols();
-  return {first, first + std::uintptr_t(elements) * sizeof(typename M::Scalar)};
-}
-
-template <class A, class B>
-bool overlap(const A& a, const B& b) {
-  const auto [a_first, a_last] = span_of(a);
-  const auto [b_first, b_last] = span_of(b);
-  return a_first < a_last && b_first < b_last && a_first < b_last && b_first < a_last;
-}
-
 template <class T>
 void matmul_checked(const Eigen::Ref<const Matrix<T>>& a, const Eigen::Ref<const Matrix<T>>& b,
                     Eigen::Ref<Matrix<T>> c, const MatmulOptions& options) {
@@ -53,8 +36,8 @@ void matmul_checked(const Eigen::Ref<const Matrix<T>>& a, const Eigen::Ref<const
   if (c.rows() != m || c.cols() != n)
     throw_invalid(fn, "c is ", shape_of(c), " but expected [", m, " x ", n, "] (op(a) is [", m,
                   " x ", k, "], op(b) [", k, " x ", n, "])");
-  if (overlap(c, a)) throw_invalid(fn, "c overlaps a; expected separate storage");
-  if (overlap(c, b)) throw_invalid(fn, "c overlaps b; expected separate storage");
+  if (detail::spans_overlap(c, a)) throw_invalid(fn, "c overlaps a; expected separate storage");
+  if (detail::spans_overlap(c, b)) throw_invalid(fn, "c overlaps b; expected separate storage");
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (!options.accumulate) c.setZero();

@@ -33,17 +33,6 @@ bool is_favor(FeatureMapKind kind) {
          kind == FeatureMapKind::FavorHyperbolic;
 }
 
-template <class T>
-bool overlaps(const Eigen::Ref<const Matrix<T>>& x, const Eigen::Ref<Matrix<T>>& out) {
-  if (x.size() == 0 || out.size() == 0) return false;
-  const auto begin = [](const T* p) { return reinterpret_cast<std::uintptr_t>(p); };
-  const auto end = [&](const T* p, Index rows, Index cols, Index stride) {
-    return begin(p + (rows - 1) * stride + cols);
-  };
-  return begin(x.data()) < end(out.data(), out.rows(), out.cols(), out.outerStride()) &&
-         begin(out.data()) < end(x.data(), x.rows(), x.cols(), x.outerStride());
-}
-
 // Every check runs before any work (and so before any parallel region).
 template <class T>
 void check_arguments(const FeatureMap& map, std::string_view fn,
@@ -59,7 +48,7 @@ void check_arguments(const FeatureMap& map, std::string_view fn,
   if (log_scale && Index(log_scale->size()) != x.rows())
     detail::throw_invalid(fn, "log_scale has size ", log_scale->size(), " but expected ", x.rows(),
                           " (x.rows())");
-  if (overlaps<T>(x, out)) {
+  if (detail::spans_overlap(x, out)) {
     // elu+1 and relu are element-wise, so exactly the same storage is fine.
     const bool in_place =
         x.data() == out.data() && x.outerStride() == out.outerStride() &&
@@ -85,8 +74,9 @@ void check_backward(const FeatureMap& map, const Eigen::Ref<const Matrix<T>>& x,
   if (dx.rows() != x.rows() || dx.cols() != x.cols())
     detail::throw_invalid(fn, "dx is ", detail::shape_of(dx), " but expected ", detail::shape_of(x),
                           " (the shape of x)");
-  if (overlaps<T>(x, dx)) detail::throw_invalid(fn, "dx overlaps x; expected separate storage");
-  if (overlaps<T>(d_out, dx))
+  if (detail::spans_overlap(x, dx))
+    detail::throw_invalid(fn, "dx overlaps x; expected separate storage");
+  if (detail::spans_overlap(d_out, dx))
     detail::throw_invalid(fn, "dx overlaps d_out; expected separate storage");
   detail::require_finite_each(fn, "x", x, "d_out", d_out);  // up front: common/nonfinite.hpp
 }

@@ -6,7 +6,8 @@
                      initial_state, return_state, denominator, decay)
     rope_apply(x, rope, first_position, positions)
     feature_map_apply(x, feature_map)
-    linear(x, weight, bias)                         F.linear on linrope's matmul
+    linear(x, weight, bias)                         F.linear on linrope's matmul (its own
+                                                    fall-backs to F.linear: see its docstring)
 
 Each is a torch.autograd.Function over the C++ forward and backward: it saves only its inputs and
 options, and its backward calls the C++ backward. A call whose tensors are on another device than
@@ -18,6 +19,7 @@ attended to, their outputs are 0 and their gradients 0. Tensors are float32 or f
 Contiguous tensors reach the kernels without a copy (torch and NumPy share the memory), outputs
 are new tensors.
 """
+import math
 import numbers
 
 import torch
@@ -220,7 +222,7 @@ class _Linear(torch.autograd.Function):
         fn = "linear"
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         y = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
         linrope.matmul(_array(rows, fn, "input"), _array(weight, fn, "weight"),
                        transpose_b=True, out=y.numpy())
@@ -233,33 +235,46 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, d_y):
         fn = "linear backward"
         x, weight = ctx.saved_tensors
-        d_rows = _array(d_y.reshape(-1, weight.shape[0]), fn, "d_y")
+        d_rows = d_y.reshape(math.prod(d_y.shape[:-1]), weight.shape[0]).contiguous()
         d_x = d_weight = d_bias = None
         if ctx.needs_input_grad[0]:
-            d_x = torch.from_numpy(linrope.matmul(d_rows, _array(weight, fn, "weight")))
+            d_x = torch.from_numpy(linrope.matmul(_array(d_rows, fn, "d_y"),
+                                                  _array(weight, fn, "weight")))
             d_x = d_x.reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            rows = _array(x.reshape(-1, x.shape[-1]), fn, "input")
-            d_weight = torch.from_numpy(linrope.matmul(d_rows, rows, transpose_a=True))
+            rows = x.reshape(d_rows.shape[0], x.shape[-1])
+            d_weight = torch.from_numpy(linrope.matmul(_array(d_rows, fn, "d_y"),
+                                                       _array(rows, fn, "input"),
+                                                       transpose_a=True))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            d_bias = d_y.reshape(-1, weight.shape[0]).sum(0)
+            d_bias = d_rows.sum(0)
         return d_x, d_weight, d_bias
+
+
+# Calls with fewer multiply-adds than this go to F.linear: linrope's call costs ~12 us more than
+# F.linear's (the autograd Function and the binding), and the crossover measured here was about
+# 2^20 (16 x 128 x 512, 64 x 128 x 128), which a decoding step's 1-row products are far below.
+LINEAR_MIN_WORK = 1 << 20
 
 
 def linear(x, weight, bias=None):
     """torch.nn.functional.linear, y = x W^T + b (x [..., in], W [out, in], b [out]), with the
     products on linrope.matmul: linrope's own GEMM, 1.4-1.8x PyTorch's products on a small
     model's shapes where its OpenBLAS runs AVX2 kernels on an AVX-512 CPU, about even with
-    OpenBLAS's AVX-512 kernels (bench/RESULTS.md). Differentiable once (no double backward). Where
-    linrope's kernels do not run (tensors on another device, under backend("native"), dtypes
-    other than float32 and float64, or no C++ module here) it is F.linear itself."""
+    OpenBLAS's AVX-512 kernels (bench/RESULTS.md). Differentiable once (no double backward, no
+    forward-mode AD). It is F.linear itself (a drop-in's fall-back, not a refusal as for the
+    attention functions) where linrope's products would not run or not pay: tensors on another
+    device, under backend("native") or CPU autocast, dtypes other than float32 and float64, no
+    C++ module here, or fewer than LINEAR_MIN_WORK multiply-adds."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if (native.dispatch.backend.current() == "native" or not native.dispatch.core_built()
+            or torch.is_autocast_cpu_enabled()
             or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64)
                    for t in tensors)):
         return torch.nn.functional.linear(x, weight, bias)
     if any(t.dtype != x.dtype for t in tensors):
-        raise ValueError("linear: input, weight and bias have dtypes "
+        names = ("input", "weight", "bias")[:len(tensors)]
+        raise ValueError(f"linear: {', '.join(names)} have dtypes "
                          f"{', '.join(str(t.dtype) for t in tensors)}; expected one")
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: input has shape {tuple(x.shape)} and weight "
@@ -267,6 +282,8 @@ def linear(x, weight, bias=None):
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)} but weight has "
                          f"{weight.shape[0]} rows")
+    if math.prod(x.shape[:-1]) * weight.numel() < LINEAR_MIN_WORK:
+        return torch.nn.functional.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias)
 
 
