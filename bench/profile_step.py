@@ -72,7 +72,7 @@ def forward_category(chain):
         return "projections, MLP and output (GEMMs, forward and backward)"
     if ATTENTION_MARK in chain:
         return "linrope attention forward"
-    if "aten::gelu" in chain:
+    if "aten::gelu" in chain or "_GELU" in chain:  # nn.GELU's operator, linrope.torch.GELU's
         return "GELU (forward and backward)"
     return "other forward ops (norms, residuals, embedding, loss)"
 
@@ -90,7 +90,7 @@ def category(chain, node, forward_of):
     name = node.name[len(ENGINE):] if node.name.startswith(ENGINE) else node.name
     if name in GEMM_NODES:
         return "projections, MLP and output (GEMMs, forward and backward)"
-    if name.startswith("GeluBackward"):
+    if name.startswith("GeluBackward") or name == "_GELUBackward":
         return "GELU (forward and backward)"
     made_by = forward_of.get(node.sequence_nr)
     return FORWARD_TO_BACKWARD.get(made_by, made_by or "other backward ops")

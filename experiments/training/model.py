@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from linrope.torch import Linear, MultiheadAttention
+from linrope.torch import GELU, Linear, MultiheadAttention, RMSNorm
 
 
 def attention_arguments(variant, d_model, heads, seed=0, stats_threshold=1e-3):
@@ -52,16 +52,6 @@ def combine_stats(per_layer_lists):
     return combined
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 class Block(nn.Module):
     def __init__(self, d_model, heads, attention_args):
         super().__init__()
@@ -70,8 +60,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(d_model)
         # linrope.torch.Linear: nn.Linear on linrope's GEMM, 1.4-1.8x PyTorch's OpenBLAS as this
         # machine runs it; these products are most of a step (bench/RESULTS.md, "The study's
-        # linear maps on linrope's GEMM").
-        self.mlp = nn.Sequential(Linear(d_model, 4 * d_model), nn.GELU(),
+        # linear maps on linrope's GEMM"). GELU and RMSNorm are linrope.torch's too: nn.GELU and
+        # the norm's PyTorch expression cost a step more than all of attention ("The rest of the
+        # block on linrope's kernels").
+        self.mlp = nn.Sequential(Linear(d_model, 4 * d_model), GELU(),
                                  Linear(4 * d_model, d_model))
 
     def forward(self, x, first_position=0, cache=None, decoding=False):

@@ -1,7 +1,8 @@
 """linrope: linear attention with Rotary Position Embedding, on NumPy arrays.
 
 Arrays are float32 or float64, shaped (n, d) or (B, H, n, d) (``matmul``'s are matrices, and it
-may write into ``out``); C-contiguous inputs are read in place, every other output is a new
+may write into ``out``; ``gelu`` and ``rms_norm`` take any
+shape); C-contiguous inputs are read in place, every other output is a new
 array, the GIL is released inside every kernel, and bad input raises
 ValueError with the C++ library's message: NonFiniteError (a ValueError) when the input data holds
 NaN or inf. The differentiable PyTorch layer is ``linrope.torch``
@@ -42,11 +43,15 @@ else:
         Rope,
         RopeConfig,
         SoftmaxOptions,
+        gelu,
+        gelu_backward,
         get_num_threads,
         linear_attention,
         linear_attention_backward,
         matmul,
         openmp,
+        rms_norm,
+        rms_norm_backward,
         set_num_threads,
         softmax_attention,
         softmax_attention_backward,
@@ -71,6 +76,8 @@ __all__ = [
     "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention",
     "linear_attention_backward", "matmul", "openmp", "set_num_threads", "softmax_attention",
     "softmax_attention_backward",
+    # A transformer block's pieces around attention: GELU and RMSNorm, forward and backward.
+    "gelu", "gelu_backward", "rms_norm", "rms_norm_backward",
     # The C++ options structs; default-constructed, they hold every function's defaults.
     "DenominatorStats", "FeatureMapConfig", "LinearOptions", "RopeConfig", "SoftmaxOptions",
     "build_info",

@@ -19,5 +19,6 @@ void bind_stream(py::module_& m);             // bind_stream.cpp: LinearAttentio
 void bind_softmax_attention(py::module_& m);  // bind_softmax_attention.cpp
 void bind_linear_attention(py::module_& m);   // bind_linear_attention.cpp
 void bind_matmul(py::module_& m);             // bind_matmul.cpp: matmul
+void bind_layer_functions(py::module_& m);    // bind_layer_functions.cpp: gelu, rms_norm
 
 }  // namespace linrope::python

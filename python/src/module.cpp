@@ -39,4 +39,5 @@ PYBIND11_MODULE(_core, m) {
   bind_softmax_attention(m);
   bind_linear_attention(m);
   bind_matmul(m);
+  bind_layer_functions(m);
 }

@@ -288,7 +288,7 @@ def test_the_package_re_exports_its_modules_names():
         "softmax_attention", "linear_attention", "LinearState", "merge_states", "rope_apply",
         "feature_map_apply", "head_decays", "linear", "RotaryEmbedding", "MultiheadAttention",
         "KeyValueCache", "HeadRMSNorm", "RedrawSchedule", "Linear", "ShortConvolution",
-        "ShortConvCache", "backend"}
+        "ShortConvCache", "backend", "gelu", "rms_norm", "GELU", "RMSNorm"}
     assert lt.backend is dispatch.backend
     for module in (convolution, functional, layers, states):
         for name in module.__all__:

@@ -12,6 +12,9 @@
     RedrawSchedule      when Performer's feature redrawing draws a new W.
     Linear              nn.Linear whose products run on linrope.matmul (functional.linear): the
                         projections of MultiheadAttention, and a drop-in for a model's others.
+    GELU, RMSNorm       nn.GELU on linrope.gelu, and RMSNorm over the last dimension on
+                        linrope.rms_norm: the rest of a pre-norm block (functional.gelu,
+                        functional.rms_norm).
 """
 import functools
 import numbers
@@ -23,11 +26,11 @@ from torch import nn
 import linrope
 from linrope.torch import distributed
 from linrope.torch.convolution import ShortConvolution
-from linrope.torch.functional import (head_decays, linear, linear_attention, rope_apply,
-                                      softmax_attention)
+from linrope.torch.functional import (gelu, head_decays, linear, linear_attention, rms_norm,
+                                      rope_apply, softmax_attention)
 
 __all__ = ["RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "ShortConvCache",
-           "HeadRMSNorm", "RedrawSchedule", "Linear"]
+           "HeadRMSNorm", "RedrawSchedule", "Linear", "GELU", "RMSNorm"]
 
 # Defaults from the default-constructed C++ structs, so that each lives in the C++ header alone.
 _LINEAR = linrope.LinearOptions()
@@ -43,6 +46,31 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
+
+
+class GELU(nn.GELU):
+    """torch.nn.GELU (approximate "none" or "tanh") whose exact form runs on linrope.gelu
+    (functional.gelu; "tanh" and its fall-backs are F.gelu)."""
+
+    def forward(self, x):
+        return gelu(x, self.approximate)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich 2019) over the last dimension, dim wide: x / sqrt(mean(x^2) +
+    eps) * weight, the gain `weight` [dim] initially 1 (functional.rms_norm: linrope.rms_norm on
+    CPU tensors, the same expression in PyTorch elsewhere)."""
+
+    def __init__(self, dim, eps=1e-6, *, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 class RotaryEmbedding(nn.Module):

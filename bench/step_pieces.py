@@ -1,7 +1,15 @@
 #!/usr/bin/python3
-"""The study's training step with its linear maps on linrope's GEMM (linrope.torch.Linear: the
-attention's q, k, v and output projections, the MLP, the output layer) against the same step on
-PyTorch's (nn.Linear.forward on the very same modules), alternated step by step in one process.
+"""The study's training step with the pieces of its blocks on linrope's kernels against the same
+step with some of them on PyTorch's, alternated step by step in one process. The pieces
+(--pieces, default all three):
+
+  linear  linrope.torch.Linear (linrope's GEMM: the attention's q, k, v and output projections,
+          the MLP, the output layer) against nn.Linear.forward on the very same modules
+  gelu    linrope.torch.GELU (linrope.gelu) against nn.GELU.forward
+  norm    linrope.torch.RMSNorm (linrope.rms_norm) against the same expression in PyTorch,
+          x * rsqrt(mean(x^2) + eps) * weight (the study's model before it used linrope's)
+
+The parameters are the same on both sides, so the optimiser is untouched.
 
 On this shared 2-core machine a step's time moves by up to 2x from one minute to the next, more
 than the change measured; alternating single steps of the two models (each its own train.Run of
@@ -11,7 +19,8 @@ each side (time.process_time, one thread), and the median and range of the per-p
 torch / linrope (the speed-up of the step).
 
   cd /tmp && PYTHONPATH=<tree>/build/release/python:<tree>/experiments \\
-      /usr/bin/python3 <tree>/bench/step_linear.py --d-model 128 --layers 4 --contexts 256,1024
+      /usr/bin/python3 <tree>/bench/step_pieces.py --d-model 128 --layers 4 --contexts 256,1024 \\
+      [--pieces linear,gelu,norm]
 """
 import argparse
 import os
@@ -23,16 +32,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_step import VARIANTS, make_run, say, steps  # noqa: E402
 
 
-def on_torch_gemm(run):
-    """Every linrope.torch.Linear of the run's model calls nn.Linear.forward (F.linear) instead:
-    the same parameters, so its optimiser is untouched."""
+def torch_rms_norm(module, x):
+    """RMSNorm as the study's model wrote it in PyTorch before linrope.torch.RMSNorm."""
+    import torch
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * module.weight
+
+
+def on_torch(run, pieces):
+    """The run's modules of the given pieces compute with PyTorch's operators instead (the same
+    modules and parameters: an instance's forward replaced); returns how many were replaced."""
     import linrope.torch as lt
     from torch import nn
+    torch_forward = {"linear": (lt.Linear, nn.Linear.forward),
+                     "gelu": (lt.GELU, nn.GELU.forward),
+                     "norm": (lt.RMSNorm, torch_rms_norm)}
     count = 0
     for module in run.model.modules():
-        if isinstance(module, lt.Linear):
-            module.forward = types.MethodType(nn.Linear.forward, module)
-            count += 1
+        for piece in pieces:
+            kind, forward = torch_forward[piece]
+            if isinstance(module, kind):
+                module.forward = types.MethodType(forward, module)
+                count += 1
     return count
 
 
@@ -40,6 +60,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", type=lambda s: s.split(","), default=VARIANTS.split(","))
+    parser.add_argument("--pieces", type=lambda s: s.split(","), default=["linear", "gelu", "norm"],
+                        help="what the PyTorch side computes with PyTorch's operators")
     parser.add_argument("--contexts", type=lambda s: [int(c) for c in s.split(",")],
                         default=[256, 1024])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -50,6 +72,10 @@ def main():
     parser.add_argument("--warm-up", type=int, default=2)
     args = parser.parse_args()
     args.task, args.threads = "char_lm", 1
+    unknown = set(args.pieces) - {"linear", "gelu", "norm"}
+    if unknown:
+        sys.exit(f"step_pieces.py: --pieces has {', '.join(sorted(unknown))}; expected some of "
+                 f"linear, gelu, norm")
     import linrope
     import torch
     from training.data import load_corpus
@@ -57,18 +83,18 @@ def main():
     linrope.set_num_threads(1)
     corpus = load_corpus()
     say(f"# d_model {args.d_model}, {args.layers} layers, {args.heads} heads, one thread, "
-        f"{args.pairs} alternated pairs of steps; OPENBLAS_CORETYPE "
+        f"{args.pairs} alternated pairs of steps; on PyTorch: {', '.join(args.pieces)}; "
+        f"OPENBLAS_CORETYPE "
         f"{os.environ.get('OPENBLAS_CORETYPE', 'unset')}; load average "
         f"{' '.join('%.2f' % x for x in os.getloadavg())}")
-    say("| variant | context | torch GEMM ms/step (CPU) | linrope GEMM ms/step | "
+    say("| variant | context | PyTorch's ms/step (CPU) | linrope's ms/step | "
         "speed-up, median of pairs (range) |")
     say("|---|---|---|---|---|")
     for context in args.contexts:
         for variant in args.variants:
             ours, theirs = (make_run(args, variant, context, corpus) for _ in range(2))
-            patched = on_torch_gemm(theirs)
-            if not patched:
-                sys.exit("step_linear.py: the model has no linrope.torch.Linear to compare")
+            if not on_torch(theirs, args.pieces):
+                sys.exit("step_pieces.py: the model has none of the pieces to compare")
             for run in (ours, theirs):
                 steps(run, args.warm_up)
             pairs = []
