@@ -9,7 +9,8 @@ step with some of them on PyTorch's, alternated step by step in one process. The
   norm    linrope.torch.RMSNorm (linrope.rms_norm) against the same expression in PyTorch,
           x * rsqrt(mean(x^2) + eps) * weight (the study's model before it used linrope's)
 
-The parameters are the same on both sides, so the optimiser is untouched.
+The parameters are the same on both sides, so the optimiser is untouched. (MultiheadAttention's
+HeadRMSNorm, in the variants without a denominator, is PyTorch's on both sides.)
 
 On this shared 2-core machine a step's time moves by up to 2x from one minute to the next, more
 than the change measured; alternating single steps of the two models (each its own train.Run of
@@ -32,17 +33,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_step import VARIANTS, make_run, say, steps  # noqa: E402
 
 
-def torch_rms_norm(module, x):
-    """RMSNorm as the study's model wrote it in PyTorch before linrope.torch.RMSNorm."""
-    import torch
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * module.weight
-
-
 def on_torch(run, pieces):
     """The run's modules of the given pieces compute with PyTorch's operators instead (the same
     modules and parameters: an instance's forward replaced); returns how many were replaced."""
     import linrope.torch as lt
+    from linrope.torch.functional import rms_norm_expression
     from torch import nn
+
+    def torch_rms_norm(module, x):  # as the study's model wrote it before linrope.torch.RMSNorm
+        return rms_norm_expression(x, module.weight, module.eps)
+
     torch_forward = {"linear": (lt.Linear, nn.Linear.forward),
                      "gelu": (lt.GELU, nn.GELU.forward),
                      "norm": (lt.RMSNorm, torch_rms_norm)}
@@ -87,7 +87,7 @@ def main():
         f"OPENBLAS_CORETYPE "
         f"{os.environ.get('OPENBLAS_CORETYPE', 'unset')}; load average "
         f"{' '.join('%.2f' % x for x in os.getloadavg())}")
-    say("| variant | context | PyTorch's ms/step (CPU) | linrope's ms/step | "
+    say("| variant | context | pieces on PyTorch: ms/step (CPU) | on linrope: ms/step | "
         "speed-up, median of pairs (range) |")
     say("|---|---|---|---|---|")
     for context in args.contexts:

@@ -16,7 +16,7 @@ JOBS="$(nproc)"
 PACKAGES=(g++ cmake make git libeigen3-dev doctest-dev libbenchmark-dev libcli11-dev
           nlohmann-json3-dev python3 python3-matplotlib python3-numpy
           python3-dev pybind11-dev python3-pybind11 python3-torch python3-pytest
-          python3-venv python3-pip python3-setuptools python3-wheel
+          python3-venv python3-pip python3-setuptools python3-wheel python3-mpmath
           libopenblas0-openmp r-cran-janeaustenr flake8 ninja-build python3-pytest-xdist)
 
 install_dependencies() {

@@ -354,6 +354,16 @@ TEST_CASE_TEMPLATE("rms_norm and its backward refuse shapes that disagree, a bad
       "rms_norm_backward: d_x overlaps x; expected separate storage", E);
   REQUIRE_THROWS_WITH_AS(call_backward(x, w, r, grads.topRows(4), grads.topRows(4), d_weight),
                          "rms_norm_backward: d_x overlaps d_y; expected separate storage", E);
+  // The vectors against the matrices: inv_rms in x's memory, d_weight in d_x's.
+  M flat = M::Ones(1, 20);
+  Eigen::Map<const M> x_in_flat(flat.data(), 4, 5);
+  Eigen::Map<V> r_in_flat(flat.data() + 16, 4), d_weight_in_flat(flat.data() + 15, 5);
+  REQUIRE_THROWS_WITH_AS(linrope::rms_norm(x_in_flat, w, eps, y, r_in_flat),
+                         "rms_norm: inv_rms overlaps x, weight or y; expected separate storage", E);
+  Eigen::Map<M> d_x_in_flat(flat.data(), 4, 5);
+  REQUIRE_THROWS_WITH_AS(
+      call_backward(x, w, r, d_y, d_x_in_flat, d_weight_in_flat),
+      "rms_norm_backward: d_weight overlaps an input or d_x; expected separate storage", E);
   CHECK((d_weight.array() == T(7)).all());
   // x, d_y and d_x as disjoint rows of one buffer are fine.
   call_backward(grads.topRows(4), w, r, grads.topRows(4), grads.bottomRows(4), d_weight);

@@ -61,8 +61,8 @@ class Block(nn.Module):
         # linrope.torch.Linear: nn.Linear on linrope's GEMM, 1.4-1.8x PyTorch's OpenBLAS as this
         # machine runs it; these products are most of a step (bench/RESULTS.md, "The study's
         # linear maps on linrope's GEMM"). GELU and RMSNorm are linrope.torch's too: nn.GELU and
-        # the norm's PyTorch expression cost a step more than all of attention ("The rest of the
-        # block on linrope's kernels").
+        # the norm's PyTorch expression cost a step more than all of attention ("GELU and RMSNorm
+        # on linrope's kernels").
         self.mlp = nn.Sequential(Linear(d_model, 4 * d_model), GELU(),
                                  Linear(4 * d_model, d_model))
 

@@ -1,7 +1,7 @@
 // linrope: RMSNorm (Zhang and Sennrich 2019), the normalisation before each sub-layer of a pre-norm
 // transformer, forward and backward in one pass over each row. The study's model spends 9 of them
-// a step; as PyTorch expressions (pow, mean, rsqrt, two products, and their gradients) they took
-// ~14 ms on one [4096 x 128] input, this ~0.5 ms (bench/RESULTS.md).
+// a step; as a PyTorch expression (pow, mean, rsqrt, two products, and their gradients) one took
+// ~40 ms forward and backward on a [4096 x 128] input, this ~1.1 ms (bench/RESULTS.md).
 #pragma once
 
 #include <linrope/types.hpp>

@@ -1,9 +1,9 @@
 """linrope: linear attention with Rotary Position Embedding, on NumPy arrays.
 
 Arrays are float32 or float64, shaped (n, d) or (B, H, n, d) (``matmul``'s are matrices, and it
-may write into ``out``; ``gelu`` and ``rms_norm`` take any
-shape); C-contiguous inputs are read in place, every other output is a new
-array, the GIL is released inside every kernel, and bad input raises
+may write into ``out``; ``gelu`` takes any shape, ``rms_norm`` any with a last dimension d >= 1);
+C-contiguous inputs are read in place, every other output is a new array, the GIL is released
+inside every kernel, and bad input raises
 ValueError with the C++ library's message: NonFiniteError (a ValueError) when the input data holds
 NaN or inf. The differentiable PyTorch layer is ``linrope.torch``
 (imported on its own, so that ``import linrope`` does not load PyTorch).

@@ -109,8 +109,8 @@ py::tuple rms_norm_call(const py::array& x, const py::array& weight, double eps)
   require_rows_and_weight(fn, x, weight);
   // Checked as given: float32 would round 1e-50 to 0 and -1e-6 to -9.99...e-07 in the message.
   if (!(std::isfinite(eps) && eps > 0)) fail(fn, "eps is ", eps, " but expected > 0");
-  if (dtype_of(fn, "x", x) == DType::Float32 && !(float(eps) > 0))
-    fail(fn, "eps is ", eps, ", which float32 rounds to 0; expected > 0");
+  if (dtype_of(fn, "x", x) == DType::Float32 && !(std::isfinite(float(eps)) && float(eps) > 0))
+    fail(fn, "eps is ", eps, ", which float32 rounds to ", float(eps), "; expected > 0");
   if (common_dtype<2>(fn, {"x", "weight"}, {&x, &weight}) == DType::Float32)
     return rms_norm_of<float>(x, weight, eps);
   return rms_norm_of<double>(x, weight, eps);

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string_view>
+#include <type_traits>
 
 namespace linrope::detail {
 
@@ -40,15 +41,19 @@ template <class... Parts>
   throw_error<std::invalid_argument>(function, parts...);
 }
 
-// True when the memory spans of two row-major matrices (each from its first element to its last,
-// through its outer stride) overlap. Exact for dense matrices; for strided blocks it is
-// conservative: two column blocks of one matrix overlap by this test though no element is shared.
+// True when the memory spans of two row-major matrices or contiguous vectors (each from its first
+// element to its last, through a matrix's outer stride) overlap. Exact for dense matrices and
+// vectors; for strided blocks it is conservative: two column blocks of one matrix overlap by this
+// test though no element is shared.
 template <class A, class B>
 bool spans_overlap(const A& a, const B& b) {
   if (a.size() == 0 || b.size() == 0) return false;
   const auto begin = [](const auto* p) { return reinterpret_cast<std::uintptr_t>(p); };
   const auto end = [&](const auto& m) {
-    return begin(m.data() + (m.rows() - 1) * m.outerStride() + m.cols());
+    if constexpr (std::decay_t<decltype(m)>::ColsAtCompileTime == 1)
+      return begin(m.data() + m.size());
+    else
+      return begin(m.data() + (m.rows() - 1) * m.outerStride() + m.cols());
   };
   return begin(a.data()) < end(b) && begin(b.data()) < end(a);
 }

@@ -13,7 +13,6 @@ namespace linrope {
 namespace {
 
 namespace ei = Eigen::internal;
-using detail::kPacketSize;
 using detail::Packet;
 using detail::throw_invalid;
 
@@ -45,7 +44,6 @@ inline NormalTerms normal_terms(const Packet<float>& x) {
   return {ei::pselect(negative, half_tail, ei::psub(c(1.0), half_tail)), gauss};
 }
 
-template <class T>
 void check_sizes(std::string_view fn, const char* a_name, Index a_size, const char* b_name,
                  Index b_size) {
   if (a_size != b_size)
@@ -53,9 +51,9 @@ void check_sizes(std::string_view fn, const char* a_name, Index a_size, const ch
 }
 
 // Whether out's elements partly overlap in's (the very same elements are allowed: in place).
-template <class T>
-bool partly_overlaps(const T* out, const T* in, Index n) {
-  return n > 0 && out != in && out < in + n && in < out + n;
+template <class Out, class In>
+bool partly_overlaps(const Out& out, const In& in) {
+  return out.data() != in.data() && detail::spans_overlap(out, in);
 }
 
 // f(first, count) over [0, n) in kBlock pieces on linrope's threads.
@@ -94,8 +92,8 @@ void gelu_backward_range(const double* x, const double* d_y, double* d_x, Index 
 template <class T>
 void gelu_checked(const Eigen::Ref<const Vector<T>>& x, Eigen::Ref<Vector<T>> y) {
   constexpr std::string_view fn = "gelu";
-  check_sizes<T>(fn, "x", x.size(), "y", y.size());
-  if (partly_overlaps(y.data(), x.data(), x.size()))
+  check_sizes(fn, "x", x.size(), "y", y.size());
+  if (partly_overlaps(y, x))
     throw_invalid(fn, "y partly overlaps x; expected x itself or separate storage");
   over_blocks(x.size(), [&](Index first, Index count) {
     gelu_range(x.data() + first, y.data() + first, count);
@@ -106,11 +104,11 @@ template <class T>
 void gelu_backward_checked(const Eigen::Ref<const Vector<T>>& x,
                            const Eigen::Ref<const Vector<T>>& d_y, Eigen::Ref<Vector<T>> d_x) {
   constexpr std::string_view fn = "gelu_backward";
-  check_sizes<T>(fn, "x", x.size(), "d_y", d_y.size());
-  check_sizes<T>(fn, "x", x.size(), "d_x", d_x.size());
-  if (partly_overlaps(d_x.data(), x.data(), x.size()))
+  check_sizes(fn, "x", x.size(), "d_y", d_y.size());
+  check_sizes(fn, "x", x.size(), "d_x", d_x.size());
+  if (partly_overlaps(d_x, x))
     throw_invalid(fn, "d_x partly overlaps x; expected x itself or separate storage");
-  if (partly_overlaps(d_x.data(), d_y.data(), x.size()))
+  if (partly_overlaps(d_x, d_y))
     throw_invalid(fn, "d_x partly overlaps d_y; expected d_y itself or separate storage");
   over_blocks(x.size(), [&](Index first, Index count) {
     gelu_backward_range(x.data() + first, d_y.data() + first, d_x.data() + first, count);

@@ -30,22 +30,6 @@ auto* row(M& m, Index i) {
   return m.data() + i * m.outerStride();
 }
 
-// The `count` (<= one packet) values at p, zeros after them.
-template <class T>
-Packet<T> load(const T* p, Index count) {
-  if (count == kPacketSize<T>) return ei::ploadu<Packet<T>>(p);
-  T padded[kPacketSize<T>] = {};
-  std::copy(p, p + count, padded);
-  return ei::ploadu<Packet<T>>(padded);
-}
-template <class T>
-void store(T* p, const Packet<T>& v, Index count) {
-  if (count == kPacketSize<T>) return ei::pstoreu(p, v);
-  T padded[kPacketSize<T>];
-  ei::pstoreu(padded, v);
-  std::copy(padded, padded + count, p);
-}
-
 // f(j, count) for each packet of a row of d values: j its first column, count its width.
 template <class T, class F>
 void over_packets(Index d, F f) {
@@ -56,13 +40,16 @@ template <class T>
 T row_norm(const T* x, const T* w, T eps, T* y, Index d) {
   Packet<T> squares = ei::pset1<Packet<T>>(T(0));
   over_packets<T>(d, [&](Index j, Index count) {
-    const Packet<T> v = load(x + j, count);
+    const Packet<T> v = detail::load_padded(x + j, count);
     squares = ei::padd(squares, ei::pmul(v, v));
   });
   const T inv_rms = T(1) / std::sqrt(ei::predux(squares) / T(d) + eps);
   const Packet<T> r = ei::pset1<Packet<T>>(inv_rms);
   over_packets<T>(d, [&](Index j, Index count) {
-    store(y + j, ei::pmul(ei::pmul(load(x + j, count), r), load(w + j, count)), count);
+    detail::store_part(
+        y + j,
+        ei::pmul(ei::pmul(detail::load_padded(x + j, count), r), detail::load_padded(w + j, count)),
+        count);
   });
   return inv_rms;
 }
@@ -73,17 +60,20 @@ void row_backward(const T* x, const T* w, T inv_rms, const T* d_y, T* d_x, T* d_
                   Index d) {
   Packet<T> dot = ei::pset1<Packet<T>>(T(0));  // sum_j (d_y w)_j x_j
   over_packets<T>(d, [&](Index j, Index count) {
-    const Packet<T> g = ei::pmul(load(d_y + j, count), load(w + j, count));
-    dot = ei::padd(dot, ei::pmul(g, load(x + j, count)));
+    const Packet<T> g =
+        ei::pmul(detail::load_padded(d_y + j, count), detail::load_padded(w + j, count));
+    dot = ei::padd(dot, ei::pmul(g, detail::load_padded(x + j, count)));
   });
   const Packet<T> r = ei::pset1<Packet<T>>(inv_rms);
   const Packet<T> c = ei::pset1<Packet<T>>(inv_rms * inv_rms * inv_rms * ei::predux(dot) / T(d));
   over_packets<T>(d, [&](Index j, Index count) {
-    const Packet<T> v = load(x + j, count), dy = load(d_y + j, count);
-    const Packet<T> g = ei::pmul(dy, load(w + j, count));
-    store(d_x + j, ei::psub(ei::pmul(r, g), ei::pmul(c, v)), count);
-    store(d_weight_sum + j, ei::padd(load(d_weight_sum + j, count), ei::pmul(ei::pmul(dy, v), r)),
-          count);
+    const Packet<T> v = detail::load_padded(x + j, count), dy = detail::load_padded(d_y + j, count);
+    const Packet<T> g = ei::pmul(dy, detail::load_padded(w + j, count));
+    detail::store_part(d_x + j, ei::psub(ei::pmul(r, g), ei::pmul(c, v)), count);
+    detail::store_part(
+        d_weight_sum + j,
+        ei::padd(detail::load_padded(d_weight_sum + j, count), ei::pmul(ei::pmul(dy, v), r)),
+        count);
   });
 }
 
@@ -104,7 +94,6 @@ void check_same_shape(std::string_view fn, const char* name, Index rows, Index c
                   "; expected the same shape");
 }
 
-template <class T>
 void check_length(std::string_view fn, const char* name, Index size, Index expected) {
   if (size != expected)
     throw_invalid(fn, name, " has ", size, " elements but expected ", expected,
@@ -118,9 +107,14 @@ void rms_norm_checked(const Eigen::Ref<const Matrix<T>>& x,
   constexpr std::string_view fn = "rms_norm";
   check_row_shapes<T>(fn, x, weight);
   check_same_shape<T>(fn, "y", y.rows(), y.cols(), x);
-  check_length<T>(fn, "inv_rms", inv_rms.size(), x.rows());
+  check_length(fn, "inv_rms", inv_rms.size(), x.rows());
   if (!(std::isfinite(eps) && eps > 0)) throw_invalid(fn, "eps is ", eps, " but expected > 0");
   if (detail::spans_overlap(y, x)) throw_invalid(fn, "y overlaps x; expected separate storage");
+  if (detail::spans_overlap(y, weight))
+    throw_invalid(fn, "y overlaps weight; expected separate storage");
+  if (detail::spans_overlap(inv_rms, x) || detail::spans_overlap(inv_rms, weight) ||
+      detail::spans_overlap(inv_rms, y))
+    throw_invalid(fn, "inv_rms overlaps x, weight or y; expected separate storage");
   const Index n = x.rows(), d = x.cols();
   detail::for_each_index((n + kRowBlock - 1) / kRowBlock, detail::Threads::Parallel,
                          [&](Index block) {
@@ -138,7 +132,7 @@ void rms_norm_backward_checked(const Eigen::Ref<const Matrix<T>>& x,
                                Eigen::Ref<Vector<T>> d_weight) {
   constexpr std::string_view fn = "rms_norm_backward";
   check_row_shapes<T>(fn, x, weight);
-  check_length<T>(fn, "inv_rms", inv_rms.size(), x.rows());
+  check_length(fn, "inv_rms", inv_rms.size(), x.rows());
   check_same_shape<T>(fn, "d_y", d_y.rows(), d_y.cols(), x);
   check_same_shape<T>(fn, "d_x", d_x.rows(), d_x.cols(), x);
   if (d_weight.size() != x.cols())
@@ -146,6 +140,12 @@ void rms_norm_backward_checked(const Eigen::Ref<const Matrix<T>>& x,
   if (detail::spans_overlap(d_x, x)) throw_invalid(fn, "d_x overlaps x; expected separate storage");
   if (detail::spans_overlap(d_x, d_y))
     throw_invalid(fn, "d_x overlaps d_y; expected separate storage");
+  if (detail::spans_overlap(d_x, weight) || detail::spans_overlap(d_x, inv_rms))
+    throw_invalid(fn, "d_x overlaps weight or inv_rms; expected separate storage");
+  if (detail::spans_overlap(d_weight, x) || detail::spans_overlap(d_weight, weight) ||
+      detail::spans_overlap(d_weight, inv_rms) || detail::spans_overlap(d_weight, d_y) ||
+      detail::spans_overlap(d_weight, d_x))
+    throw_invalid(fn, "d_weight overlaps an input or d_x; expected separate storage");
   const Index n = x.rows(), d = x.cols(), blocks = (n + kRowBlock - 1) / kRowBlock;
   std::vector<T> partial(std::size_t(blocks * d), T(0));  // block b's sum at b * d
   detail::for_each_index(blocks, detail::Threads::Parallel, [&](Index block) {

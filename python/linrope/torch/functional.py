@@ -11,15 +11,16 @@
     gelu(x, approximate)                            F.gelu on linrope.gelu (the same)
     rms_norm(x, weight, eps)                        RMSNorm on linrope.rms_norm (the same)
 
-Each is a torch.autograd.Function over the C++ forward and backward: it saves only its inputs and
-options, and its backward calls the C++ backward. A call whose tensors are on another device than
-the CPU, or made under linrope.torch.backend("native"), runs on linrope.torch.native instead
-(native.runs_native decides; docs/DESIGN.md, "Any device"). q_lengths / k_lengths (B entries: a
-list, array or tensor) mark padding in (B, H, n, d) batches: rows at or past them are not
-attended to, their outputs are 0 and their gradients 0. Tensors are float32 or float64, shaped
-(n, d) or (B, H, n, d), as in ``linrope``; arguments and names are those of the NumPy functions.
-Contiguous tensors reach the kernels without a copy (torch and NumPy share the memory), outputs
-are new tensors.
+Each is a torch.autograd.Function over the C++ forward and backward: it saves only its inputs
+and options (rms_norm also its 1 / rms per row), and its backward calls the C++ backward. A call
+whose tensors are on another device than the CPU, or made under linrope.torch.backend("native"),
+runs on linrope.torch.native instead (native.runs_native decides; docs/DESIGN.md, "Any device"),
+but for linear, gelu and rms_norm, which are then PyTorch's own computation. q_lengths /
+k_lengths (B entries: a list, array or tensor) mark padding in (B, H, n, d) batches: rows at or
+past them are not attended to, their outputs are 0 and their gradients 0. Tensors are float32 or
+float64, shaped (n, d) or (B, H, n, d), as in ``linrope`` (linear, gelu and rms_norm: any
+shape); arguments and names are those of the NumPy functions. Contiguous tensors reach the
+kernels without a copy (torch and NumPy share the memory), outputs are new tensors.
 """
 import math
 import numbers
@@ -317,14 +318,22 @@ class _GELU(torch.autograd.Function):
 
 def gelu(x, approximate="none"):
     """torch.nn.functional.gelu, GELU(x) = x Phi(x), on linrope.gelu (include/linrope/
-    activation.hpp: one vectorised pass forward, one backward; float32's erf within 1.5e-7 of
-    the exact one, as PyTorch's vectorised CPU erf). approximate="tanh" and the fall-backs of
-    _kernels_take: F.gelu itself. No size threshold (unlike linear): forward and backward
-    together are faster than F.gelu's from 512 elements up, and a forward alone of one 512-wide
-    row as fast (4.2 against 5.0 us, bench/RESULTS.md). Differentiable once."""
+    activation.hpp: in float32 one vectorised pass forward and one backward, erf within 1.5e-7 of
+    the exact one as PyTorch's vectorised CPU erf; in float64 std::erfc per element).
+    approximate="tanh" and the fall-backs of _kernels_take: F.gelu itself. No size threshold
+    (unlike linear), so that decoding computes the function training did: below 65536 elements
+    a call costs 1-3 us more than F.gelu's (the Function's overhead; nothing against a decoding
+    step), above it forward and backward are 1.2-1.5x faster (bench/RESULTS.md, "GELU and
+    RMSNorm on linrope's kernels"). Differentiable once."""
     if approximate != "none" or not _kernels_take((x,)):
         return torch.nn.functional.gelu(x, approximate=approximate)
     return _GELU.apply(x)
+
+
+def rms_norm_expression(x, weight, eps):
+    """RMSNorm written in PyTorch operators (autograd differentiates it): rms_norm's fall-back,
+    HeadRMSNorm's computation, and the PyTorch side of bench/step_pieces.py."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -355,10 +364,10 @@ def rms_norm(x, weight, eps=1e-6):
     weight [d]), on linrope.rms_norm (include/linrope/normalization.hpp: one pass over each row
     forward and one backward, where PyTorch's expression makes six operators and their
     gradients). The fall-backs of _kernels_take compute that expression in PyTorch; as gelu, no
-    size threshold (one row of 128: 6.5 us forward against PyTorch's 10.4). Differentiable
-    once."""
+    size threshold (faster than the expression at every size measured, 128 elements up;
+    bench/RESULTS.md). Differentiable once."""
     if not _kernels_take((x, weight)):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        return rms_norm_expression(x, weight, eps)
     if x.dtype != weight.dtype:
         raise ValueError(f"rms_norm: input has dtype {x.dtype} and weight {weight.dtype}; "
                          f"expected one")

@@ -27,7 +27,7 @@ import linrope
 from linrope.torch import distributed
 from linrope.torch.convolution import ShortConvolution
 from linrope.torch.functional import (gelu, head_decays, linear, linear_attention, rms_norm,
-                                      rope_apply, softmax_attention)
+                                      rms_norm_expression, rope_apply, softmax_attention)
 
 __all__ = ["RotaryEmbedding", "MultiheadAttention", "KeyValueCache", "ShortConvCache",
            "HeadRMSNorm", "RedrawSchedule", "Linear", "GELU", "RMSNorm"]
@@ -107,8 +107,7 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_heads * head_dim, device=device, dtype=dtype))
 
     def forward(self, x):
-        rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * rms * self.weight.view(self.num_heads, 1, self.head_dim)
+        return rms_norm_expression(x, self.weight.view(self.num_heads, 1, self.head_dim), self.eps)
 
     def extra_repr(self):
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, eps={self.eps}"
