@@ -247,13 +247,15 @@ void gemm_packed(ConstView<float> a, Index n, View<float> c, bool accumulate, co
       for (Index ic = 0; ic < m; ic += kMC) {
         const Index mc = std::min(kMC, m - ic);
         // A is read in place when packing would cost about as much as the product (one or two
-        // panels of B: the read-out's d_v = 64 columns) or buys nothing: rows of at most kKC
-        // floats (the feature projection's d = 64) lie close together, and a column-major A
-        // (the state update's features^T) already has its kMR values per k side by side.
-        // Widely strided rows are packed: rows 4 KiB apart would all fight over one L1 set.
+        // panels of B: the read-out's d_v = 64 columns) or buys nothing: rows of at most 2 kKC
+        // floats (the feature projection's d = 64; a model's MLP width 512) lie close enough,
+        // and a column-major A (the state update's features^T) already has its kMR values per k
+        // side by side. Rows 2 KiB apart put a tile's 8 rows in two L1 sets, 4 ways each (the
+        // MLP's k = 512 products: 127-132 -> 203-208 GFLOP/s, bench_gemm mlp_down and up_dx);
+        // widely strided rows are packed: rows 4 KiB apart would all fight over one set.
         Index row_step = 1, col_step = kMR, panel_step = kc;  // packed
         const float* panel = packed_a;
-        if (a.col_stride == 1 && (nc <= 2 * kNR || a.row_stride <= kKC)) {
+        if (a.col_stride == 1 && (nc <= 2 * kNR || a.row_stride <= 2 * kKC)) {
           row_step = panel_step = a.row_stride, col_step = 1;
           panel = a.data + ic * a.row_stride + pc;
         } else if (a.row_stride == 1 && a.col_stride <= kColumnInPlace) {
