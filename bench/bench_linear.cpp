@@ -153,8 +153,10 @@ struct Problem {
   std::vector<float> q, k, v, out;
 };
 
+// saving: the forward that keeps its features for the backward (attention.hpp, LinearSaved).
 void time_linear(benchmark::State& state, FeatureMapKind kind, Index f, RopePlacement placement,
-                 Mode mode, Index n, Index d = kDim, Decay decay = Decay::None) {
+                 Mode mode, Index n, Index d = kDim, Decay decay = Decay::None,
+                 bool saving = false) {
   Problem problem(n, d);
   const auto map = make_map(kind, f, d);
   const Index m = map->output_dim();
@@ -167,15 +169,27 @@ void time_linear(benchmark::State& state, FeatureMapKind kind, Index f, RopePlac
        .method = mode == Mode::Scan ? linrope::CausalMethod::Scan : linrope::CausalMethod::Chunked,
        .chunk_size = kChunk},
       decay, decays);
+  linrope::LinearSavedF saved;
   for (auto _ : state) {
-    linrope::linear_attention(problem.in(problem.q), problem.in(problem.k), problem.in(problem.v),
-                              problem.output(), *map, options);
+    if (saving)
+      linrope::linear_attention(problem.in(problem.q), problem.in(problem.k), problem.in(problem.v),
+                                problem.output(), *map, options, saved);
+    else
+      linrope::linear_attention(problem.in(problem.q), problem.in(problem.k), problem.in(problem.v),
+                                problem.output(), *map, options);
     benchmark::DoNotOptimize(problem.out.data());
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * kBatch * n);
   linrope::bench::set_flops(state, double(kBatch * kHeads) * linear_flops(n, n, d, d, f, m, mode));
   state.counters["threads"] = linrope::bench::threads();
+  if (saving) state.counters["saved_MiB"] = double(saved.bytes()) / double(1 << 20);
+}
+
+void BM_LinearSaving(benchmark::State& state, FeatureMapKind kind, RopePlacement placement,
+                     Mode mode) {
+  time_linear(state, kind, default_features(kind), placement, mode, state.range(0), kDim,
+              Decay::None, true);
 }
 
 void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement placement, Mode mode) {
@@ -183,9 +197,10 @@ void BM_Linear(benchmark::State& state, FeatureMapKind kind, RopePlacement place
 }
 
 // The backward of the same problem (d_out ~ N(0, 1)). No FLOP model: compare its time with the
-// forward's of the same name (bench/RESULTS.md).
+// forward's of the same name (bench/RESULTS.md). saved: from the features a saving forward kept
+// (run once, before the timed loop; compare with linear_saving/...).
 void BM_LinearBackward(benchmark::State& state, FeatureMapKind kind, RopePlacement placement,
-                       bool causal, Decay decay) {
+                       bool causal, Decay decay, bool saved) {
   const Index n = state.range(0);
   Problem problem(n);
   const std::vector<float> d_out = gaussian_buffer(kBatch * kHeads * n * kDim, 4);
@@ -199,10 +214,19 @@ void BM_LinearBackward(benchmark::State& state, FeatureMapKind kind, RopePlaceme
     return linrope::Heads<float>{
         .data = x.data(), .batch = kBatch, .heads = kHeads, .n = n, .d = kDim};
   };
+  linrope::LinearSavedF kept;
+  if (saved)
+    linrope::linear_attention(problem.in(problem.q), problem.in(problem.k), problem.in(problem.v),
+                              problem.output(), *map, options, kept);
   for (auto _ : state) {
-    linrope::linear_attention_backward(problem.in(problem.q), problem.in(problem.k),
-                                       problem.in(problem.v), problem.in(d_out), out(dq), out(dk),
-                                       out(dv), *map, options);
+    if (saved)
+      linrope::linear_attention_backward(problem.in(problem.q), problem.in(problem.k),
+                                         problem.in(problem.v), problem.in(d_out), out(dq), out(dk),
+                                         out(dv), *map, options, kept);
+    else
+      linrope::linear_attention_backward(problem.in(problem.q), problem.in(problem.k),
+                                         problem.in(problem.v), problem.in(d_out), out(dq), out(dk),
+                                         out(dv), *map, options);
     benchmark::DoNotOptimize(dq.data());
     benchmark::ClobberMemory();
   }
@@ -338,8 +362,29 @@ bool register_all() {
         if (kind == FeatureMapKind::FavorPositive && placement == RopePlacement::NumeratorOnly)
           ns = {1024, 2048, 4096, 8192, 16384, 32768};
         benchmark::RegisterBenchmark(name.c_str(), BM_LinearBackward, kind, placement, causal,
-                                     Decay::None)
+                                     Decay::None, false)
             ->ArgsProduct({ns})
+            ->ArgNames({"n"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+  // The forward that keeps its features and the backward that reads them, beside linear/ and
+  // linear_backward/ of the same names.
+  for (const FeatureMapKind kind : maps)
+    for (const RopePlacement placement : {RopePlacement::NumeratorOnly, RopePlacement::Full})
+      for (const bool causal : {false, true}) {
+        const std::string tail = std::string(map_name(kind)) + "/" + linrope::to_string(placement) +
+                                 "/" + (causal ? "causal" : "noncausal");
+        const Mode mode = causal ? Mode::Scan : Mode::NonCausal;
+        benchmark::RegisterBenchmark(("linear_saving/" + tail).c_str(), BM_LinearSaving, kind,
+                                     placement, mode)
+            ->ArgsProduct({{4096, 16384}})
+            ->ArgNames({"n"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(("linear_backward_saved/" + tail).c_str(), BM_LinearBackward,
+                                     kind, placement, causal, Decay::None, true)
+            ->ArgsProduct({{4096, 16384}})
             ->ArgNames({"n"})
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
@@ -384,7 +429,7 @@ bool register_all() {
         const std::string name = std::string("linear_decay/") + map_name(kind) + "/" +
                                  decay_name(decay) + (backward ? "/backward" : "/scan");
         (backward ? benchmark::RegisterBenchmark(name.c_str(), BM_LinearBackward, kind,
-                                                 RopePlacement::NumeratorOnly, true, decay)
+                                                 RopePlacement::NumeratorOnly, true, decay, false)
                   : benchmark::RegisterBenchmark(name.c_str(), BM_DecayForward, kind, decay))
             ->ArgsProduct({{4096, 16384}})
             ->ArgNames({"n"})

@@ -11,6 +11,7 @@
 
 #include "reference/matmul_reference.hpp"
 #include "reference/random.hpp"
+#include "refusal.hpp"
 #include "threads.hpp"
 
 namespace {
@@ -20,6 +21,7 @@ using linrope::MatmulOptions;
 using linrope::Matrix;
 using linrope::MatrixD;
 using linrope::MatrixF;
+using linrope::testing::refusal;
 
 // A matrix with the given value, stored (as its transpose when `transposed`) in the left columns
 // of a wider buffer, so that its outer stride is not its width.
@@ -111,17 +113,6 @@ TEST_CASE("matmul gives the same bits on one thread and on two") {
     linrope::matmul(a, b, two, {.transpose_b = true});
   }
   CHECK((one.array() == two.array()).all());
-}
-
-// The message of the std::invalid_argument a call throws ("" if none).
-template <class Call>
-std::string refusal(Call call) {
-  try {
-    call();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST_CASE("matmul refuses shapes that disagree and an output sharing an input's memory") {

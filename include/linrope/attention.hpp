@@ -244,6 +244,64 @@ AttentionGradients<double> linear_attention_backward(
     const FeatureMap& map, const LinearOptions& options, const LinearAttentionStateD& initial_state,
     const LinearStateGradient<double>& d_final, LinearStateGradient<double>* d_initial = nullptr);
 
+// What a forward keeps for its backward (docs/DESIGN.md, "Saved features"): the plain features
+// and stabiliser log scales of every query row and every key row it computed, per (batch, head)
+// slice, so that the backward maps nothing again (FAVOR+ at m = 256: two d x m GEMMs and 2m exps a
+// token of the backward's work). Its memory is O((n + n_k) m) per slice, alive from the forward
+// to the backward (bytes()). A forward that takes one fills it, replacing what it held; a backward
+// that takes one only reads it (several backwards may read one object, one after the other or at
+// once) and gives the same gradients as without it, the same bits (tests/test_saved_features.cpp).
+// The backward checks that `saved` comes from a forward of the same shapes, lengths, positions,
+// placement, rope, decays and map (its address and seed: a redraw changes W) and throws
+// std::invalid_argument naming `saved` otherwise, or when it is empty; it cannot check that q
+// and k hold the same values as in the forward: that is the caller's promise. A causal backward
+// with a final-state gradient after a forward that kept no final state reads the keys past the
+// last query's horizon from k (the forward never mapped them). Opaque and move-only.
+namespace detail {
+template <class T>
+struct SavedHeads;
+struct SavedAccess;
+}  // namespace detail
+template <class T>
+class LinearSaved {
+ public:
+  LinearSaved();
+  ~LinearSaved();
+  LinearSaved(LinearSaved&&) noexcept;
+  LinearSaved& operator=(LinearSaved&&) noexcept;
+  LinearSaved(const LinearSaved&) = delete;
+  LinearSaved& operator=(const LinearSaved&) = delete;
+
+  bool empty() const;         // true until a forward fills it, and after clear()
+  std::size_t bytes() const;  // the memory its features take
+  void clear();               // frees it
+
+ private:
+  friend struct detail::SavedAccess;
+  std::unique_ptr<detail::SavedHeads<T>> data_;
+};
+using LinearSavedF = LinearSaved<float>;
+using LinearSavedD = LinearSaved<double>;
+
+// linear_attention and its backward as above, the forward filling `saved` and the backward
+// reading it (the batched calls and the stateful ones: batched.hpp).
+MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
+                         const FeatureMap& map, const LinearOptions& options, LinearSavedF& saved,
+                         DenominatorStats* stats = nullptr);
+MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                         const FeatureMap& map, const LinearOptions& options, LinearSavedD& saved,
+                         DenominatorStats* stats = nullptr);
+AttentionGradients<float> linear_attention_backward(const MatrixF& q, const MatrixF& k,
+                                                    const MatrixF& v, const MatrixF& d_out,
+                                                    const FeatureMap& map,
+                                                    const LinearOptions& options,
+                                                    const LinearSavedF& saved);
+AttentionGradients<double> linear_attention_backward(const MatrixD& q, const MatrixD& k,
+                                                     const MatrixD& v, const MatrixD& d_out,
+                                                     const FeatureMap& map,
+                                                     const LinearOptions& options,
+                                                     const LinearSavedD& saved);
+
 // Causal linear attention as a stream, for autoregressive decoding: each call appends t tokens
 // (q, k, v rows at the next t positions, starting at options.q_offset == options.k_offset) and
 // returns their outputs, each attending to every token so far including itself. Memory is

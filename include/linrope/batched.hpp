@@ -100,4 +100,42 @@ void linear_attention_backward(Heads<const double> q, Heads<const double> k, Hea
                                const LinearOptions& options, HeadStates<const double> initial_state,
                                HeadStates<const double> d_final, HeadStates<double> d_initial);
 
+// The four linear calls above with a LinearSaved (attention.hpp): the forwards fill `saved`, one
+// slice per (b, h), the backwards read it (the same gradients, the same bits). The backwards also
+// check that `saved` comes from a forward of the same batch, heads, n, n_k, widths and lengths.
+void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                      Heads<float> out, const FeatureMap& map, const LinearOptions& options,
+                      LinearSaved<float>& saved, DenominatorStats* stats = nullptr);
+void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                      Heads<double> out, const FeatureMap& map, const LinearOptions& options,
+                      LinearSaved<double>& saved, DenominatorStats* stats = nullptr);
+void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                      Heads<float> out, const FeatureMap& map, const LinearOptions& options,
+                      HeadStates<const float> initial_state, HeadStates<float> final_state,
+                      LinearSaved<float>& saved, DenominatorStats* stats = nullptr);
+void linear_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                      Heads<double> out, const FeatureMap& map, const LinearOptions& options,
+                      HeadStates<const double> initial_state, HeadStates<double> final_state,
+                      LinearSaved<double>& saved, DenominatorStats* stats = nullptr);
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map, const LinearOptions& options,
+                               const LinearSaved<float>& saved);
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options, const LinearSaved<double>& saved);
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map, const LinearOptions& options,
+                               HeadStates<const float> initial_state,
+                               HeadStates<const float> d_final, HeadStates<float> d_initial,
+                               const LinearSaved<float>& saved);
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options, HeadStates<const double> initial_state,
+                               HeadStates<const double> d_final, HeadStates<double> d_initial,
+                               const LinearSaved<double>& saved);
+
 }  // namespace linrope

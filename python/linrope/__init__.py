@@ -39,6 +39,7 @@ else:
         FeatureMapConfig,
         LinearAttentionStream,
         LinearOptions,
+        LinearSaved,
         NonFiniteError,
         Rope,
         RopeConfig,
@@ -76,6 +77,8 @@ __all__ = [
     "FeatureMap", "LinearAttentionStream", "Rope", "get_num_threads", "linear_attention",
     "linear_attention_backward", "matmul", "openmp", "set_num_threads", "softmax_attention",
     "softmax_attention_backward",
+    # What a forward keeps for its backward (saved= of linear_attention and its backward).
+    "LinearSaved",
     # A transformer block's pieces around attention: GELU and RMSNorm, forward and backward.
     "gelu", "gelu_backward", "rms_norm", "rms_norm_backward",
     # The C++ options structs; default-constructed, they hold every function's defaults.

@@ -1,6 +1,7 @@
 // linear_attention and linear_attention_backward on NumPy arrays.
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -12,6 +13,32 @@
 
 namespace linrope::python {
 namespace {
+
+// linrope.LinearSaved: what a forward keeps for its backward (attention.hpp, LinearSaved), of
+// either dtype; a forward fills the one of its dtype and empties the other.
+struct SavedFeatures {
+  LinearSavedF f;
+  LinearSavedD d;
+
+  template <class T>
+  LinearSaved<T>& of() {
+    if constexpr (std::is_same_v<T, float>)
+      return f;
+    else
+      return d;
+  }
+  template <class T>
+  LinearSaved<T>& refill() {
+    if constexpr (std::is_same_v<T, float>)
+      d.clear();
+    else
+      f.clear();
+    return of<T>();
+  }
+  std::size_t bytes() const { return f.bytes() + d.bytes(); }
+  bool empty() const { return f.empty() && d.empty(); }
+  const char* dtype() const { return !f.empty() ? "float32" : !d.empty() ? "float64" : "none"; }
+};
 
 // The options of both functions, decay= read in; `head_decays` keeps the values that
 // options.head_decays views while the call runs.
@@ -32,7 +59,7 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
                           bool return_stats, double stats_threshold, const std::string& method,
                           Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths,
                           const py::object& initial_state, bool return_state, bool denominator,
-                          const py::object& decay) {
+                          const py::object& decay, SavedFeatures* saved) {
   constexpr std::string_view fn = "linear_attention";
   std::vector<double> head_decays;
   const LinearOptions options = options_of(fn, q, causal, placement, rope, eps, q_offset, k_offset,
@@ -50,10 +77,17 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
       KernelScope scope(&map);
       const Heads<T> out_heads = with_lengths(output_heads(out), q_lengths);
       DenominatorStats* wanted = return_stats ? &stats : nullptr;
-      if (initial.present || return_state)
+      const auto initial_view = initial.view(q_heads.batch, q_heads.heads, m, d_v);
+      const auto final_view = final.mutable_view(q_heads.batch, q_heads.heads, m, d_v);
+      if (saved && (initial.present || return_state))
+        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options, initial_view,
+                         final_view, saved->refill<T>(), wanted);
+      else if (saved)
         linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options,
-                         initial.view(q_heads.batch, q_heads.heads, m, d_v),
-                         final.mutable_view(q_heads.batch, q_heads.heads, m, d_v), wanted);
+                         saved->refill<T>(), wanted);
+      else if (initial.present || return_state)
+        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options, initial_view,
+                         final_view, wanted);
       else
         linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options, wanted);
     }
@@ -72,7 +106,8 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
                            Index q_offset, Index k_offset, const std::string& method,
                            Index chunk_size, const Lengths& q_lengths, const Lengths& k_lengths,
                            const py::object& initial_state, const py::object& d_final_state,
-                           bool return_state_gradient, bool denominator, const py::object& decay) {
+                           bool return_state_gradient, bool denominator, const py::object& decay,
+                           SavedFeatures* saved) {
   constexpr std::string_view fn = "linear_attention_backward";
   std::vector<double> head_decays;
   const LinearOptions options = options_of(fn, q, causal, placement, rope, eps, q_offset, k_offset,
@@ -90,11 +125,19 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
         return_state_gradient ? new_state<T>(q, m, d_v, false) : StateArrays<T>();
     const bool stateful = initial.present || d_final.present || return_state_gradient;
     py::object grads = gradients<T>(in, &map, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
-      if (stateful)
+      const auto initial_view = initial.view(batch, heads, m, d_v);
+      const auto d_final_view = d_final.view(batch, heads, m, d_v);
+      const auto d_initial_view = d_initial.mutable_view(batch, heads, m, d_v);
+      if (saved && stateful)
         linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
-                                  map, options, initial.view(batch, heads, m, d_v),
-                                  d_final.view(batch, heads, m, d_v),
-                                  d_initial.mutable_view(batch, heads, m, d_v));
+                                  map, options, initial_view, d_final_view, d_initial_view,
+                                  std::as_const(saved->of<T>()));
+      else if (saved)
+        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
+                                  map, options, std::as_const(saved->of<T>()));
+      else if (stateful)
+        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
+                                  map, options, initial_view, d_final_view, d_initial_view);
       else
         linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
                                   map, options);
@@ -112,13 +155,27 @@ void bind_linear_attention(py::module_& m) {
   const LinearOptions& o = linear_defaults;
   // The arguments in docs/DESIGN.md's order ("Python"; positional use allowed), then the ones
   // added since: method, chunk_size, the lengths.
+  py::class_<SavedFeatures>(m, "LinearSaved",
+                            "What a linear_attention forward keeps for its backward: the features "
+                            "of every query and key row (include/linrope/attention.hpp, "
+                            "LinearSaved). Pass it as saved= to the forward, which fills it, then "
+                            "to the backward, which reads it: the same gradients, the same bits, "
+                            "without mapping q and k again.")
+      .def(py::init<>())
+      .def_property_readonly("nbytes", &SavedFeatures::bytes)
+      .def_property_readonly("empty", &SavedFeatures::empty)
+      .def_property_readonly("dtype", &SavedFeatures::dtype)
+      .def("clear", [](SavedFeatures& s) {
+        s.f.clear();
+        s.d.clear();
+      });
   m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a,
         "causal"_a = o.causal, "placement"_a = name_of(o.placement), "rope"_a = py::none(),
         "eps"_a = o.eps, "q_offset"_a = o.q_offset, "k_offset"_a = o.k_offset,
         "return_stats"_a = false, "stats_threshold"_a = stats_defaults.threshold,
         "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size, "q_lengths"_a = py::none(),
         "k_lengths"_a = py::none(), "initial_state"_a = py::none(), "return_state"_a = false,
-        "denominator"_a = o.denominator, "decay"_a = o.decay,
+        "denominator"_a = o.denominator, "decay"_a = o.decay, "saved"_a = nullptr,
         "Linear attention (denominator=False: o = num, no normalisation; causal calls may decay, "
         "decay=g in (0, 1] or one g per head for (B, H, n, d) arrays: key j weighs g^(p_i - p_j) "
         "at query i, and a state is the decayed sum at its last key's position); with "
@@ -126,7 +183,8 @@ void bind_linear_attention(py::module_& m) {
         "returns (out, denominator statistics). Causal "
         "calls can continue from initial_state=(S, z, log_scale) and, with return_state=True, "
         "also return the state after their keys, last in the tuple (include/linrope/attention.hpp, "
-        "\"State in, state out\"). Holds feature_map while it runs: a redraw from another thread "
+        "\"State in, state out\"). With saved=LinearSaved(), keeps the features there for the "
+        "backward. Holds feature_map while it runs: a redraw from another thread "
         "meanwhile raises RuntimeError.");
   m.def("linear_attention_backward", &linear_backward, "q"_a, "k"_a, "v"_a, "d_out"_a,
         "feature_map"_a, "causal"_a = o.causal, "placement"_a = name_of(o.placement),
@@ -134,10 +192,11 @@ void bind_linear_attention(py::module_& m) {
         "k_offset"_a = o.k_offset, "method"_a = name_of(o.method), "chunk_size"_a = o.chunk_size,
         "q_lengths"_a = py::none(), "k_lengths"_a = py::none(), "initial_state"_a = py::none(),
         "d_final_state"_a = py::none(), "return_state_gradient"_a = false,
-        "denominator"_a = o.denominator, "decay"_a = o.decay,
+        "denominator"_a = o.denominator, "decay"_a = o.decay, "saved"_a = nullptr,
         "(dq, dk, dv) of sum(d_out * linear_attention(...)) (+ <dS, S> + <dz, z> of the final "
         "state when d_final_state=(dS, dz)); with return_state_gradient=True also (dS, dz) of "
-        "initial_state, last. Holds feature_map while it runs, as linear_attention does.");
+        "initial_state, last. saved: the LinearSaved its forward filled (read, not mapped "
+        "again). Holds feature_map while it runs, as linear_attention does.");
 }
 
 }  // namespace linrope::python

@@ -135,6 +135,21 @@ Matrix<T> linear_single_continued(const Matrix<T>& q, const Matrix<T>& k, const 
   return out;
 }
 
+// The single-head call that keeps its features, as a one-slice batched call (linear_batched.cpp).
+template <class T>
+Matrix<T> linear_single_saving(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                               const FeatureMap& map, const LinearOptions& options,
+                               LinearSaved<T>& saved, DenominatorStats* stats) {
+  detail::check_single_inputs("linear_attention", q, k, v);
+  Matrix<T> out(q.rows(), v.cols());
+  const auto input = [](const Matrix<T>& x) {
+    return Heads<const T>{x.data(), 1, 1, x.rows(), x.cols()};
+  };
+  linear_attention(input(q), input(k), input(v), Heads<T>{out.data(), 1, 1, out.rows(), v.cols()},
+                   map, options, saved, stats);
+  return out;
+}
+
 constexpr std::array<const char*, 4> kPlacementNames = {"none", "before_map", "numerator_only",
                                                         "full"};
 constexpr std::array<const char*, 2> kMethodNames = {"chunked", "scan"};
@@ -161,6 +176,17 @@ MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                          const FeatureMap& map, const LinearOptions& options,
                          LinearAttentionStateD& state, DenominatorStats* stats) {
   return linear_single_continued(q, k, v, map, options, state, stats);
+}
+
+MatrixF linear_attention(const MatrixF& q, const MatrixF& k, const MatrixF& v,
+                         const FeatureMap& map, const LinearOptions& options, LinearSavedF& saved,
+                         DenominatorStats* stats) {
+  return linear_single_saving(q, k, v, map, options, saved, stats);
+}
+MatrixD linear_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                         const FeatureMap& map, const LinearOptions& options, LinearSavedD& saved,
+                         DenominatorStats* stats) {
+  return linear_single_saving(q, k, v, map, options, saved, stats);
 }
 
 const char* to_string(RopePlacement placement) {

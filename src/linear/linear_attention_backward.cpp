@@ -9,6 +9,7 @@
 #include "common/heads.hpp"
 #include "linear/linear_backward.hpp"
 #include "linear/linear_checks.hpp"
+#include "linear/saved.hpp"
 #include "linear/state_views.hpp"
 
 namespace linrope {
@@ -18,11 +19,12 @@ constexpr std::string_view kFn = "linear_attention_backward";
 
 template <class T>
 void run_head(const detail::LinearGradientHead<T>& head, const detail::LinearSetup& setup,
-              detail::Threads threading, const detail::StatePorts<T>& ports = {}) {
+              detail::Threads threading, const detail::StatePorts<T>& ports = {},
+              const detail::SavedSlice<T>* saved = nullptr) {
   if (setup.options.causal)
-    detail::linear_causal_backward(head, setup, threading, ports);
+    detail::linear_causal_backward(head, setup, threading, ports, saved);
   else
-    detail::linear_noncausal_backward(head, setup, threading);
+    detail::linear_noncausal_backward(head, setup, threading, saved);
 }
 
 template <class T>
@@ -47,13 +49,14 @@ AttentionGradients<T> backward_single(const Matrix<T>& q, const Matrix<T>& k, co
 }
 
 // initial, d_final, d_initial: the stateful call's (attention.hpp, "State in, state out"); null for
-// the plain call.
+// the plain call. saved: the forward's features (attention.hpp, LinearSaved), or null.
 template <class T>
 void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<const T> d_out,
                       Heads<T> dq, Heads<T> dk, Heads<T> dv, const FeatureMap& map,
                       const LinearOptions& options, const HeadStates<const T>* initial = nullptr,
                       const HeadStates<const T>* d_final = nullptr,
-                      const HeadStates<T>* d_initial = nullptr) {
+                      const HeadStates<T>* d_initial = nullptr,
+                      const LinearSaved<T>* saved = nullptr) {
   using detail::slice;
   using detail::slice_out;
   using detail::valid_rows;
@@ -68,6 +71,8 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
   const HeadStates<const T> from = initial ? *initial : HeadStates<const T>{},
                             final_gradient = d_final ? *d_final : HeadStates<const T>{};
   const HeadStates<T> initial_gradient = d_initial ? *d_initial : HeadStates<T>{};
+  const detail::SavedHeads<T>* kept = saved ? detail::SavedAccess::read(*saved) : nullptr;
+  if (saved) detail::check_saved(kFn, kept, detail::saved_call(map, options, q, k));
   // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp), as in the
   // forward; then named as an up-front scan would: q, k, v over the slices in order, then d_out.
   const Index slices = q.batch * q.heads;
@@ -87,7 +92,7 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
     run_head<T>(
         {slice(q, b, h), slice(k, b, h), slice(v, b, h), slice(d_out, b, h), slice_out(dq, b, h),
          slice_out(dk, b, h), slice_out(dv, b, h), n, n_k, options.q_offset, options.k_offset},
-        setup_of_slice, threading, ports);
+        setup_of_slice, threading, ports, kept ? &kept->slices[std::size_t(s)] : nullptr);
     detail::zero_rows_past(dq, b, h, n);
     detail::zero_rows_past(dk, b, h, n_k);
     detail::zero_rows_past(dv, b, h, n_k);
@@ -99,6 +104,25 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
     if (nonfinite[s].raised())
       detail::require_finite(kFn, detail::slice_name("d_out", s, q.heads),
                              detail::valid_slice(d_out, s, q));
+}
+
+// The single-head backward from the forward's features, as a one-slice batched call.
+template <class T>
+AttentionGradients<T> backward_single_saved(const Matrix<T>& q, const Matrix<T>& k,
+                                            const Matrix<T>& v, const Matrix<T>& d_out,
+                                            const FeatureMap& map, const LinearOptions& options,
+                                            const LinearSaved<T>& saved) {
+  detail::check_single_inputs(kFn, q, k, v, &d_out);
+  AttentionGradients<T> grads{Matrix<T>(q.rows(), q.cols()), Matrix<T>(k.rows(), k.cols()),
+                              Matrix<T>(v.rows(), v.cols())};
+  const auto input = [](const Matrix<T>& x) {
+    return Heads<const T>{x.data(), 1, 1, x.rows(), x.cols()};
+  };
+  const auto output = [](Matrix<T>& x) { return Heads<T>{x.data(), 1, 1, x.rows(), x.cols()}; };
+  backward_batched<T>(input(q), input(k), input(v), input(d_out), output(grads.dq),
+                      output(grads.dk), output(grads.dv), map, options, nullptr, nullptr, nullptr,
+                      &saved);
+  return grads;
 }
 
 // The stateful single-head backward, as a one-slice batched call.
@@ -190,6 +214,54 @@ void linear_attention_backward(Heads<const double> q, Heads<const double> k, Hea
                                const LinearOptions& options, HeadStates<const double> initial_state,
                                HeadStates<const double> d_final, HeadStates<double> d_initial) {
   backward_batched(q, k, v, d_out, dq, dk, dv, map, options, &initial_state, &d_final, &d_initial);
+}
+
+AttentionGradients<float> linear_attention_backward(const MatrixF& q, const MatrixF& k,
+                                                    const MatrixF& v, const MatrixF& d_out,
+                                                    const FeatureMap& map,
+                                                    const LinearOptions& options,
+                                                    const LinearSavedF& saved) {
+  return backward_single_saved(q, k, v, d_out, map, options, saved);
+}
+AttentionGradients<double> linear_attention_backward(const MatrixD& q, const MatrixD& k,
+                                                     const MatrixD& v, const MatrixD& d_out,
+                                                     const FeatureMap& map,
+                                                     const LinearOptions& options,
+                                                     const LinearSavedD& saved) {
+  return backward_single_saved(q, k, v, d_out, map, options, saved);
+}
+
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map, const LinearOptions& options,
+                               const LinearSaved<float>& saved) {
+  backward_batched<float>(q, k, v, d_out, dq, dk, dv, map, options, nullptr, nullptr, nullptr,
+                          &saved);
+}
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options, const LinearSaved<double>& saved) {
+  backward_batched<double>(q, k, v, d_out, dq, dk, dv, map, options, nullptr, nullptr, nullptr,
+                           &saved);
+}
+void linear_attention_backward(Heads<const float> q, Heads<const float> k, Heads<const float> v,
+                               Heads<const float> d_out, Heads<float> dq, Heads<float> dk,
+                               Heads<float> dv, const FeatureMap& map, const LinearOptions& options,
+                               HeadStates<const float> initial_state,
+                               HeadStates<const float> d_final, HeadStates<float> d_initial,
+                               const LinearSaved<float>& saved) {
+  backward_batched(q, k, v, d_out, dq, dk, dv, map, options, &initial_state, &d_final, &d_initial,
+                   &saved);
+}
+void linear_attention_backward(Heads<const double> q, Heads<const double> k, Heads<const double> v,
+                               Heads<const double> d_out, Heads<double> dq, Heads<double> dk,
+                               Heads<double> dv, const FeatureMap& map,
+                               const LinearOptions& options, HeadStates<const double> initial_state,
+                               HeadStates<const double> d_final, HeadStates<double> d_initial,
+                               const LinearSaved<double>& saved) {
+  backward_batched(q, k, v, d_out, dq, dk, dv, map, options, &initial_state, &d_final, &d_initial,
+                   &saved);
 }
 
 }  // namespace linrope

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "linear/linear_blocks.hpp"
+#include "linear/saved.hpp"
 #include "linear/scan_strips.hpp"
 
 namespace linrope::detail {
@@ -50,10 +51,12 @@ struct LinearGradientHead {
 // The gradients of linear_noncausal and linear_causal (any method: the causal backward has one
 // form, the scan's sweeps). `threading` as for the forwards. Shapes must already be checked; the
 // kernels check q, k, v and d_out for non-finite values as they read them, as the forwards do
-// (setup.nonfinite). Never throw but std::bad_alloc.
+// (setup.nonfinite). `saved`: the forward's features of this head (saved.hpp), read instead of
+// mapping q and k again where they cover what the backward reads; null: none. Never throw but
+// std::bad_alloc.
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                               Threads threading);
+                               Threads threading, const SavedSlice<T>* saved = nullptr);
 // A causal backward's state in and state out (attention.hpp, "State in, state out"), one head's:
 // the state its forward started from (null: empty), dL/dS and dL/dz of the state the forward left
 // (null: zero), and where dL/dS and dL/dz of the initial state go (null: not wanted); S-shaped
@@ -70,7 +73,8 @@ struct StatePorts {
 };
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            Threads threading, const StatePorts<T>& ports = {});
+                            Threads threading, const StatePorts<T>& ports = {},
+                            const SavedSlice<T>* saved = nullptr);
 
 inline constexpr double kNoQueries = std::numeric_limits<double>::infinity();
 
@@ -213,17 +217,23 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index offset, T* g_
 }
 
 // What the segments of a causal backward share (linear_causal_backward.cpp): the head, every
-// query's and every seen key's features (kept: both sweeps read them), and each query's terms
-// g~ [n x d_v], delta and M (kEmpty for a zero output row), written by the sweep over the queries
-// and read by the sweep over the keys.
+// query's and every seen key's features (kept: both sweeps read them; the forward's, from
+// `saved`, where they cover the first `keys_read` keys), and each query's terms g~ [n x d_v],
+// delta and M (kEmpty for a zero output row), written by the sweep over the queries and read by
+// the sweep over the keys.
 template <class T>
 struct CausalGradients {
-  CausalGradients(const LinearGradientHead<T>& h, const LinearSetup& s)
+  CausalGradients(const LinearGradientHead<T>& h, const LinearSetup& s, const SavedSlice<T>* saved,
+                  Index keys_read)
+      : CausalGradients(h, s, SavedRows<T>(saved ? &saved->queries : nullptr, h.n),
+                        SavedRows<T>(saved ? &saved->keys : nullptr, keys_read)) {}
+  CausalGradients(const LinearGradientHead<T>& h, const LinearSetup& s, SavedRows<T> q_rows,
+                  SavedRows<T> k_rows)
       : head(h),
         setup(s),
         shift(h.q_offset - h.k_offset),
-        queries(s, Role::Queries, h.n, h.q_offset),
-        keys(s, Role::Keys, h.n_k, h.k_offset),
+        queries(s, Role::Queries, h.n, h.q_offset, q_rows.plain, q_rows.log_scale, q_rows.given),
+        keys(s, Role::Keys, h.n_k, h.k_offset, k_rows.plain, k_rows.log_scale, k_rows.given),
         g_(h.n * s.d_v, Lifetime::Thread),
         delta_(h.n, Lifetime::Thread),
         scale_(h.n, Lifetime::Thread),

@@ -89,8 +89,13 @@ void map_plain(const LinearSetup& setup, Role role, const T* x, Index rows, Inde
   }
 }
 
+template <class T>
+class KeptFeatures;
+
 // The stabilised features (FeatureRows) of up to `capacity` tokens, computed here. Its memory is
-// per-thread scratch (scratch.hpp: no allocation after a thread's first call).
+// per-thread scratch (scratch.hpp: no allocation after a thread's first call). With keep_into,
+// every row it computes is also stored, plain, in a KeptFeatures (a forward keeping its features
+// for the backward: saved.hpp).
 template <class T>
 class FeatureBlock {
  public:
@@ -119,6 +124,7 @@ class FeatureBlock {
     T* plain = rotates && separate_plain_ ? plain_data() + at * m : num;
     map_plain(setup_, role_, x, rows, offset, plain, log_scale_.data() + at,
               rotated_input_data() + at * setup_.d);
+    if (sink_) sink_->store(offset, plain, log_scale_.data() + at, rows);
     if (rotates && plain != num)
       RopeAccess::rotate_rows<T>(*setup_.options.rope, plain, num, rows, m, offset, Turn::Apply);
     else if (rotates)
@@ -126,6 +132,8 @@ class FeatureBlock {
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
   void fill(Index rows) { rows_ = rows; }
+  // From now on, also store every computed row in `sink` (null: stop), at its position's row.
+  void keep_into(KeptFeatures<T>* sink) { sink_ = sink; }
 
   const LinearSetup& setup() const { return setup_; }
   Index capacity() const { return capacity_; }
@@ -161,6 +169,7 @@ class FeatureBlock {
   Scratch<T> features_;
   Scratch<double> log_scale_;
   Index rows_ = 0;
+  KeptFeatures<T>* sink_ = nullptr;
 };
 
 // A whole sequence's features, kept between the passes of a backward, in the form the map gives
@@ -170,23 +179,41 @@ class FeatureBlock {
 // (NumeratorOnly, Full) doubled what the passes write and read from memory, O(n m) each.
 // Its memory is the calling thread's scratch, kept after the call (scratch.hpp, Lifetime::Thread),
 // so that a training loop's calls allocate nothing after the first; other threads may read and
-// write it while it lives.
+// write it while it lives. Or the caller's memory (a LinearSaved slice, saved.hpp): a forward's
+// FeatureBlocks store into it (store), and its backward finds the first `given` rows there.
 template <class T>
 class KeptFeatures {
  public:
-  // Rows [0, capacity) at positions first_position.., computed by compute_at.
+  // Rows [0, capacity) at positions first_position.., computed by compute_at, in scratch.
   KeptFeatures(const LinearSetup& setup, Role role, Index capacity, Index first_position)
+      : KeptFeatures(setup, role, capacity, first_position, nullptr, nullptr, 0) {}
+  // The same in `plain` [capacity x m] and `log_scale` [capacity], whose rows [0, given) already
+  // hold the features (compute_at leaves them: they are read, never written).
+  KeptFeatures(const LinearSetup& setup, Role role, Index capacity, Index first_position, T* plain,
+               double* log_scale, Index given)
       : setup_(setup),
         role_(role),
         first_position_(first_position),
-        plain_(capacity * setup.m, Lifetime::Thread),
-        log_scale_(capacity, Lifetime::Thread) {}
+        own_plain_(plain ? 0 : capacity * setup.m, plain ? Lifetime::Call : Lifetime::Thread),
+        own_log_scale_(plain ? 0 : capacity, plain ? Lifetime::Call : Lifetime::Thread),
+        plain_(plain ? plain : own_plain_.data()),
+        log_scale_(plain ? log_scale : own_log_scale_.data()),
+        given_(given),
+        rows_(given) {}
 
-  // Features of rows [at, at + rows) from x [rows x d] (the rows' own inputs).
+  // Features of rows [at, at + rows) from x [rows x d] (the rows' own inputs), unless given.
   void compute_at(Index at, const T* x, Index rows) {
+    if (at + rows <= given_) return;
+    assert(at >= given_);
     Scratch<T> rotated(setup_.plan.rotate_input ? rows * setup_.d : 0);
-    map_plain(setup_, role_, x, rows, first_position_ + at, plain_.data() + at * setup_.m,
-              log_scale_.data() + at, rotated.data());
+    map_plain(setup_, role_, x, rows, first_position_ + at, plain_ + at * setup_.m, log_scale_ + at,
+              rotated.data());
+  }
+  // Rows at positions position.. that a FeatureBlock computed: plain [rows x m], their log scales.
+  void store(Index position, const T* plain, const double* log_scale, Index rows) {
+    const Index at = position - first_position_, m = setup_.m;
+    std::copy(plain, plain + rows * m, plain_ + at * m);
+    std::copy(log_scale, log_scale + rows, log_scale_ + at);
   }
   // Declares rows [0, rows) computed (by compute_at, possibly on several threads).
   void fill(Index rows) { rows_ = rows; }
@@ -194,19 +221,21 @@ class KeptFeatures {
   const LinearSetup& setup() const { return setup_; }
   Index rows() const { return rows_; }
   Index position(Index row) const { return first_position_ + row; }
-  const T* plain(Index row) const { return plain_.data() + row * setup_.m; }
-  const double* log_scales(Index row) const { return log_scale_.data() + row; }
+  const T* plain(Index row) const { return plain_ + row * setup_.m; }
+  const double* log_scales(Index row) const { return log_scale_ + row; }
   double max_log_scale() const {
-    return rows_ ? *std::max_element(log_scale_.data(), log_scale_.data() + rows_) : kEmpty;
+    return rows_ ? *std::max_element(log_scale_, log_scale_ + rows_) : kEmpty;
   }
 
  private:
   const LinearSetup& setup_;
   Role role_;
   Index first_position_;
-  Scratch<T> plain_;
-  Scratch<double> log_scale_;
-  Index rows_ = 0;
+  Scratch<T> own_plain_;
+  Scratch<double> own_log_scale_;
+  T* plain_;
+  double* log_scale_;
+  Index given_, rows_;
 };
 
 // Rows [first, first + count) of KeptFeatures in the placement's form (FeatureRows): the kept rows
@@ -368,15 +397,18 @@ Prefetch::Range rows_of(const T* x, Index cols, Index first, Index rows) {
 
 // Adds keys [0, n_k) (positions k_offset..) to the state, a block at a time: the non-causal form,
 // and the first pass of the causal form split across threads. With `keep`, their features are
-// computed into rows [keep_at, keep_at + n_k) of it instead of scratch (the backward reuses them).
+// computed into rows [keep_at, keep_at + n_k) of it instead of scratch (the backward reuses them);
+// with `sink`, computed in scratch and also stored there (a forward keeping them: saved.hpp).
 // Each block's state update fetches the next block's keys and values (gemm.hpp's Prefetch): elu+1's
 // rows are cheap enough to map that waiting for them, not the arithmetic, was much of its time.
 // With read_out's fetches, elu+1 non-causal at n = 16384 (8 heads, 2 threads) takes 0.85x the time.
 template <class T>
 void absorb_keys(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
-                 const LinearSetup& setup, KeptFeatures<T>* keep = nullptr, Index keep_at = 0) {
+                 const LinearSetup& setup, KeptFeatures<T>* keep = nullptr, Index keep_at = 0,
+                 KeptFeatures<T>* sink = nullptr) {
   const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n_k, 1));
   FeatureBlock<T> keys(setup, Role::Keys, keep ? 0 : block);
+  keys.keep_into(sink);
   Matrix<T> weighted;
   Vector<T> weights;
   for (Index js = 0; js < n_k; js += block) {
@@ -415,10 +447,11 @@ inline Index part_count(Index rows, Index unit) {
 }
 
 // state = every key [0, n_k) (positions k_offset..), absorbed in parts (part_count) on `threads`
-// threads, the parts merged in order (linear_noncausal.cpp).
+// threads, the parts merged in order (linear_noncausal.cpp). keep, sink: as absorb_keys'.
 template <class T>
 void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
-                      const LinearSetup& setup, int threads, KeptFeatures<T>* keep = nullptr);
+                      const LinearSetup& setup, int threads, KeptFeatures<T>* keep = nullptr,
+                      KeptFeatures<T>* sink = nullptr);
 
 // state += other, both brought to the larger of their two scales (state's own, when other's
 // passes it by at most `headroom`: raise_scale).

@@ -35,8 +35,9 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
   // Queries [q0, q0 + rows) against the keys from k0 on, from the state `from`.
   const auto run = [&](Index q0, Index k0, Index rows, LinearState<T>& from, FinalState rest,
                        DenominatorTally* part) {
-    const LinearHead<T> segment{q + q0 * d, k + k0 * d, v + k0 * d_v,  out + q0 * d_v,
-                                rows,       n_k - k0,   q_offset + q0, k_offset + k0};
+    const LinearHead<T> segment{
+        q + q0 * d, k + k0 * d,    v + k0 * d_v,  out + q0 * d_v,    rows,
+        n_k - k0,   q_offset + q0, k_offset + k0, head.keep_queries, head.keep_keys};
     if (scan)
       causal_scan(segment, setup, from, rest, part);
     else

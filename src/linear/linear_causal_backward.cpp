@@ -52,14 +52,15 @@ void store_initial_gradient(const StatePorts<T>& ports, const QueryState<T>& all
 
 template <class T>
 void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                            Threads threading, const StatePorts<T>& ports) {
-  CausalGradients<T> c(head, setup);
+                            Threads threading, const StatePorts<T>& ports,
+                            const SavedSlice<T>* saved) {
   const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v, m = setup.m;
   // Keys [horizon, n_k) are seen by no query. Without the final state's gradient nothing reads
   // them; with it, it alone does: a GEMM pass at the end (keys_from_state), not the sweeps (a
   // keys-only call, as linrope.torch.distributed makes, is all such keys).
   const bool final_gradient = ports.d_final_S != nullptr;
-  const Index horizon = n > 0 ? c.first_key(n) : 0;
+  const Index horizon = mapped_keys(true, false, n, n_k, head.q_offset, head.k_offset);
+  CausalGradients<T> c(head, setup, saved, final_gradient ? n_k : horizon);
   const int threads = usable_threads(threading);
   check_input(setup, head.v + horizon * d_v, n_k - horizon, d_v);  // read by no sweep
   if (!final_gradient) {
@@ -115,8 +116,10 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
 }
 
 template void linear_causal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
-                                            Threads, const StatePorts<float>&);
+                                            Threads, const StatePorts<float>&,
+                                            const SavedSlice<float>*);
 template void linear_causal_backward<double>(const LinearGradientHead<double>&, const LinearSetup&,
-                                             Threads, const StatePorts<double>&);
+                                             Threads, const StatePorts<double>&,
+                                             const SavedSlice<double>*);
 
 }  // namespace linrope::detail

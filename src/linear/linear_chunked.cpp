@@ -26,6 +26,8 @@ void causal_chunked(const LinearHead<T>& head, const LinearSetup& setup, LinearS
   const Index d = setup.d, d_v = setup.d_v;
   const Index shift = q_offset - k_offset;  // query i sees key j iff j <= i + shift
   FeatureBlock<T> queries(setup, Role::Queries, L), keys(setup, Role::Keys, L);
+  queries.keep_into(head.keep_queries);
+  keys.keep_into(head.keep_keys);
   Matrix<T> weighted, numerator, scores;
   Vector<T> weights, z_running;
   std::vector<double> query_max(L), den(L);

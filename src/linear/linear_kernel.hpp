@@ -40,6 +40,9 @@ using ConstRowMap = Eigen::Map<const Matrix<T>>;
 template <class T>
 using RowMap = Eigen::Map<Matrix<T>>;
 
+template <class T>
+class KeptFeatures;  // linear_blocks.hpp
+
 // Running state of causal linear attention: everything the keys absorbed so far contribute.
 template <class T>
 struct LinearState {
@@ -178,6 +181,10 @@ struct LinearHead {
   T* out;
   Index n, n_k;
   Index q_offset, k_offset;
+  // When set, the forward stores every query's (key's) features it computes here, at the row of
+  // its position (a LinearSaved's slice: saved.hpp).
+  KeptFeatures<T>* keep_queries = nullptr;
+  KeptFeatures<T>* keep_keys = nullptr;
 };
 
 // Non-causal: every query sees every key.

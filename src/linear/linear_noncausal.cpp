@@ -11,9 +11,10 @@ namespace {
 // output rows it is about to write and the next block's queries (as absorb_keys does).
 template <class T>
 void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_offset,
-              const LinearSetup& setup, DenominatorTally* tally) {
+              const LinearSetup& setup, DenominatorTally* tally, KeptFeatures<T>* keep) {
   const Index block = std::min<Index>(block_rows(setup.m), std::max<Index>(n, 1));
   FeatureBlock<T> queries(setup, Role::Queries, block);
+  queries.keep_into(keep);
   Matrix<T> numerator;
   Vector<T> den;
   for (Index qs = 0; qs < n; qs += block) {
@@ -33,12 +34,13 @@ void read_out(const LinearState<T>& state, const T* q, T* out, Index n, Index q_
 
 template <class T>
 void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, Index k_offset,
-                      const LinearSetup& setup, int threads, KeptFeatures<T>* keep) {
+                      const LinearSetup& setup, int threads, KeptFeatures<T>* keep,
+                      KeptFeatures<T>* sink) {
   const Index d = setup.d, d_v = setup.d_v;
   state.reset(setup.m, d_v);
   const Index key_parts = part_count(n_k, kPartRows);
   if (key_parts == 1) {
-    absorb_keys(state, k, v, n_k, k_offset, setup, keep);
+    absorb_keys(state, k, v, n_k, k_offset, setup, keep, 0, sink);
     return;
   }
   std::vector<LinearState<T>> parts(key_parts);
@@ -47,15 +49,17 @@ void absorb_key_parts(LinearState<T>& state, const T* k, const T* v, Index n_k, 
     const Index begin = split_point(n_k, key_parts, t, kPartRows);
     const Index end = split_point(n_k, key_parts, t + 1, kPartRows);
     absorb_keys(parts[t], k + begin * d, v + begin * d_v, end - begin, k_offset + begin, setup,
-                keep, begin);
+                keep, begin, sink);
   });
   for (const auto& part : parts) merge(state, part, setup.headroom);
 }
 
 template void absorb_key_parts<float>(LinearState<float>&, const float*, const float*, Index, Index,
-                                      const LinearSetup&, int, KeptFeatures<float>*);
+                                      const LinearSetup&, int, KeptFeatures<float>*,
+                                      KeptFeatures<float>*);
 template void absorb_key_parts<double>(LinearState<double>&, const double*, const double*, Index,
-                                       Index, const LinearSetup&, int, KeptFeatures<double>*);
+                                       Index, const LinearSetup&, int, KeptFeatures<double>*,
+                                       KeptFeatures<double>*);
 
 // Keys cut into parts (part_count), each absorbed into its own state, the states merged in order;
 // then the queries read out in parts. Parts run on the OpenMP threads when `threading` is
@@ -69,7 +73,7 @@ void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, Denom
   const Index d = setup.d, d_v = setup.d_v;
   const int threads = usable_threads(threading);
   LinearState<T> state;
-  absorb_key_parts(state, k, v, n_k, k_offset, setup, threads);
+  absorb_key_parts<T>(state, k, v, n_k, k_offset, setup, threads, nullptr, head.keep_keys);
   // Query parts at multiples of read_out's block, so that every block of rows, and so every
   // product's shape, is the same whatever the cut.
   const Index block = block_rows(setup.m);
@@ -81,12 +85,12 @@ void linear_noncausal(const LinearHead<T>& head, const LinearSetup& setup, Denom
       const Index begin = split_point(n, query_parts, t, block);
       const Index end = split_point(n, query_parts, t + 1, block);
       read_out(state, q + begin * d, out + begin * d_v, end - begin, q_offset + begin, setup,
-               tally ? &tallies[t] : nullptr);
+               tally ? &tallies[t] : nullptr, head.keep_queries);
     });
     if (tally)
       for (const auto& part : tallies) tally->merge(part);
   } else {
-    read_out(state, q, out, n, q_offset, setup, tally);
+    read_out(state, q, out, n, q_offset, setup, tally, head.keep_queries);
   }
 }
 

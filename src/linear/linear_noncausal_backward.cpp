@@ -4,6 +4,7 @@
 // the query state (U, y); the shares merged in order; then the keys in parts, each giving its rows
 // of dk and dv from the kept features. The parts are those of the forward (part_count): the same
 // bits for any number of threads.
+#include <optional>
 #include <vector>
 
 #include "linear/linear_backward.hpp"
@@ -11,20 +12,27 @@
 namespace linrope::detail {
 namespace {
 
-// Queries [0, n) against the complete key state: dq, and their query state.
+// Queries [0, n) against the complete key state: dq, and their query state. kept: the forward's
+// features of these queries (their row 0 is query 0 here), or null: mapped here.
 template <class T>
 void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T* dq, Index n,
-                Index q_offset, const LinearSetup& setup, QueryState<T>& queries_state) {
+                Index q_offset, const LinearSetup& setup, QueryState<T>& queries_state,
+                const KeptFeatures<T>* kept, Index kept_at) {
   const Index m = setup.m, d = setup.d, d_v = setup.d_v;
   const Index block = std::min<Index>(block_rows(m), std::max<Index>(n, 1));
-  FeatureBlock<T> queries(setup, Role::Queries, block, Plain::Kept);
+  FeatureBlock<T> mapped(setup, Role::Queries, kept ? 0 : block, Plain::Kept);
   Scratch<T> g_scratch(block * d_v), ga_scratch(block * m), gb_scratch(block * m),
       weighted(block * d_v);
   std::vector<double> delta(block), scale(block);
   const bool separate = setup.plan.separate_denominator;
   for (Index qs = 0; qs < n; qs += block) {
     const Index rows = std::min(block, n - qs);
-    queries.compute(q + qs * d, rows, q_offset + qs);
+    std::optional<KeptBlock<T>> given;
+    if (kept)
+      given.emplace(*kept, kept_at + qs, rows);
+    else
+      mapped.compute(q + qs * d, rows, q_offset + qs);
+    const FeatureRows<T> queries = kept ? given->rows() : mapped.all();
     check_input(setup, d_out + qs * d_v, rows, d_v);
     RowMap<T> g(g_scratch.data(), rows, d_v), ga(ga_scratch.data(), rows, m),
         gb(gb_scratch.data(), rows, m);
@@ -38,12 +46,12 @@ void query_pass(const LinearState<T>& keys_state, const T* q, const T* d_out, T*
     }
     gemm(const_view(g), const_view(keys_state.S).transposed(), view(ga), Write::Overwrite);
     denominator_terms(
-        queries.all(), divisor.data(), [&](Index) { return keys_state.z.transpose(); }, ga, gb,
+        queries, divisor.data(), [&](Index) { return keys_state.z.transpose(); }, ga, gb,
         delta.data());
-    absorb_queries(queries_state, queries.all(),
-                   QueryTerms<T>{g.data(), delta.data(), scale.data()}, weighted.data());
-    input_gradient(queries.all(), q + qs * d, q_offset + qs, ga.data(),
-                   separate ? gb.data() : nullptr, dq + qs * d);
+    absorb_queries(queries_state, queries, QueryTerms<T>{g.data(), delta.data(), scale.data()},
+                   weighted.data());
+    input_gradient(queries, q + qs * d, q_offset + qs, ga.data(), separate ? gb.data() : nullptr,
+                   dq + qs * d);
   }
 }
 
@@ -74,11 +82,18 @@ void keys_from_state(const QueryState<T>& queries_state, const KeptFeatures<T>& 
 
 template <class T>
 void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSetup& setup,
-                               Threads threading) {
+                               Threads threading, const SavedSlice<T>* saved) {
   const Index n = head.n, n_k = head.n_k, d = setup.d, d_v = setup.d_v;
   const int threads = usable_threads(threading);
   LinearState<T> keys_state;
-  KeptFeatures<T> key_features(setup, Role::Keys, n_k, head.k_offset);
+  const SavedRows<T> k_rows(saved ? &saved->keys : nullptr, n_k),
+      q_rows(saved ? &saved->queries : nullptr, n);
+  KeptFeatures<T> key_features(setup, Role::Keys, n_k, head.k_offset, k_rows.plain,
+                               k_rows.log_scale, k_rows.given);
+  std::optional<KeptFeatures<T>> query_features;
+  if (q_rows.use)
+    query_features.emplace(setup, Role::Queries, n, head.q_offset, q_rows.plain, q_rows.log_scale,
+                           q_rows.given);
   absorb_key_parts(keys_state, head.k, head.v, n_k, head.k_offset, setup, threads, &key_features);
   key_features.fill(n_k);
 
@@ -90,7 +105,8 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
     const Index end = split_point(n, query_parts, t + 1, block);
     parts[t].reset(setup.m, d_v);
     query_pass(keys_state, head.q + begin * d, head.d_out + begin * d_v, head.dq + begin * d,
-               end - begin, head.q_offset + begin, setup, parts[t]);
+               end - begin, head.q_offset + begin, setup, parts[t],
+               query_features ? &*query_features : nullptr, begin);
   });
   QueryState<T> queries_state;
   queries_state.reset(setup.m, d_v);
@@ -111,8 +127,9 @@ template void keys_from_state<double>(const QueryState<double>&, const KeptFeatu
                                       const LinearGradientHead<double>&, Index, Index,
                                       const LinearSetup&);
 template void linear_noncausal_backward<float>(const LinearGradientHead<float>&, const LinearSetup&,
-                                               Threads);
+                                               Threads, const SavedSlice<float>*);
 template void linear_noncausal_backward<double>(const LinearGradientHead<double>&,
-                                                const LinearSetup&, Threads);
+                                                const LinearSetup&, Threads,
+                                                const SavedSlice<double>*);
 
 }  // namespace linrope::detail

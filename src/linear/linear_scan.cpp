@@ -25,6 +25,8 @@ void causal_scan(const LinearHead<T>& head, const LinearSetup& setup, LinearStat
   const Index d = setup.d, d_v = setup.d_v, m = setup.m;
   const Index shift = q_offset - k_offset;  // query i sees key j iff j <= i + shift
   FeatureBlock<T> queries(setup, Role::Queries, kScanBlock), keys(setup, Role::Keys, kScanBlock);
+  queries.keep_into(head.keep_queries);
+  keys.keep_into(head.keep_keys);
   ScanSteps<T> steps;
   double scale[kScanBlock], den[kScanBlock];  // the state's log scale M and den~ at each read
   Scratch<T> numerator(kScanBlock * d_v);     // the block's numerators, row-major

@@ -133,9 +133,14 @@ class _LinearAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, S0, z0, log_scale0, feature_map, options, stats, stats_threshold,
-                return_state):
+                return_state, save_features):
         fn = "linear_attention"
         ctx.feature_map, ctx.options = feature_map, options
+        # The features the backward reads instead of mapping q and k again (linrope.LinearSaved),
+        # held by the graph as the tensors are.
+        ctx.linear_saved = None
+        if save_features and any(ctx.needs_input_grad[:5]):
+            ctx.linear_saved = linrope.LinearSaved()
         # The backward needs the W of this forward: a redraw in between would silently give the
         # gradient of another function, so the seed is checked (MultiheadAttention redraws by
         # making a new map instead, which leaves this one, held here, unchanged).
@@ -146,7 +151,7 @@ class _LinearAttention(torch.autograd.Function):
         result = linrope.linear_attention(
             _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"), feature_map,
             return_stats=stats is not None, stats_threshold=stats_threshold,
-            initial_state=initial, return_state=return_state, **options)
+            initial_state=initial, return_state=return_state, saved=ctx.linear_saved, **options)
         if stats is None and not return_state:
             return torch.from_numpy(result)
         out = result[0]
@@ -181,9 +186,10 @@ class _LinearAttention(torch.autograd.Function):
         grads = linrope.linear_attention_backward(
             _array(q, fn, "q"), _array(k, fn, "k"), _array(v, fn, "v"),
             _array(d_out, fn, "d_out"), ctx.feature_map, initial_state=initial,
-            d_final_state=d_final, return_state_gradient=want_initial, **ctx.options)
+            d_final_state=d_final, return_state_gradient=want_initial, saved=ctx.linear_saved,
+            **ctx.options)
         d_S0, d_z0 = _tensors(grads[3]) if want_initial else (None, None)
-        return (*_tensors(grads[:3]), d_S0, d_z0, None, None, None, None, None, None)
+        return (*_tensors(grads[:3]), d_S0, d_z0, None, None, None, None, None, None, None)
 
 
 class _RopeApply(torch.autograd.Function):
@@ -397,7 +403,7 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
                      stats_threshold=_STATS.threshold, method=_LINEAR.method,
                      chunk_size=_LINEAR.chunk_size, q_lengths=None, k_lengths=None,
                      initial_state=None, return_state=False, denominator=_LINEAR.denominator,
-                     decay=None):
+                     decay=None, save_features=False):
     """Linear attention, differentiable in q, k and v (W held fixed); see
     linrope.linear_attention. method ("scan" or "chunked", with chunk_size) picks the causal
     forward; both give the same gradients. denominator=False computes o = num (no
@@ -418,7 +424,13 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
     (0, 1], or for (B, H, n, d) tensors a sequence (or tensor) of H of them, one per head; a
     fixed setting, with no gradient. A state is then the decayed sum at its last key's position
     (k_offset + n_k - 1), and initial_state is read as the state at k_offset - 1, so that a
-    sequence cut anywhere still equals one call."""
+    sequence cut anywhere still equals one call.
+
+    save_features=True keeps the forward's features (linrope.LinearSaved, O((n + n_k) m) per
+    head, until the graph is freed) for the backward, which then maps nothing again: the same
+    gradients, bit for bit. It pays for causal FAVOR+ (the map is a GEMM and exps), not for the
+    cheap maps nor non-causal calls (bench/RESULTS.md, "Saved features"). Ignored on other
+    devices."""
     state = () if initial_state is None else tuple(initial_state)
     if native.runs_native("linear_attention", [("q", q), ("k", k), ("v", v)] + list(
             zip(("initial_state.S", "initial_state.z", "initial_state.log_scale"), state))):
@@ -438,7 +450,7 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
     stats = {} if return_stats else None
     S0, z0, log_scale0 = (None, None, None) if initial_state is None else tuple(initial_state)
     result = _LinearAttention.apply(q, k, v, S0, z0, log_scale0, feature_map, options, stats,
-                                    stats_threshold, bool(return_state))
+                                    stats_threshold, bool(return_state), bool(save_features))
     if not return_state:
         return (result, stats) if return_stats else result
     out, state = result[0], LinearState(*result[1:])

@@ -1,0 +1,119 @@
+// LinearSaved (attention.hpp): the object, and the check that a backward's call is its forward's.
+#include "common/check.hpp"
+#include "common/heads.hpp"
+#include "linear/saved.hpp"
+
+namespace linrope {
+
+template <class T>
+LinearSaved<T>::LinearSaved() = default;
+template <class T>
+LinearSaved<T>::~LinearSaved() = default;
+template <class T>
+LinearSaved<T>::LinearSaved(LinearSaved&&) noexcept = default;
+template <class T>
+LinearSaved<T>& LinearSaved<T>::operator=(LinearSaved&&) noexcept = default;
+
+template <class T>
+bool LinearSaved<T>::empty() const {
+  return detail::SavedAccess::read(*this) == nullptr;
+}
+
+template <class T>
+std::size_t LinearSaved<T>::bytes() const {
+  std::size_t total = 0;
+  if (data_)
+    for (const auto& slice : data_->slices) total += slice.queries.bytes() + slice.keys.bytes();
+  return total;
+}
+
+template <class T>
+void LinearSaved<T>::clear() {
+  data_.reset();
+}
+
+template class LinearSaved<float>;
+template class LinearSaved<double>;
+
+namespace detail {
+
+template <class T>
+SavedCall saved_call(const FeatureMap& map, const LinearOptions& options, Heads<const T> q,
+                     Heads<const T> k) {
+  SavedCall call;
+  call.map = &map;
+  call.seed = map.config().seed;
+  call.rope = options.rope;
+  call.placement = options.placement;
+  call.causal = options.causal;
+  call.q_offset = options.q_offset;
+  call.k_offset = options.k_offset;
+  call.batch = q.batch;
+  call.heads = q.heads;
+  call.n = q.n;
+  call.n_k = k.n;
+  call.d = q.d;
+  for (Index b = 0; b < q.batch; ++b) {
+    call.q_lengths.push_back(valid_rows(q, b));
+    call.k_lengths.push_back(valid_rows(k, b));
+  }
+  for (Index h = 0; h < q.heads; ++h) call.decays.push_back(decay_of(options, h));
+  return call;
+}
+
+namespace {
+
+template <class V>
+void require_same(std::string_view fn, std::string_view what, const V& forward, const V& now) {
+  if (forward != now)
+    throw_invalid(fn, "saved holds the features of another call: its forward had ", what, " ",
+                  forward, ", this call has ", now);
+}
+
+template <class V>
+void require_same_list(std::string_view fn, std::string_view what, const std::vector<V>& forward,
+                       const std::vector<V>& now) {
+  for (std::size_t i = 0; i < std::min(forward.size(), now.size()); ++i)
+    require_same(fn, std::string(what) + "[" + std::to_string(i) + "] =", forward[i], now[i]);
+}
+
+}  // namespace
+
+template <class T>
+void check_saved(std::string_view fn, const SavedHeads<T>* saved, const SavedCall& now) {
+  if (saved == nullptr)
+    throw_invalid(fn, "saved is empty; expected the LinearSaved that this call's forward filled");
+  const SavedCall& was = saved->call;
+  require_same(fn, "batch =", was.batch, now.batch);
+  require_same(fn, "heads =", was.heads, now.heads);
+  require_same(fn, "n =", was.n, now.n);
+  require_same(fn, "n_k =", was.n_k, now.n_k);
+  require_same(fn, "d =", was.d, now.d);
+  require_same_list(fn, "q's length", was.q_lengths, now.q_lengths);
+  require_same_list(fn, "k's length", was.k_lengths, now.k_lengths);
+  require_same(fn, "options.causal =", was.causal, now.causal);
+  require_same(fn, "options.placement =", std::string(to_string(was.placement)),
+               std::string(to_string(now.placement)));
+  require_same(fn, "options.q_offset =", was.q_offset, now.q_offset);
+  require_same(fn, "options.k_offset =", was.k_offset, now.k_offset);
+  require_same_list(fn, "the decay of head", was.decays, now.decays);
+  if (was.map != now.map)
+    throw_invalid(fn,
+                  "saved holds the features of another call: its forward had another map "
+                  "(FeatureMap object)");
+  require_same(fn, "a map drawn from seed", was.seed, now.seed);
+  if (was.rope != now.rope)
+    throw_invalid(fn,
+                  "saved holds the features of another call: its forward had another "
+                  "options.rope (Rope object)");
+}
+
+template SavedCall saved_call<float>(const FeatureMap&, const LinearOptions&, Heads<const float>,
+                                     Heads<const float>);
+template SavedCall saved_call<double>(const FeatureMap&, const LinearOptions&, Heads<const double>,
+                                      Heads<const double>);
+template void check_saved<float>(std::string_view, const SavedHeads<float>*, const SavedCall&);
+template void check_saved<double>(std::string_view, const SavedHeads<double>*, const SavedCall&);
+
+}  // namespace detail
+}  // namespace linrope

@@ -1,0 +1,317 @@
+// LinearSaved (include/linrope/attention.hpp): a forward that keeps its features and a backward
+// that reads them. The claim is exact: the saving forward writes the same bits as the plain
+// forward, and the backward from the saved features the same bits as the plain backward, whose
+// gradients test_linear_backward.cpp checks against finite differences of the naive reference. A
+// backward that read a wrong row, a row of the other side, a stale or unrotated row would change
+// the bits, so equality is checked, not a tolerance: over every map and placement, causal (both
+// methods) and not, the shapes of the gradient sweep (n = 1, odd widths, cross and negative
+// offsets), a decay, heads long enough to split across threads, batched calls with lengths and
+// per-head decays, the stateful calls (with and without the final state's gradient), and refused
+// calls.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <linrope/linrope.hpp>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "linear_cases.hpp"
+#include "map_cases.hpp"
+#include "reference/random.hpp"
+#include "refusal.hpp"
+#include "threads.hpp"
+
+namespace {
+
+using namespace linrope;
+using namespace linrope::testing;
+
+struct Shape {
+  Index n, n_k, d, d_v, q_offset = 0, k_offset = 0;
+};
+
+// The gradient sweep's shapes (test_linear_backward.cpp), and one longer than a scan block and a
+// chunk (70 > 64), so that features cross block boundaries.
+const Shape kShapes[] = {
+    {1, 1, 4, 2}, {7, 7, 5, 3}, {4, 9, 5, 2, 5, 0}, {6, 5, 4, 3, -8, -5}, {70, 70, 6, 3}};
+
+template <class T>
+Matrix<T> input(Index rows, Index cols, std::uint64_t seed) {
+  return gaussian(rows, cols, seed).cast<T>();
+}
+
+template <class T>
+void require_same_bits(const Matrix<T>& got, const Matrix<T>& want, const char* what) {
+  INFO(std::string(what));
+  REQUIRE(got.rows() == want.rows());
+  REQUIRE(got.cols() == want.cols());
+  // Bit for bit: equal values (NaN never occurs: finite inputs give finite outputs).
+  CHECK((got.array() == want.array()).all());
+}
+
+template <class T>
+void require_same_gradients(const AttentionGradients<T>& got, const AttentionGradients<T>& want) {
+  require_same_bits(got.dq, want.dq, "dq");
+  require_same_bits(got.dk, want.dk, "dk");
+  require_same_bits(got.dv, want.dv, "dv");
+}
+
+// One single-head problem through the plain calls and the saving ones.
+template <class T>
+void check_single(FeatureMapKind kind, RopePlacement placement, bool causal, CausalMethod method,
+                  const Shape& s, double decay) {
+  const auto map = make_map(kind, s.d, favor_features(kind, 12), 11);
+  const Rope rope(placement_rope(placement, s.d, map->output_dim(), true));
+  LinearOptions options = linear_options(causal, placement, &rope, 1e-3, s.q_offset, s.k_offset);
+  options.method = method;
+  options.decay = decay;
+  const Matrix<T> q = input<T>(s.n, s.d, 1), k = input<T>(s.n_k, s.d, 2),
+                  v = input<T>(s.n_k, s.d_v, 3), d_out = input<T>(s.n, s.d_v, 4);
+  LinearSaved<T> saved;
+  CHECK(saved.empty());
+  require_same_bits(linear_attention(q, k, v, *map, options, saved),
+                    linear_attention(q, k, v, *map, options), "out");
+  CHECK_FALSE(saved.empty());
+  require_same_gradients(linear_attention_backward(q, k, v, d_out, *map, options, saved),
+                         linear_attention_backward(q, k, v, d_out, *map, options));
+}
+
+template <class T>
+void sweep_single() {
+  for (const FeatureMapKind kind : kMaps)
+    for (const RopePlacement placement : kPlacements)
+      for (const Shape& s : kShapes) {
+        CAPTURE(int(kind));
+        CAPTURE(int(placement));
+        CAPTURE(s.n);
+        CAPTURE(s.n_k);
+        check_single<T>(kind, placement, false, CausalMethod::Scan, s, 1.0);
+        for (const CausalMethod method : kCausalMethods) {
+          CAPTURE(int(method));
+          check_single<T>(kind, placement, true, method, s, 1.0);
+          check_single<T>(kind, placement, true, method, s, 0.9);
+        }
+      }
+}
+
+TEST_CASE("saved features: forward and backward equal the plain calls, float") {
+  sweep_single<float>();
+}
+
+TEST_CASE("saved features: forward and backward equal the plain calls, double") {
+  sweep_single<double>();
+}
+
+TEST_CASE("saved features: a long head split across threads equals the plain calls") {
+  // n = 1200 splits into one segment per thread, forward and backward (causal_plan.hpp); the
+  // non-causal call cuts its keys and queries into parts.
+  const ThreadCount threads(kSplitThreads);
+  const Shape s{1200, 1200, 8, 4};
+  for (const RopePlacement placement : {RopePlacement::NumeratorOnly, RopePlacement::Full}) {
+    check_single<float>(FeatureMapKind::FavorPositive, placement, false, CausalMethod::Scan, s, 1);
+    for (const CausalMethod method : kCausalMethods)
+      check_single<float>(FeatureMapKind::FavorPositive, placement, true, method, s, 1.0);
+  }
+  check_single<double>(FeatureMapKind::EluPlusOne, RopePlacement::NumeratorOnly, true,
+                       CausalMethod::Scan, s, 0.99);
+}
+
+// [B = 2, H = 3] with lengths and a decay per head: the plain and the saving batched calls, the
+// stateful ones with and without the final state's gradient.
+struct Batch {
+  static constexpr Index B = 2, H = 3, n = 9, n_k = 11, d = 5, d_v = 3;
+  std::unique_ptr<FeatureMap> map = make_map(FeatureMapKind::FavorPositive, d, 8, 5);
+  Index m = map->output_dim();
+  Rope rope{placement_rope(RopePlacement::NumeratorOnly, d, m, false)};
+  std::vector<double> decays{1.0, 0.95, 0.8};
+  std::vector<Index> q_lengths{n, n - 3}, k_lengths{n_k, n_k - 2};
+  MatrixF q = input<float>(B * H * n, d, 21), k = input<float>(B * H * n_k, d, 22),
+          v = input<float>(B * H * n_k, d_v, 23), d_out = input<float>(B * H * n, d_v, 24);
+  MatrixF S0 = input<float>(B * H * m, d_v, 25), z0 = input<float>(B * H, m, 26).cwiseAbs();
+  std::vector<double> log_scale0 = std::vector<double>(B * H, 0.5);
+  MatrixF dS_final = input<float>(B * H * m, d_v, 27), dz_final = input<float>(B * H, m, 28);
+
+  LinearOptions options() const {
+    LinearOptions o = linear_options(true, RopePlacement::NumeratorOnly, &rope, 1e-3, 2, 0);
+    o.head_decays = decays;
+    return o;
+  }
+  Heads<const float> in(const MatrixF& x, Index rows, const std::vector<Index>& lengths) const {
+    return {x.data(), B, H, rows, x.cols(), lengths.data()};
+  }
+  HeadStates<const float> initial() const {
+    return {S0.data(), z0.data(), log_scale0.data(), B, H, m, d_v};
+  }
+};
+
+TEST_CASE("saved features: batched calls with lengths and per-head decays") {
+  Batch b;
+  const LinearOptions options = b.options();
+  const auto q = b.in(b.q, b.n, b.q_lengths), k = b.in(b.k, b.n_k, b.k_lengths),
+             v = b.in(b.v, b.n_k, b.k_lengths), d_out = b.in(b.d_out, b.n, b.q_lengths);
+  // Rows past the lengths are not written: both start at zero.
+  MatrixF out = MatrixF::Zero(b.B * b.H * b.n, b.d_v), out_saving = out;
+  const auto out_view = [&](MatrixF& x) { return Heads<float>{x.data(), b.B, b.H, b.n, b.d_v}; };
+  struct Grads {
+    MatrixF dq, dk, dv;
+  };
+  const auto fresh = [&] {
+    return Grads{MatrixF(b.B * b.H * b.n, b.d), MatrixF(b.B * b.H * b.n_k, b.d),
+                 MatrixF(b.B * b.H * b.n_k, b.d_v)};
+  };
+  const auto views = [&](Grads& g) {
+    return std::tuple{Heads<float>{g.dq.data(), b.B, b.H, b.n, b.d},
+                      Heads<float>{g.dk.data(), b.B, b.H, b.n_k, b.d},
+                      Heads<float>{g.dv.data(), b.B, b.H, b.n_k, b.d_v}};
+  };
+  const auto same = [&](const Grads& got, const Grads& want) {
+    require_same_bits(got.dq, want.dq, "dq");
+    require_same_bits(got.dk, want.dk, "dk");
+    require_same_bits(got.dv, want.dv, "dv");
+  };
+
+  SUBCASE("plain") {
+    LinearSaved<float> saved;
+    linear_attention(q, k, v, out_view(out), *b.map, options);
+    linear_attention(q, k, v, out_view(out_saving), *b.map, options, saved);
+    require_same_bits(out_saving, out, "out");
+    Grads want = fresh(), got = fresh();
+    auto [dq, dk, dv] = views(want);
+    linear_attention_backward(q, k, v, d_out, dq, dk, dv, *b.map, options);
+    auto [sq, sk, sv] = views(got);
+    linear_attention_backward(q, k, v, d_out, sq, sk, sv, *b.map, options, saved);
+    same(got, want);
+    // The keys past the last query's horizon are not mapped: per slice n + (n_k within 2 + n) rows.
+    Index rows = 0;
+    for (Index batch = 0; batch < b.B; ++batch)
+      rows += b.H * (b.q_lengths[batch] + std::min(b.k_lengths[batch], b.q_lengths[batch] + 2));
+    CHECK(saved.bytes() == std::size_t(rows) * (b.m * sizeof(float) + sizeof(double)));
+  }
+
+  SUBCASE("stateful, the final state's gradient from saved keys and from k") {
+    MatrixF S1(b.B * b.H * b.m, b.d_v), z1(b.B * b.H, b.m);
+    std::vector<double> log_scale1(b.B * b.H);
+    const HeadStates<float> final_state{S1.data(), z1.data(), log_scale1.data(), b.B, b.H,
+                                        b.m,       b.d_v};
+    const HeadStates<const float> d_final{
+        b.dS_final.data(), b.dz_final.data(), nullptr, b.B, b.H, b.m, b.d_v};
+    MatrixF dS0(b.B * b.H * b.m, b.d_v), dz0(b.B * b.H, b.m), dS0_saved = dS0, dz0_saved = dz0;
+    Grads want = fresh();
+    auto [dq, dk, dv] = views(want);
+    linear_attention_backward(
+        q, k, v, d_out, dq, dk, dv, *b.map, options, b.initial(), d_final,
+        HeadStates<float>{dS0.data(), dz0.data(), nullptr, b.B, b.H, b.m, b.d_v});
+    // A forward that kept its final state mapped every key; one that did not, only those up to
+    // the horizon: the backward then maps the rest from k itself.
+    for (const bool keep_final : {true, false}) {
+      CAPTURE(keep_final);
+      LinearSaved<float> saved;
+      linear_attention(q, k, v, out_view(out_saving), *b.map, options, b.initial(),
+                       keep_final ? final_state : HeadStates<float>{}, saved);
+      Grads got = fresh();
+      auto [sq, sk, sv] = views(got);
+      linear_attention_backward(
+          q, k, v, d_out, sq, sk, sv, *b.map, options, b.initial(), d_final,
+          HeadStates<float>{dS0_saved.data(), dz0_saved.data(), nullptr, b.B, b.H, b.m, b.d_v},
+          saved);
+      same(got, want);
+      require_same_bits(dS0_saved, dS0, "d_initial S");
+      require_same_bits(dz0_saved, dz0, "d_initial z");
+    }
+  }
+}
+
+TEST_CASE("saved features: a backward refuses features of another call") {
+  const Shape s{10, 10, 4, 3};
+  const auto map = make_map(FeatureMapKind::FavorPositive, s.d, 8, 3);
+  const Rope rope(placement_rope(RopePlacement::NumeratorOnly, s.d, map->output_dim(), false));
+  const LinearOptions options =
+      linear_options(true, RopePlacement::NumeratorOnly, &rope, 1e-3, 0, 0);
+  const MatrixF q = input<float>(s.n, s.d, 1), k = input<float>(s.n_k, s.d, 2),
+                v = input<float>(s.n_k, s.d_v, 3), d_out = input<float>(s.n, s.d_v, 4);
+  LinearSavedF saved;
+  const auto backward = [&](const MatrixF& q_now, const MatrixF& k_now, const MatrixF& v_now,
+                            const MatrixF& d_out_now, const FeatureMap& map_now,
+                            const LinearOptions& options_now) {
+    return refusal([&] {
+      linear_attention_backward(q_now, k_now, v_now, d_out_now, map_now, options_now, saved);
+    });
+  };
+  CHECK(backward(q, k, v, d_out, *map, options) ==
+        "linear_attention_backward: saved is empty; expected the LinearSaved that this call's "
+        "forward filled");
+  linear_attention(q, k, v, *map, options, saved);
+  CHECK(backward(q, k, v, d_out, *map, options).empty());
+
+  const MatrixF q_short = q.topRows(9), d_out_short = d_out.topRows(9);
+  CHECK(backward(q_short, k, v, d_out_short, *map, options) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "n = 10, this call has 9");
+  LinearOptions other = options;
+  other.q_offset = 1;
+  CHECK(backward(q, k, v, d_out, *map, other) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "options.q_offset = 0, this call has 1");
+  other = options;
+  other.placement = RopePlacement::Full;
+  CHECK(backward(q, k, v, d_out, *map, other) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "options.placement = numerator_only, this call has full");
+  other = options;
+  other.decay = 0.9;
+  CHECK(backward(q, k, v, d_out, *map, other) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "the decay of head[0] = 1, this call has 0.90000000000000002");
+  const Rope other_rope(
+      placement_rope(RopePlacement::NumeratorOnly, s.d, map->output_dim(), false));
+  other = options;
+  other.rope = &other_rope;
+  CHECK(backward(q, k, v, d_out, *map, other) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "another options.rope (Rope object)");
+  const auto twin = make_map(FeatureMapKind::FavorPositive, s.d, 8, 3);
+  CHECK(backward(q, k, v, d_out, *twin, options) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "another map (FeatureMap object)");
+  const auto redrawn = make_map(FeatureMapKind::FavorPositive, s.d, 8, 3);
+  linear_attention(q, k, v, *redrawn, options, saved);
+  redrawn->redraw(4);
+  CHECK(backward(q, k, v, d_out, *redrawn, options) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "a map drawn from seed 3, this call has 4");
+  // A refused backward leaves `saved` as it was; clear() empties it.
+  CHECK_FALSE(saved.empty());
+  saved.clear();
+  CHECK(saved.empty());
+  CHECK(saved.bytes() == 0);
+}
+
+TEST_CASE("saved features: an object refilled, moved, and read twice") {
+  const auto map = make_map(FeatureMapKind::FavorPositive, 4, 8, 3);
+  const Rope rope(placement_rope(RopePlacement::Full, 4, map->output_dim(), false));
+  const LinearOptions options = linear_options(true, RopePlacement::Full, &rope, 1e-3, 0, 0);
+  LinearSavedD saved;
+  const MatrixD q1 = input<double>(20, 4, 1), q2 = input<double>(5, 4, 2),
+                k2 = input<double>(5, 4, 3), v2 = input<double>(5, 2, 4),
+                d_out2 = input<double>(5, 2, 5);
+  linear_attention(q1, q1, input<double>(20, 2, 6), *map, options, saved);
+  linear_attention(q2, k2, v2, *map, options, saved);  // replaces what it held
+  CHECK(saved.bytes() == std::size_t(10) * (std::size_t(map->output_dim()) + 1) * sizeof(double));
+  LinearSavedD moved = std::move(saved);
+  const auto want = linear_attention_backward(q2, k2, v2, d_out2, *map, options);
+  require_same_gradients(linear_attention_backward(q2, k2, v2, d_out2, *map, options, moved), want);
+  require_same_gradients(linear_attention_backward(q2, k2, v2, d_out2, *map, options, moved), want);
+  // The values of q and k are the caller's promise, not checked: the backward reads the kept
+  // features, so with other values it is not the plain backward of those values (which shows that
+  // it reads them rather than mapping q and k again).
+  const MatrixD q3 = q2 * 1.5;
+  const auto other = linear_attention_backward(q3, k2, v2, d_out2, *map, options, moved);
+  CHECK_FALSE(
+      (other.dq.array() == linear_attention_backward(q3, k2, v2, d_out2, *map, options).dq.array())
+          .all());
+}
+
+}  // namespace
