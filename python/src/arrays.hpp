@@ -12,12 +12,15 @@
 #include <array>
 #include <cstddef>
 #include <linrope/linrope.hpp>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "common/block_cache.hpp"
 
 namespace linrope::python {
 
@@ -86,12 +89,32 @@ Heads<T> output_heads(CArray<T>& a) {
   return heads_of<T>(a.mutable_data(), a);
 }
 
+// Arrays of at least this many bytes come from the library's block cache (common/block_cache.hpp).
+inline constexpr std::size_t kCachedArrayBytes = std::size_t(1) << 18;
+
+// A new array of `shape`, contents unspecified. A large one (an attention's output, its gradients,
+// a product) lives in a CachedBlock that goes back to the cache when the
+// array dies: a training step makes the same arrays every step, and fresh pages cost a fault each
+// (measured: ~1,000 faults and 2.5x the time of the backward at the study's [16, 4, 256, 32] once
+// the allocator had started returning such blocks to the system; bench/RESULTS.md).
+template <class T>
+CArray<T> new_array(const std::vector<py::ssize_t>& shape) {
+  std::size_t bytes = sizeof(T);
+  for (const py::ssize_t extent : shape) bytes *= std::size_t(extent);
+  if (bytes < kCachedArrayBytes) return CArray<T>(shape);
+  auto block = std::make_unique<detail::CachedBlock>(bytes);
+  T* data = reinterpret_cast<T*>(block->data());
+  py::capsule owner(block.get(), [](void* p) { delete static_cast<detail::CachedBlock*>(p); });
+  block.release();  // the capsule owns it now
+  return CArray<T>(shape, data, owner);
+}
+
 // A new array of `like`'s shape with its last dimension replaced by `last`.
 template <class T>
 CArray<T> new_array(const py::array& like, py::ssize_t last) {
   std::vector<py::ssize_t> shape(like.shape(), like.shape() + like.ndim());
   shape.back() = last;
-  return CArray<T>(shape);
+  return new_array<T>(shape);
 }
 
 // The same, zero-filled: the attention calls leave rows past the lengths unwritten.

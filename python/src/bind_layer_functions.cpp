@@ -25,7 +25,7 @@ Eigen::Map<Vector<T>> flat(CArray<T>& x) {
 
 template <class T>
 CArray<T> like(const py::array& x) {
-  return CArray<T>(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+  return new_array<T>(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
 }
 
 void same_shape(std::string_view fn, const char* name, const py::array& a, const py::array& x) {

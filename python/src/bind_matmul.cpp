@@ -37,7 +37,7 @@ py::object multiply(const py::array& a, const py::array& b, std::optional<py::ar
       fail(kName, "out has shape ", shape_text(*out), " but expected (", m, ", ", n, ")");
     c = CArray<T>::ensure(*out);
   } else {
-    c = CArray<T>({m, n});
+    c = new_array<T>({m, n});
   }
   // Named as Python names them (the C++ call would say c); the buffers are dense, so comparing
   // their byte ranges is exact.

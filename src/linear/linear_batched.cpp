@@ -42,9 +42,18 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
   // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp).
   std::vector<detail::NonFiniteFlag> nonfinite(slices);
   detail::SavedHeads<T>* kept = saved ? &detail::SavedAccess::refill(*saved) : nullptr;
+  const auto mapped_keys = [&](Index b) {
+    return detail::mapped_keys(options.causal, keep_state, valid_rows(q, b), valid_rows(k, b),
+                               options.q_offset, options.k_offset);
+  };
   if (kept) {
     kept->call = detail::saved_call(map, options, q, k);
-    kept->slices.resize(std::size_t(slices));
+    std::vector<Index> query_rows, key_rows;
+    for (Index s = 0; s < slices; ++s) {
+      query_rows.push_back(valid_rows(q, s / q.heads));
+      key_rows.push_back(mapped_keys(s / q.heads));
+    }
+    kept->lay_out(query_rows, key_rows, setup.m);
   }
   const auto run = [&](Index b, Index h, detail::Threads threading) {
     const Index s = b * q.heads + h;
@@ -59,16 +68,12 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     // The forward's features stored straight into the slice's rows as they are computed.
     std::optional<detail::KeptFeatures<T>> keep_queries, keep_keys;
     detail::SavedSlice<T>* slice_kept = kept ? &kept->slices[std::size_t(s)] : nullptr;
-    const Index mapped_keys =
-        detail::mapped_keys(options.causal, keep_state, n, n_k, options.q_offset, options.k_offset);
     if (slice_kept) {
-      slice_kept->queries.resize(n, setup.m);
-      slice_kept->keys.resize(mapped_keys, setup.m);
-      keep_queries.emplace(setup_of_slice, detail::Role::Queries, n, options.q_offset,
-                           slice_kept->queries.plain.data(), slice_kept->queries.log_scale.data(),
-                           0);
-      keep_keys.emplace(setup_of_slice, detail::Role::Keys, mapped_keys, options.k_offset,
-                        slice_kept->keys.plain.data(), slice_kept->keys.log_scale.data(), 0);
+      const detail::SavedSide<T>&queries = slice_kept->queries, &keys = slice_kept->keys;
+      keep_queries.emplace(setup_of_slice, detail::Role::Queries, queries.rows, options.q_offset,
+                           queries.plain, queries.log_scale, 0);
+      keep_keys.emplace(setup_of_slice, detail::Role::Keys, keys.rows, options.k_offset, keys.plain,
+                        keys.log_scale, 0);
       head.keep_queries = &*keep_queries;
       head.keep_keys = &*keep_keys;
     }
@@ -87,8 +92,8 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
       detail::linear_noncausal(head, setup_of_slice, tally, threading);
     }
     if (slice_kept) {
-      slice_kept->queries.given = n;
-      slice_kept->keys.given = mapped_keys;
+      slice_kept->queries.given = slice_kept->queries.rows;
+      slice_kept->keys.given = slice_kept->keys.rows;
     }
   };
   detail::for_each_head(q.batch, q.heads, run);

@@ -21,9 +21,13 @@ bool LinearSaved<T>::empty() const {
 
 template <class T>
 std::size_t LinearSaved<T>::bytes() const {
+  const auto side_bytes = [&](const auto& side) {
+    return std::size_t(side.rows) * (std::size_t(data_->call.m) * sizeof(T) + sizeof(double));
+  };
   std::size_t total = 0;
   if (data_)
-    for (const auto& slice : data_->slices) total += slice.queries.bytes() + slice.keys.bytes();
+    for (const auto& slice : data_->slices)
+      total += side_bytes(slice.queries) + side_bytes(slice.keys);
   return total;
 }
 
@@ -53,6 +57,7 @@ SavedCall saved_call(const FeatureMap& map, const LinearOptions& options, Heads<
   call.n = q.n;
   call.n_k = k.n;
   call.d = q.d;
+  call.m = map.output_dim();
   for (Index b = 0; b < q.batch; ++b) {
     call.q_lengths.push_back(valid_rows(q, b));
     call.k_lengths.push_back(valid_rows(k, b));

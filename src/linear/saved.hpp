@@ -9,23 +9,18 @@
 #include <string_view>
 #include <vector>
 
+#include "common/block_cache.hpp"
 #include "linear/linear_blocks.hpp"
 
 namespace linrope::detail {
 
-// One side's rows: plain [rows x m] and log scales [rows]; rows [0, given) hold the forward's.
+// One side's rows: plain [rows x m] and log scales [rows], in the SavedHeads' block; rows
+// [0, given) hold the forward's.
 template <class T>
 struct SavedSide {
-  Vector<T> plain;
-  std::vector<double> log_scale;
-  Index given = 0;
-
-  void resize(Index rows, Index m) {
-    plain.resize(rows * m);
-    log_scale.resize(std::size_t(rows));
-    given = 0;
-  }
-  std::size_t bytes() const { return sizeof(T) * plain.size() + sizeof(double) * log_scale.size(); }
+  T* plain = nullptr;
+  double* log_scale = nullptr;
+  Index rows = 0, given = 0;
 };
 
 template <class T>
@@ -40,8 +35,8 @@ template <class T>
 struct SavedRows {
   SavedRows(const SavedSide<T>* side, Index needed)
       : use(side != nullptr && side->given >= needed),
-        plain(use ? const_cast<T*>(side->plain.data()) : nullptr),
-        log_scale(use ? const_cast<double*>(side->log_scale.data()) : nullptr),
+        plain(use ? side->plain : nullptr),
+        log_scale(use ? side->log_scale : nullptr),
         given(use ? side->given : 0) {}
   bool use;
   T* plain;
@@ -56,7 +51,7 @@ struct SavedCall {
   const Rope* rope = nullptr;
   RopePlacement placement = RopePlacement::None;
   bool causal = false;
-  Index q_offset = 0, k_offset = 0, batch = 0, heads = 0, n = 0, n_k = 0, d = 0;
+  Index q_offset = 0, k_offset = 0, batch = 0, heads = 0, n = 0, n_k = 0, d = 0, m = 0;
   std::vector<Index> q_lengths, k_lengths;  // rows within the lengths, per batch
   std::vector<double> decays;               // per head
 };
@@ -66,6 +61,34 @@ struct SavedHeads {
   SavedCall call;
   std::vector<SavedSlice<T>> slices;  // b * heads + h
   bool complete = false;              // a forward filled it to the end
+  CachedBlock memory;                 // every slice's rows
+
+  // Slice s gets query_rows[s] and key_rows[s] rows of m features, in `memory` (kept when it
+  // holds them, else exchanged for a block from the cache).
+  void lay_out(const std::vector<Index>& query_rows, const std::vector<Index>& key_rows, Index m) {
+    const auto padded = [](std::size_t bytes) { return (bytes + 63) / 64 * 64; };
+    const auto side_bytes = [&](Index rows) {
+      return padded(sizeof(T) * std::size_t(rows * m)) + padded(sizeof(double) * std::size_t(rows));
+    };
+    std::size_t total = 0;
+    for (std::size_t s = 0; s < query_rows.size(); ++s)
+      total += side_bytes(query_rows[s]) + side_bytes(key_rows[s]);
+    if (memory.size() < total || memory.size() / 2 > total) memory = CachedBlock(total);
+    slices.resize(query_rows.size());
+    std::byte* at = memory.data();
+    const auto carve = [&](SavedSide<T>& side, Index rows) {
+      side.rows = rows;
+      side.given = 0;
+      side.plain = reinterpret_cast<T*>(at);
+      at += padded(sizeof(T) * std::size_t(rows * m));
+      side.log_scale = reinterpret_cast<double*>(at);
+      at += padded(sizeof(double) * std::size_t(rows));
+    };
+    for (std::size_t s = 0; s < slices.size(); ++s) {
+      carve(slices[s].queries, query_rows[s]);
+      carve(slices[s].keys, key_rows[s]);
+    }
+  }
 };
 
 struct SavedAccess {

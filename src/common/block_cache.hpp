@@ -1,0 +1,35 @@
+// Private: large blocks of memory kept between uses, process-wide. A LinearSaved's features live
+// from a forward to its backward, and a training loop makes a new one every step: allocated afresh,
+// their tens of MB cost a page fault per 4 KiB every step (glibc returns blocks this large to the
+// system), measured at 6x the forward's own time through linrope.torch (bench/RESULTS.md, "Saved
+// features"). A CachedBlock comes from the cache when a free block fits (at most twice the size
+// asked for) and goes back to it when destroyed, as PyTorch's caching allocator does with its
+// tensors. The cache holds at most kCachedBytes; a block that would pass it is freed.
+#pragma once
+
+#include <cstddef>
+
+namespace linrope::detail {
+
+inline constexpr std::size_t kCachedBytes = std::size_t(1) << 30;
+
+class CachedBlock {
+ public:
+  CachedBlock() = default;
+  // At least `bytes` bytes, 64-byte aligned, contents unspecified. Throws std::bad_alloc.
+  explicit CachedBlock(std::size_t bytes);
+  ~CachedBlock();
+  CachedBlock(CachedBlock&& other) noexcept;
+  CachedBlock& operator=(CachedBlock&& other) noexcept;
+  CachedBlock(const CachedBlock&) = delete;
+  CachedBlock& operator=(const CachedBlock&) = delete;
+
+  std::byte* data() const { return data_; }
+  std::size_t size() const { return size_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace linrope::detail
