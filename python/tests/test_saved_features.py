@@ -67,3 +67,19 @@ def test_torch_save_features_gradcheck_and_bits(placement, causal):
     want = torch.autograd.grad(attention(False)(q, k, v), (q, k, v), d_out)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_multihead_attention_save_features_gives_the_same_gradients():
+    torch.manual_seed(0)
+    layer = lt.MultiheadAttention(16, 2, "linear", causal=True, num_features=8, seed=3)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+
+    def gradients(save):
+        layer.save_features = save
+        layer.zero_grad()
+        x.grad = None
+        layer(x).square().sum().backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    for got, want in zip(gradients(True), gradients(False)):
+        assert torch.equal(got, want)

@@ -181,6 +181,8 @@ class MultiheadAttention(nn.Module):
         sequence parallelism alike.
     track_stats=True keeps the last forward's denominator statistics in last_stats (linear only);
     stats_threshold is the |den| below which a denominator counts as tiny (below_threshold).
+    save_features=True (linear only; an attribute) keeps each forward's features for its backward
+    (linear_attention's save_features: the same gradients; worth it for FAVOR+ with a large m).
 
     Sequence parallelism: with sequence_parallel=True (an attribute, settable after construction),
     each rank of sequence_group (None: the whole torch.distributed world) holds a contiguous slice
@@ -201,7 +203,7 @@ class MultiheadAttention(nn.Module):
                  method=_LINEAR.method, chunk_size=_LINEAR.chunk_size,
                  denominator=_LINEAR.denominator, norm_eps=1e-5, redraw_interval=0,
                  seed=_MAP.seed, bias=True, short_conv=0, decay=None, track_stats=False,
-                 stats_threshold=_STATS.threshold, device=None, dtype=None):
+                 stats_threshold=_STATS.threshold, save_features=False, device=None, dtype=None):
         super().__init__()
         if attention not in ("softmax", "linear"):
             raise ValueError(f"MultiheadAttention: attention is {attention!r} but expected one of "
@@ -232,6 +234,7 @@ class MultiheadAttention(nn.Module):
             self.q_conv, self.k_conv, self.v_conv = (
                 ShortConvolution(embed_dim, short_conv, **factory) for _ in range(3))
         self.track_stats, self.stats_threshold, self.last_stats = track_stats, stats_threshold, None
+        self.save_features = bool(save_features)
         self.redraw_interval = redraw_interval
         self._sequence_parallel, self.sequence_group = False, None
         self.feature_map, self.rope = None, None
@@ -405,6 +408,8 @@ class MultiheadAttention(nn.Module):
             where = dict(q_offset=where["q_offset"], k_offset=where["k_offset"])
         if decoding:
             where = dict(where, initial_state=cache, return_state=True)
+        elif not self.sequence_parallel:
+            where = dict(where, save_features=self.save_features)
         result = attend(q, k, v, self.feature_map, causal=self.causal, placement=self.placement,
                         rope=self.rope, eps=self.eps, method=self.method,
                         chunk_size=self.chunk_size, return_stats=self.track_stats,
