@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <linrope/attention.hpp>
 #include <utility>
 
 #include "common/block_cache.hpp"
@@ -53,6 +54,12 @@ TEST_CASE("block cache: moves hand the block over, and an empty block holds noth
   c = std::move(b);
   CHECK(c.data() == data);
   CHECK(b.data() == nullptr);
+}
+
+TEST_CASE("block cache: release_cached_memory frees what the cache holds") {
+  { const CachedBlock block(7 * kMiB); }
+  CHECK(linrope::release_cached_memory() >= 7 * kMiB);
+  CHECK(linrope::release_cached_memory() == 0);
 }
 
 TEST_CASE("block cache: blocks past the cap are freed, not kept") {

@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <limits>
 #include <linrope/linrope.hpp>
 #include <memory>
 #include <optional>
@@ -265,17 +266,38 @@ TEST_CASE("saved features: a backward refuses features of another call") {
   CHECK(backward(q, k, v, d_out, *map, other) ==
         "linear_attention_backward: saved holds the features of another call: its forward had "
         "the decay of head[0] = 1, this call has 0.90000000000000002");
-  const Rope other_rope(
-      placement_rope(RopePlacement::NumeratorOnly, s.d, map->output_dim(), false));
+  // The map and the rope are compared by what they compute (their configurations), not by
+  // address: a twin made alike is accepted (the same bits), another kind, width or base is not.
+  RopeConfig other_config =
+      placement_rope(RopePlacement::NumeratorOnly, s.d, map->output_dim(), false);
+  const Rope twin_rope(other_config);
+  other_config.base = 500;
+  const Rope other_rope(other_config);
   other = options;
   other.rope = &other_rope;
   CHECK(backward(q, k, v, d_out, *map, other) ==
         "linear_attention_backward: saved holds the features of another call: its forward had "
-        "another options.rope (Rope object)");
+        "options.rope's base = 10000, this call has 500");
   const auto twin = make_map(FeatureMapKind::FavorPositive, s.d, 8, 3);
-  CHECK(backward(q, k, v, d_out, *twin, options) ==
+  other = options;
+  other.rope = &twin_rope;
+  require_same_gradients(linear_attention_backward(q, k, v, d_out, *twin, other, saved),
+                         linear_attention_backward(q, k, v, d_out, *map, options));
+  const auto wider = make_map(FeatureMapKind::FavorPositive, s.d, 16, 3);
+  const Rope wider_rope(placement_rope(RopePlacement::NumeratorOnly, s.d, 16, false));
+  other.rope = &wider_rope;
+  CHECK(backward(q, k, v, d_out, *wider, other) ==
         "linear_attention_backward: saved holds the features of another call: its forward had "
-        "another map (FeatureMap object)");
+        "m = map.output_dim() = 8, this call has 16");
+  const auto relu = make_map(FeatureMapKind::Relu, s.d);
+  const Rope relu_rope(placement_rope(RopePlacement::NumeratorOnly, s.d, s.d, false));
+  other.rope = &relu_rope;
+  LinearSavedF from_elu;
+  const auto elu = make_map(FeatureMapKind::EluPlusOne, s.d);
+  linear_attention(q, k, v, *elu, other, from_elu);
+  CHECK(refusal([&] { linear_attention_backward(q, k, v, d_out, *relu, other, from_elu); }) ==
+        "linear_attention_backward: saved holds the features of another call: its forward had "
+        "a map of kind elu+1, this call has relu");
   const auto redrawn = make_map(FeatureMapKind::FavorPositive, s.d, 8, 3);
   linear_attention(q, k, v, *redrawn, options, saved);
   redrawn->redraw(4);
@@ -287,6 +309,84 @@ TEST_CASE("saved features: a backward refuses features of another call") {
   saved.clear();
   CHECK(saved.empty());
   CHECK(saved.bytes() == 0);
+}
+
+TEST_CASE("saved features: slices without queries, after keys none of them sees") {
+  // q_offset 2: queries would see two keys before their own; a slice of length 0 has no query,
+  // so its forward maps no key, while its backward would map those two: it must map them itself.
+  const Index B = 2, H = 2, n = 6, n_k = 9, d = 4, d_v = 3;
+  const auto map = make_map(FeatureMapKind::FavorPositive, d, 8, 5);
+  const Rope rope(placement_rope(RopePlacement::NumeratorOnly, d, map->output_dim(), false));
+  const LinearOptions options =
+      linear_options(true, RopePlacement::NumeratorOnly, &rope, 1e-3, 2, 0);
+  const MatrixF q = input<float>(B * H * n, d, 31), k = input<float>(B * H * n_k, d, 32),
+                v = input<float>(B * H * n_k, d_v, 33), d_out = input<float>(B * H * n, d_v, 34);
+  for (const std::vector<Index>& q_lengths : {std::vector<Index>{n, 0}, {0, n}, {0, 0}}) {
+    CAPTURE(q_lengths[0]);
+    CAPTURE(q_lengths[1]);
+    const std::vector<Index> k_lengths{n_k, n_k};
+    const auto in = [&](const MatrixF& x, Index rows, const std::vector<Index>& lengths) {
+      return Heads<const float>{x.data(), B, H, rows, x.cols(), lengths.data()};
+    };
+    const auto out = [&](MatrixF& x, Index rows) {
+      return Heads<float>{x.data(), B, H, rows, x.cols()};
+    };
+    MatrixF o = MatrixF::Zero(B * H * n, d_v), o_saving = o;
+    LinearSavedF saved;
+    linear_attention(in(q, n, q_lengths), in(k, n_k, k_lengths), in(v, n_k, k_lengths), out(o, n),
+                     *map, options);
+    linear_attention(in(q, n, q_lengths), in(k, n_k, k_lengths), in(v, n_k, k_lengths),
+                     out(o_saving, n), *map, options, saved);
+    require_same_bits(o_saving, o, "out");
+    MatrixF dq(B * H * n, d), dk(B * H * n_k, d), dv(B * H * n_k, d_v);
+    MatrixF sq = dq, sk = dk, sv = dv;
+    linear_attention_backward(in(q, n, q_lengths), in(k, n_k, k_lengths), in(v, n_k, k_lengths),
+                              in(d_out, n, q_lengths), out(dq, n), out(dk, n_k), out(dv, n_k), *map,
+                              options);
+    linear_attention_backward(in(q, n, q_lengths), in(k, n_k, k_lengths), in(v, n_k, k_lengths),
+                              in(d_out, n, q_lengths), out(sq, n), out(sk, n_k), out(sv, n_k), *map,
+                              options, saved);
+    require_same_bits(sq, dq, "dq");
+    require_same_bits(sk, dk, "dk");
+    require_same_bits(sv, dv, "dv");
+  }
+}
+
+TEST_CASE("saved features: the backward reads the forward's key features, not k") {
+  // With other values of k than its forward's (the caller's promise broken on purpose), a backward
+  // that reads the kept key rows gives another dq than the plain backward of those values: a
+  // backward that silently mapped k again would give the same.
+  const Shape s{40, 40, 4, 3};
+  const auto map = make_map(FeatureMapKind::FavorPositive, s.d, 8, 3);
+  const Rope rope(placement_rope(RopePlacement::NumeratorOnly, s.d, map->output_dim(), false));
+  const MatrixD q = input<double>(s.n, s.d, 1), k = input<double>(s.n_k, s.d, 2),
+                v = input<double>(s.n_k, s.d_v, 3), d_out = input<double>(s.n, s.d_v, 4);
+  const MatrixD k_other = 1.5 * k;
+  for (const bool causal : {false, true}) {
+    CAPTURE(causal);
+    const LinearOptions options =
+        linear_options(causal, RopePlacement::NumeratorOnly, &rope, 1e-3, 0, 0);
+    LinearSavedD saved;
+    linear_attention(q, k, v, *map, options, saved);
+    const auto got = linear_attention_backward(q, k_other, v, d_out, *map, options, saved);
+    const auto plain = linear_attention_backward(q, k_other, v, d_out, *map, options);
+    CHECK_FALSE((got.dq.array() == plain.dq.array()).all());
+  }
+}
+
+TEST_CASE("saved features: a forward that finds a non-finite input leaves saved empty") {
+  const auto map = make_map(FeatureMapKind::FavorPositive, 4, 8, 3);
+  const Rope rope(placement_rope(RopePlacement::NumeratorOnly, 4, map->output_dim(), false));
+  const LinearOptions options =
+      linear_options(true, RopePlacement::NumeratorOnly, &rope, 1e-3, 0, 0);
+  MatrixF q = input<float>(10, 4, 1);
+  const MatrixF k = input<float>(10, 4, 2), v = input<float>(10, 3, 3);
+  LinearSavedF saved;
+  linear_attention(q, k, v, *map, options, saved);
+  CHECK_FALSE(saved.empty());
+  q(7, 1) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_AS(linear_attention(q, k, v, *map, options, saved), NonFiniteError);
+  CHECK(saved.empty());
 }
 
 TEST_CASE("saved features: an object refilled, moved, and read twice") {

@@ -248,15 +248,18 @@ AttentionGradients<double> linear_attention_backward(
 // and stabiliser log scales of every query row and every key row it computed, per (batch, head)
 // slice, so that the backward maps nothing again (FAVOR+ at m = 256: two d x m GEMMs and 2m exps a
 // token of the backward's work). Its memory is O((n + n_k) m) per slice, alive from the forward
-// to the backward (bytes()). A forward that takes one fills it, replacing what it held; a backward
-// that takes one only reads it (several backwards may read one object, one after the other or at
-// once) and gives the same gradients as without it, the same bits (tests/test_saved_features.cpp).
-// The backward checks that `saved` comes from a forward of the same shapes, lengths, positions,
-// placement, rope, decays and map (its address and seed: a redraw changes W) and throws
-// std::invalid_argument naming `saved` otherwise, or when it is empty; it cannot check that q
-// and k hold the same values as in the forward: that is the caller's promise. A causal backward
-// with a final-state gradient after a forward that kept no final state reads the keys past the
-// last query's horizon from k (the forward never mapped them). Opaque and move-only.
+// to the backward (bytes(); the block holding it may be up to twice that). A forward that takes
+// one fills it, replacing what it held (a call refused by its checks leaves it as it was; one that
+// finds a non-finite input leaves it empty); a backward that takes one only reads it, so several
+// backwards may read one object at once, and gives the same gradients as without it, the same
+// bits (tests/test_saved_features.cpp). The backward checks that `saved` comes from a forward of
+// the same shapes, lengths, positions, placement, decays, map configuration (kind, m, seed: a
+// redraw changes it) and rope configuration, and throws std::invalid_argument naming `saved`
+// otherwise, or when it is empty; a map or rope made alike (another object) is accepted, as it
+// computes the same features. It cannot check that q and k hold the same values as in the
+// forward: that is the caller's promise. A causal backward with a final-state gradient after a
+// forward that kept no final state maps the keys past the last query's horizon from k (the
+// forward never mapped them). Opaque and move-only.
 namespace detail {
 template <class T>
 struct SavedHeads;
@@ -282,6 +285,12 @@ class LinearSaved {
 };
 using LinearSavedF = LinearSaved<float>;
 using LinearSavedD = LinearSaved<double>;
+
+// A LinearSaved's memory, once it is destroyed or refilled at another size, is kept for the next
+// one (up to 1 GiB of freed blocks, process-wide: a training loop makes one every step, and fresh
+// pages cost a fault each); so are the Python module's large output arrays. This frees what is
+// kept and returns its size in bytes.
+std::size_t release_cached_memory();
 
 // linear_attention and its backward as above, the forward filling `saved` and the backward
 // reading it (the batched calls and the stateful ones: batched.hpp).

@@ -102,7 +102,7 @@ void linear_attention_backward(Heads<const double> q, Heads<const double> k, Hea
 
 // The four linear calls above with a LinearSaved (attention.hpp): the forwards fill `saved`, one
 // slice per (b, h), the backwards read it (the same gradients, the same bits). The backwards also
-// check that `saved` comes from a forward of the same batch, heads, n, n_k, widths and lengths.
+// check that `saved` comes from a forward of the same batch, heads, n, n_k, d and lengths.
 void linear_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
                       Heads<float> out, const FeatureMap& map, const LinearOptions& options,
                       LinearSaved<float>& saved, DenominatorStats* stats = nullptr);

@@ -51,6 +51,7 @@ else:
         linear_attention_backward,
         matmul,
         openmp,
+        release_cached_memory,
         rms_norm,
         rms_norm_backward,
         set_num_threads,
@@ -78,7 +79,7 @@ __all__ = [
     "linear_attention_backward", "matmul", "openmp", "set_num_threads", "softmax_attention",
     "softmax_attention_backward",
     # What a forward keeps for its backward (saved= of linear_attention and its backward).
-    "LinearSaved",
+    "LinearSaved", "release_cached_memory",
     # A transformer block's pieces around attention: GELU and RMSNorm, forward and backward.
     "gelu", "gelu_backward", "rms_norm", "rms_norm_backward",
     # The C++ options structs; default-constructed, they hold every function's defaults.

@@ -1,4 +1,5 @@
 // linear_attention and linear_attention_backward on NumPy arrays.
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -15,10 +16,14 @@ namespace linrope::python {
 namespace {
 
 // linrope.LinearSaved: what a forward keeps for its backward (attention.hpp, LinearSaved), of
-// either dtype; a forward fills the one of its dtype and empties the other.
+// either dtype; a forward fills the one of its dtype and, once it has, empties the other. The
+// kernels run without the GIL: while a forward fills it no other call may use it, and while
+// backwards read it no forward may refill it nor clear() free it (SavedUse raises instead).
 struct SavedFeatures {
   LinearSavedF f;
   LinearSavedD d;
+  int readers = 0;
+  bool writing = false;
 
   template <class T>
   LinearSaved<T>& of() {
@@ -28,16 +33,51 @@ struct SavedFeatures {
       return d;
   }
   template <class T>
-  LinearSaved<T>& refill() {
+  void clear_other() {
     if constexpr (std::is_same_v<T, float>)
       d.clear();
     else
       f.clear();
-    return of<T>();
+  }
+  void clear() {
+    if (readers > 0 || writing)
+      throw std::runtime_error("LinearSaved.clear: a linear_attention call is using it");
+    f.clear();
+    d.clear();
   }
   std::size_t bytes() const { return f.bytes() + d.bytes(); }
   bool empty() const { return f.empty() && d.empty(); }
   const char* dtype() const { return !f.empty() ? "float32" : !d.empty() ? "float64" : "none"; }
+};
+
+// One call's use of a LinearSaved (none: null), taken and given back with the GIL held.
+class SavedUse {
+ public:
+  SavedUse(std::string_view fn, SavedFeatures* saved, bool writes)
+      : saved_(saved), writes_(writes) {
+    if (!saved_) return;
+    if (saved_->writing || (writes_ && saved_->readers > 0))
+      throw std::runtime_error(
+          std::string(fn) + ": saved is in use by another call (" +
+          (saved_->writing ? "a forward filling it" : "a backward reading it") + ")");
+    if (writes_)
+      saved_->writing = true;
+    else
+      ++saved_->readers;
+  }
+  ~SavedUse() {
+    if (!saved_) return;
+    if (writes_)
+      saved_->writing = false;
+    else
+      --saved_->readers;
+  }
+  SavedUse(const SavedUse&) = delete;
+  SavedUse& operator=(const SavedUse&) = delete;
+
+ private:
+  SavedFeatures* saved_;
+  bool writes_;
 };
 
 // The options of both functions, decay= read in; `head_decays` keeps the values that
@@ -74,23 +114,28 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
         read_state<T>(fn, "initial_state", initial_state, q, m, d_v, true);
     StateArrays<T> final = return_state ? new_state<T>(q, m, d_v, true) : StateArrays<T>();
     {
+      const SavedUse use(fn, saved, true);
       KernelScope scope(&map);
       const Heads<T> out_heads = with_lengths(output_heads(out), q_lengths);
       DenominatorStats* wanted = return_stats ? &stats : nullptr;
-      const auto initial_view = initial.view(q_heads.batch, q_heads.heads, m, d_v);
-      const auto final_view = final.mutable_view(q_heads.batch, q_heads.heads, m, d_v);
-      if (saved && (initial.present || return_state))
-        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options, initial_view,
-                         final_view, saved->refill<T>(), wanted);
-      else if (saved)
-        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options,
-                         saved->refill<T>(), wanted);
-      else if (initial.present || return_state)
-        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options, initial_view,
-                         final_view, wanted);
+      const bool stateful = initial.present || return_state;
+      // saved_arg: the LinearSaved to fill, or nothing.
+      const auto call = [&](auto&... saved_arg) {
+        if (stateful)
+          linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options,
+                           initial.view(q_heads.batch, q_heads.heads, m, d_v),
+                           final.mutable_view(q_heads.batch, q_heads.heads, m, d_v), saved_arg...,
+                           wanted);
+        else
+          linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options,
+                           saved_arg..., wanted);
+      };
+      if (saved)
+        call(saved->of<T>());
       else
-        linear_attention(q_heads, in.k_heads(), in.v_heads(), out_heads, map, options, wanted);
+        call();
     }
+    if (saved) saved->clear_other<T>();
     py::list result;
     result.append(std::move(out));
     if (return_stats) result.append(stats_dict(stats));
@@ -124,23 +169,23 @@ py::object linear_backward(const py::array& q, const py::array& k, const py::arr
     StateArrays<T> d_initial =
         return_state_gradient ? new_state<T>(q, m, d_v, false) : StateArrays<T>();
     const bool stateful = initial.present || d_final.present || return_state_gradient;
+    const SavedUse use(fn, saved, false);
     py::object grads = gradients<T>(in, &map, [&](Heads<T> dq, Heads<T> dk, Heads<T> dv) {
-      const auto initial_view = initial.view(batch, heads, m, d_v);
-      const auto d_final_view = d_final.view(batch, heads, m, d_v);
-      const auto d_initial_view = d_initial.mutable_view(batch, heads, m, d_v);
-      if (saved && stateful)
-        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
-                                  map, options, initial_view, d_final_view, d_initial_view,
-                                  std::as_const(saved->of<T>()));
-      else if (saved)
-        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
-                                  map, options, std::as_const(saved->of<T>()));
-      else if (stateful)
-        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
-                                  map, options, initial_view, d_final_view, d_initial_view);
+      // saved_arg: the LinearSaved to read, or nothing.
+      const auto call = [&](const auto&... saved_arg) {
+        if (stateful)
+          linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
+                                    dv, map, options, initial.view(batch, heads, m, d_v),
+                                    d_final.view(batch, heads, m, d_v),
+                                    d_initial.mutable_view(batch, heads, m, d_v), saved_arg...);
+        else
+          linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk,
+                                    dv, map, options, saved_arg...);
+      };
+      if (saved)
+        call(std::as_const(saved->of<T>()));
       else
-        linear_attention_backward(q_heads, in.k_heads(), in.v_heads(), in.d_out_heads(), dq, dk, dv,
-                                  map, options);
+        call();
     });
     if (!return_state_gradient) return grads;
     return py::make_tuple(grads[py::int_(0)], grads[py::int_(1)], grads[py::int_(2)],
@@ -165,10 +210,10 @@ void bind_linear_attention(py::module_& m) {
       .def_property_readonly("nbytes", &SavedFeatures::bytes)
       .def_property_readonly("empty", &SavedFeatures::empty)
       .def_property_readonly("dtype", &SavedFeatures::dtype)
-      .def("clear", [](SavedFeatures& s) {
-        s.f.clear();
-        s.d.clear();
-      });
+      .def("clear", &SavedFeatures::clear);
+  m.def("release_cached_memory", &release_cached_memory,
+        "Frees the memory linrope keeps for reuse (LinearSaved's blocks, large output arrays: up "
+        "to 1 GiB, see include/linrope/attention.hpp); returns how many bytes.");
   m.def("linear_attention", &linear_forward, "q"_a, "k"_a, "v"_a, "feature_map"_a,
         "causal"_a = o.causal, "placement"_a = name_of(o.placement), "rope"_a = py::none(),
         "eps"_a = o.eps, "q_offset"_a = o.q_offset, "k_offset"_a = o.k_offset,

@@ -43,3 +43,12 @@ def test_small_arrays_are_plain_numpy_arrays():
     assert out.base is None and out.flags.owndata
     large = linrope.gelu(np.ones((1024, 128), dtype=np.float32))
     assert large.base is not None and not large.flags.owndata
+
+
+def test_release_cached_memory_frees_the_dead_arrays_blocks():
+    x = np.ones((2048, 256), dtype=np.float32)  # 2 MiB
+    out = linrope.gelu(x)
+    del out
+    gc.collect()
+    assert linrope.release_cached_memory() >= x.nbytes
+    assert linrope.release_cached_memory() == 0

@@ -67,4 +67,14 @@ CachedBlock& CachedBlock::operator=(CachedBlock&& other) noexcept {
   return *this;
 }
 
+std::size_t release_cached_blocks() {
+  Cache& c = cache();
+  const std::lock_guard<std::mutex> lock(c.mutex);
+  const std::size_t freed = c.bytes;
+  for (const auto& [size, data] : c.free) ::operator delete(data, kAlignment);
+  c.free.clear();
+  c.bytes = 0;
+  return freed;
+}
+
 }  // namespace linrope::detail

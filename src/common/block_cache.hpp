@@ -32,4 +32,7 @@ class CachedBlock {
   std::size_t size_ = 0;
 };
 
+// Frees every block the cache holds; returns how many bytes that was.
+std::size_t release_cached_blocks();
+
 }  // namespace linrope::detail

@@ -9,14 +9,11 @@ CausalPlan plan_causal(Index n, Index n_k, Index q_offset, Index k_offset, Index
                        int threads) {
   CausalPlan plan;
   plan.segments = std::clamp<Index>(n / std::max<Index>(4 * align, 256), 1, std::max(threads, 1));
-  const auto first_key = [&](Index query) {
-    return std::clamp(query + q_offset - k_offset, Index(0), n_k);
-  };
   plan.query_start.resize(plan.segments + 1);
   plan.key_start.resize(plan.segments + 1);
   for (Index t = 0; t <= plan.segments; ++t) {
     plan.query_start[t] = split_point(n, plan.segments, t, align);
-    plan.key_start[t] = t == 0 ? 0 : first_key(plan.query_start[t]);
+    plan.key_start[t] = t == 0 ? 0 : causal_first_key(plan.query_start[t], q_offset, k_offset, n_k);
   }
   return plan;
 }

@@ -218,9 +218,9 @@ void input_gradient(const FeatureRows<T>& block, const T* x, Index offset, T* g_
 
 // What the segments of a causal backward share (linear_causal_backward.cpp): the head, every
 // query's and every seen key's features (kept: both sweeps read them; the forward's, from
-// `saved`, where they cover the first `keys_read` keys), and each query's terms g~ [n x d_v],
-// delta and M (kEmpty for a zero output row), written by the sweep over the queries and read by
-// the sweep over the keys.
+// `saved`, where they cover every key the backward maps, [0, keys_read)), and each query's terms g~
+// [n x d_v], delta and M (kEmpty for a zero output row), written by the sweep over the queries and
+// read by the sweep over the keys.
 template <class T>
 struct CausalGradients {
   CausalGradients(const LinearGradientHead<T>& h, const LinearSetup& s, const SavedSlice<T>* saved,
@@ -232,8 +232,10 @@ struct CausalGradients {
       : head(h),
         setup(s),
         shift(h.q_offset - h.k_offset),
-        queries(s, Role::Queries, h.n, h.q_offset, q_rows.plain, q_rows.log_scale, q_rows.given),
-        keys(s, Role::Keys, h.n_k, h.k_offset, k_rows.plain, k_rows.log_scale, k_rows.given),
+        queries(s, Role::Queries, q_rows.capacity(h.n), h.q_offset, q_rows.plain, q_rows.log_scale,
+                q_rows.given),
+        keys(s, Role::Keys, k_rows.capacity(h.n_k), h.k_offset, k_rows.plain, k_rows.log_scale,
+             k_rows.given),
         g_(h.n * s.d_v, Lifetime::Thread),
         delta_(h.n, Lifetime::Thread),
         scale_(h.n, Lifetime::Thread),
@@ -242,7 +244,9 @@ struct CausalGradients {
         scale(scale_.data()) {}
 
   // Query i's own key, the last it sees: i + shift (outside [0, n_k): none).
-  Index first_key(Index query) const { return std::clamp(query + shift, Index(0), head.n_k); }
+  Index first_key(Index query) const {
+    return causal_first_key(query, head.q_offset, head.k_offset, head.n_k);
+  }
   QueryTerms<T> terms(Index qs) const { return {g + qs * setup.d_v, delta + qs, scale + qs}; }
 
   const LinearGradientHead<T>& head;

@@ -188,12 +188,14 @@ class KeptFeatures {
   KeptFeatures(const LinearSetup& setup, Role role, Index capacity, Index first_position)
       : KeptFeatures(setup, role, capacity, first_position, nullptr, nullptr, 0) {}
   // The same in `plain` [capacity x m] and `log_scale` [capacity], whose rows [0, given) already
-  // hold the features (compute_at leaves them: they are read, never written).
+  // hold the features (compute_at leaves them: they are read, never written). A backward reading a
+  // forward's rows passes capacity = given: it computes none.
   KeptFeatures(const LinearSetup& setup, Role role, Index capacity, Index first_position, T* plain,
                double* log_scale, Index given)
       : setup_(setup),
         role_(role),
         first_position_(first_position),
+        capacity_(capacity),
         own_plain_(plain ? 0 : capacity * setup.m, plain ? Lifetime::Call : Lifetime::Thread),
         own_log_scale_(plain ? 0 : capacity, plain ? Lifetime::Call : Lifetime::Thread),
         plain_(plain ? plain : own_plain_.data()),
@@ -204,7 +206,7 @@ class KeptFeatures {
   // Features of rows [at, at + rows) from x [rows x d] (the rows' own inputs), unless given.
   void compute_at(Index at, const T* x, Index rows) {
     if (at + rows <= given_) return;
-    assert(at >= given_);
+    assert(at >= given_ && at + rows <= capacity_);
     Scratch<T> rotated(setup_.plan.rotate_input ? rows * setup_.d : 0);
     map_plain(setup_, role_, x, rows, first_position_ + at, plain_ + at * setup_.m, log_scale_ + at,
               rotated.data());
@@ -212,6 +214,7 @@ class KeptFeatures {
   // Rows at positions position.. that a FeatureBlock computed: plain [rows x m], their log scales.
   void store(Index position, const T* plain, const double* log_scale, Index rows) {
     const Index at = position - first_position_, m = setup_.m;
+    assert(at >= 0 && at + rows <= capacity_);
     std::copy(plain, plain + rows * m, plain_ + at * m);
     std::copy(log_scale, log_scale + rows, log_scale_ + at);
   }
@@ -230,7 +233,7 @@ class KeptFeatures {
  private:
   const LinearSetup& setup_;
   Role role_;
-  Index first_position_;
+  Index first_position_, capacity_;
   Scratch<T> own_plain_;
   Scratch<double> own_log_scale_;
   T* plain_;

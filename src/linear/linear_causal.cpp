@@ -21,7 +21,7 @@ void linear_causal(const LinearHead<T>& head, const LinearSetup& setup, LinearSt
   const Index n = head.n, n_k = head.n_k, q_offset = head.q_offset, k_offset = head.k_offset;
   // Keys past the last query's horizon are never read: check them here.
   if (final_state == FinalState::Discarded) {
-    const Index horizon = n > 0 ? std::clamp(n + q_offset - k_offset, Index(0), n_k) : 0;
+    const Index horizon = causal_horizon(n, n_k, q_offset, k_offset);
     check_input(setup, k + horizon * setup.d, n_k - horizon, setup.d);
     check_input(setup, v + horizon * setup.d_v, n_k - horizon, setup.d_v);
   }

@@ -59,8 +59,12 @@ void linear_causal_backward(const LinearGradientHead<T>& head, const LinearSetup
   // them; with it, it alone does: a GEMM pass at the end (keys_from_state), not the sweeps (a
   // keys-only call, as linrope.torch.distributed makes, is all such keys).
   const bool final_gradient = ports.d_final_S != nullptr;
-  const Index horizon = mapped_keys(true, false, n, n_k, head.q_offset, head.k_offset);
-  CausalGradients<T> c(head, setup, saved, final_gradient ? n_k : horizon);
+  const Index horizon = causal_horizon(n, n_k, head.q_offset, head.k_offset);
+  // The keys this backward maps: up to the horizon, and with no query at all still those before
+  // the first one (the sweep over the queries absorbs them); all of them for the final state.
+  const Index keys_read =
+      final_gradient ? n_k : causal_first_key(n, head.q_offset, head.k_offset, n_k);
+  CausalGradients<T> c(head, setup, saved, keys_read);
   const int threads = usable_threads(threading);
   check_input(setup, head.v + horizon * d_v, n_k - horizon, d_v);  // read by no sweep
   if (!final_gradient) {

@@ -171,6 +171,16 @@ struct LinearSetup {
   NonFiniteFlag* nonfinite = nullptr;
 };
 
+// Causal: query i sees key j iff j <= i + q_offset - k_offset. Its own key, the last it sees, and
+// so the number of keys before it: causal_first_key(i) (clamped to [0, n_k]).
+inline Index causal_first_key(Index query, Index q_offset, Index k_offset, Index n_k) {
+  return std::clamp(query + q_offset - k_offset, Index(0), n_k);
+}
+// The keys a causal forward of n queries reads: [0, horizon) (none without queries).
+inline Index causal_horizon(Index n, Index n_k, Index q_offset, Index k_offset) {
+  return n > 0 ? causal_first_key(n, q_offset, k_offset, n_k) : 0;
+}
+
 // One head's rows: q [n x d], k [n_k x d], v [n_k x d_v] -> out [n x d_v], row-major and
 // contiguous; row i of q at position q_offset + i, row j of k and v at k_offset + j.
 template <class T>

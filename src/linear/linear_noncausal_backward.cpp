@@ -88,7 +88,7 @@ void linear_noncausal_backward(const LinearGradientHead<T>& head, const LinearSe
   LinearState<T> keys_state;
   const SavedRows<T> k_rows(saved ? &saved->keys : nullptr, n_k),
       q_rows(saved ? &saved->queries : nullptr, n);
-  KeptFeatures<T> key_features(setup, Role::Keys, n_k, head.k_offset, k_rows.plain,
+  KeptFeatures<T> key_features(setup, Role::Keys, k_rows.capacity(n_k), head.k_offset, k_rows.plain,
                                k_rows.log_scale, k_rows.given);
   std::optional<KeptFeatures<T>> query_features;
   if (q_rows.use)

@@ -1,4 +1,5 @@
 // LinearSaved (attention.hpp): the object, and the check that a backward's call is its forward's.
+#include "common/block_cache.hpp"
 #include "common/check.hpp"
 #include "common/heads.hpp"
 #include "linear/saved.hpp"
@@ -39,15 +40,17 @@ void LinearSaved<T>::clear() {
 template class LinearSaved<float>;
 template class LinearSaved<double>;
 
+std::size_t release_cached_memory() { return detail::release_cached_blocks(); }
+
 namespace detail {
 
 template <class T>
 SavedCall saved_call(const FeatureMap& map, const LinearOptions& options, Heads<const T> q,
                      Heads<const T> k) {
   SavedCall call;
-  call.map = &map;
-  call.seed = map.config().seed;
-  call.rope = options.rope;
+  call.map = map.config();
+  call.has_rope = options.rope != nullptr;
+  if (options.rope) call.rope = options.rope->config();
   call.placement = options.placement;
   call.causal = options.causal;
   call.q_offset = options.q_offset;
@@ -102,15 +105,30 @@ void check_saved(std::string_view fn, const SavedHeads<T>* saved, const SavedCal
   require_same(fn, "options.q_offset =", was.q_offset, now.q_offset);
   require_same(fn, "options.k_offset =", was.k_offset, now.k_offset);
   require_same_list(fn, "the decay of head", was.decays, now.decays);
-  if (was.map != now.map)
-    throw_invalid(fn,
-                  "saved holds the features of another call: its forward had another map "
-                  "(FeatureMap object)");
-  require_same(fn, "a map drawn from seed", was.seed, now.seed);
-  if (was.rope != now.rope)
-    throw_invalid(fn,
-                  "saved holds the features of another call: its forward had another "
-                  "options.rope (Rope object)");
+  require_same(fn, "m = map.output_dim() =", was.m, now.m);
+  const FeatureMapConfig &map = was.map, &now_map = now.map;
+  require_same(fn, "a map of kind", std::string(to_string(map.kind)),
+               std::string(to_string(now_map.kind)));
+  require_same(fn, "map num_features =", map.num_features, now_map.num_features);
+  require_same(fn, "map orthogonal =", map.orthogonal, now_map.orthogonal);
+  require_same(fn, "map regularized =", map.regularized, now_map.regularized);
+  require_same(fn, "a map drawn from seed", map.seed, now_map.seed);
+  require_same(fn, "options.rope set =", was.has_rope, now.has_rope);
+  if (!was.has_rope) return;
+  const RopeConfig &rope = was.rope, &now_rope = now.rope;
+  require_same(fn, "options.rope's dim =", rope.dim, now_rope.dim);
+  require_same(fn, "options.rope's rotary_dim =", rope.rotary_dim, now_rope.rotary_dim);
+  require_same(fn, "options.rope's base =", rope.base, now_rope.base);
+  require_same(fn, "options.rope's layout =", std::string(to_string(rope.layout)),
+               std::string(to_string(now_rope.layout)));
+  const RopeScaling &scaling = rope.scaling, &now_scaling = now_rope.scaling;
+  require_same(fn, "options.rope's scaling =", std::string(to_string(scaling.kind)),
+               std::string(to_string(now_scaling.kind)));
+  require_same(fn, "options.rope's scaling factor =", scaling.factor, now_scaling.factor);
+  require_same(fn, "options.rope's original_max_position =", scaling.original_max_position,
+               now_scaling.original_max_position);
+  require_same(fn, "options.rope's beta_fast =", scaling.beta_fast, now_scaling.beta_fast);
+  require_same(fn, "options.rope's beta_slow =", scaling.beta_slow, now_scaling.beta_slow);
 }
 
 template SavedCall saved_call<float>(const FeatureMap&, const LinearOptions&, Heads<const float>,

@@ -38,17 +38,22 @@ struct SavedRows {
         plain(use ? side->plain : nullptr),
         log_scale(use ? side->log_scale : nullptr),
         given(use ? side->given : 0) {}
+  // The KeptFeatures' capacity: the forward's rows, or `scratch` rows of the backward's own.
+  Index capacity(Index scratch) const { return use ? given : scratch; }
+
   bool use;
   T* plain;
   double* log_scale;
   Index given;
 };
 
-// Everything the features depend on besides q and k themselves.
+// Everything the features depend on besides q and k themselves: the map's and the rope's
+// configurations (which determine W and the angles: two objects made alike compute the same
+// features, and a redraw changes the seed), not their addresses.
 struct SavedCall {
-  const FeatureMap* map = nullptr;
-  std::uint64_t seed = 0;
-  const Rope* rope = nullptr;
+  FeatureMapConfig map;
+  bool has_rope = false;
+  RopeConfig rope;
   RopePlacement placement = RopePlacement::None;
   bool causal = false;
   Index q_offset = 0, k_offset = 0, batch = 0, heads = 0, n = 0, n_k = 0, d = 0, m = 0;
@@ -118,8 +123,7 @@ void check_saved(std::string_view fn, const SavedHeads<T>* saved, const SavedCal
 // keeps its final state; a non-causal one maps every key.
 inline Index mapped_keys(bool causal, bool final_state, Index n, Index n_k, Index q_offset,
                          Index k_offset) {
-  if (!causal || final_state) return n_k;
-  return n > 0 ? std::clamp(n + q_offset - k_offset, Index(0), n_k) : 0;
+  return !causal || final_state ? n_k : causal_horizon(n, n_k, q_offset, k_offset);
 }
 
 }  // namespace linrope::detail

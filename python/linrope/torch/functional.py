@@ -450,7 +450,8 @@ def linear_attention(q, k, v, feature_map, causal=_LINEAR.causal, placement=_LIN
     stats = {} if return_stats else None
     S0, z0, log_scale0 = (None, None, None) if initial_state is None else tuple(initial_state)
     result = _LinearAttention.apply(q, k, v, S0, z0, log_scale0, feature_map, options, stats,
-                                    stats_threshold, bool(return_state), bool(save_features))
+                                    stats_threshold, bool(return_state),
+                                    bool(save_features) and torch.is_grad_enabled())
     if not return_state:
         return (result, stats) if return_stats else result
     out, state = result[0], LinearState(*result[1:])
