@@ -33,6 +33,7 @@ build/release/python.
   PYTHONPATH=build/release/python /usr/bin/python3 bench/bench_torch_layer.py --sizes 1024,4096
 """
 import argparse
+import copy
 import json
 import os
 import sys
@@ -104,9 +105,15 @@ def layer_cases():
     softmax = mha(EMBED, HEADS, attention="softmax", causal=True, rope=False)
     eq19 = mha(EMBED, HEADS, attention="linear", causal=True, feature_map="favor+",
                num_features=FEATURES, placement="numerator_only", rope=True)
+    # The same layer keeping its features for the backward (linrope.LinearSaved), against the
+    # same PyTorch layer.
+    favor_saving = copy.deepcopy(favor)
+    favor_saving.save_features = True
     favor_chunked, softmax_causal = BY_KEY["favor/chunked"], BY_KEY["softmax/causal"]
+    favor_twin = torch_layer(favor, lambda q, k, v: favor_chunked(q, k, v, w))
     return [
-        ("favor+ causal", favor, torch_layer(favor, lambda q, k, v: favor_chunked(q, k, v, w)),
+        ("favor+ causal", favor, favor_twin, lambda n: 13 * HEADS * n * (CHUNK + 2 * FEATURES) * 4),
+        ("favor+ causal, save_features", favor_saving, favor_twin,
          lambda n: 13 * HEADS * n * (CHUNK + 2 * FEATURES) * 4),
         ("softmax causal", softmax, torch_layer(softmax, softmax_causal),
          lambda n: 10 * HEADS * n * n * 4 + n * n),
