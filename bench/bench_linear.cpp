@@ -13,6 +13,10 @@
 //   linear/<map>/numerator_only/<noncausal|chunked|scan>/d:<d>/n:<n>  head width d = d_v = 32, 128
 //   linear_backward/<map>/<placement>/<noncausal|causal>/n:<n>  batched linear_attention_backward
 //                                       (dq, dk, dv from d_out; the causal backward has one form)
+//   linear_saving/<map>/<numerator_only|full>/<noncausal|causal>/n:<n>  the forward keeping its
+//                                       features (LinearSaved; causal: the scan; saved_MiB)
+//   linear_backward_saved/<map>/<numerator_only|full>/<noncausal|causal>/n:<n>  the backward
+//                                       reading them (the saving forward run once, untimed)
 //   linear_stream/<map>/<placement>     LinearAttentionStream<float>, 1 head, 1 token per step
 //   linear_decay/<map>/<none|0.97|retnet>/<scan|backward>/n:<n>  eq. 19, causal, forward (the
 //                                       scan) and backward without a decay, with g = 0.97 on every
