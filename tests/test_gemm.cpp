@@ -215,10 +215,23 @@ TEST_CASE("LineFeed hands out exactly the cache lines a Prefetch's ranges touch,
       }
 }
 
-// PackedRight against gemm on the view it was built from: bitwise for float with AVX-512 (the same
-// panels, the same micro-kernel calls). Elsewhere it multiplies a contiguous row-major copy of b
-// through Eigen, so it is compared, bitwise, with gemm on such a copy; gemm itself is checked
-// against the naive product above.
+// B [k x n] stored as b_columns says, and what a PackedRight of it multiplies as: for float with
+// AVX-512 the view itself (the same panels, the same micro-kernel calls); elsewhere a contiguous
+// row-major copy of b through Eigen. PackedRight is compared, bitwise, with gemm on that; gemm
+// itself is checked against the naive product above.
+template <class T>
+struct PackedOperand {
+  PackedOperand(const MatrixD& b, bool b_columns) : b_op(b, b_columns), row_major(b.cast<T>()) {}
+  ConstView<T> reference() const {
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, float>) return b_op.view;
+#endif
+    return {row_major.data(), row_major.rows(), row_major.cols(), row_major.cols(), 1};
+  }
+  Operand<T> b_op;
+  Matrix<T> row_major;
+};
+
 template <class T>
 void check_packed_right(Index m, Index n, Index k, bool b_columns, bool accumulate,
                         std::uint64_t seed) {
@@ -228,23 +241,14 @@ void check_packed_right(Index m, Index n, Index k, bool b_columns, bool accumula
   CAPTURE(b_columns);
   CAPTURE(accumulate);
   const Operand<T> a_op(linrope::testing::gaussian(m, k, seed), false);
-  const MatrixD b = linrope::testing::gaussian(k, n, seed + 1);
-  Operand<T> b_op(b, b_columns);
-  const Matrix<T> b_row_major = b.cast<T>();
-  constexpr bool kSamePanels =
-#ifdef __AVX512F__
-      std::is_same_v<T, float>;
-#else
-      false;
-#endif
-  const ConstView<T> reference_b =
-      kSamePanels ? b_op.view : ConstView<T>{b_row_major.data(), k, n, n, 1};
+  PackedOperand<T> b(linrope::testing::gaussian(k, n, seed + 1), b_columns);
+  const ConstView<T> reference_b = b.reference();
   const Matrix<T> c0 = linrope::testing::gaussian(m, n, seed + 2).cast<T>();
   Matrix<T> from_view = c0, from_packed = c0;
   linrope::detail::gemm(a_op.view, reference_b, linrope::detail::view(from_view),
                         write_of(accumulate));
-  const linrope::detail::PackedRight<T> packed(b_op.view);
-  b_op.storage.setConstant(T(-99));  // the packed copy must not refer to b's memory
+  const linrope::detail::PackedRight<T> packed(b.b_op.view);
+  b.b_op.storage.setConstant(T(-99));  // the packed copy must not refer to b's memory
   linrope::detail::gemm(a_op.view, packed, linrope::detail::view(from_packed),
                         write_of(accumulate));
   CHECK((from_packed.array() == from_view.array()).all());
@@ -267,6 +271,69 @@ TEST_CASE("gemm with B packed once (PackedRight) gives bitwise what gemm on B gi
         check_packed_right<double>(c.m, c.n, c.k, b_columns, accumulate, seed);
         seed += 3;
       }
+}
+
+// A block of a PackedRight (rows [0, rows), columns [col0, col0 + cols)) against gemm on the same
+// block of what the whole multiplies as (PackedOperand): bitwise, the block's panels being the
+// whole's.
+template <class T>
+void check_packed_block(Index m, Index k, Index n, Index rows, Index col0, Index cols,
+                        bool b_columns, std::uint64_t seed) {
+  INFO("m ", m, ", B ", k, " x ", n, (b_columns ? " column-major" : " row-major"), ", block rows ",
+       rows, ", columns ", col0, " + ", cols);
+  const Operand<T> a_op(linrope::testing::gaussian(m, rows, seed), false);
+  PackedOperand<T> b(linrope::testing::gaussian(k, n, seed + 1), b_columns);
+  const ConstView<T> whole = b.reference();
+  const ConstView<T> block{whole.data + col0 * whole.col_stride, rows, cols, whole.row_stride,
+                           whole.col_stride};
+  Matrix<T> from_view(m, cols), from_block(m, cols);
+  linrope::detail::gemm(a_op.view, block, linrope::detail::view(from_view), Write::Overwrite);
+  const linrope::detail::PackedRight<T> packed(b.b_op.view);
+  b.b_op.storage.setConstant(T(-99));
+  REQUIRE(packed.blockable(col0));
+  linrope::detail::gemm(a_op.view, packed.block(rows, col0, cols),
+                        linrope::detail::view(from_block), Write::Overwrite);
+  CHECK((from_block.array() == from_view.array()).all());
+}
+
+TEST_CASE("a block of a PackedRight multiplies as gemm on that block of B") {
+  struct Case {
+    Index k, n, rows, col0, cols;
+  };
+  // Few rows (<= 256: any column panel starts a block): blocks inside the first cache block of
+  // columns, across the 512-column edge, the last partial panel, a prefix of the rows. Many rows:
+  // blocks at column 0 and 512, prefixes ending inside and at the edge of a 256-row cache block.
+  std::uint64_t seed = 950;
+  for (const Case c :
+       {Case{64, 1000, 64, 0, 256}, Case{64, 1000, 64, 256, 256}, Case{64, 1000, 64, 480, 100},
+        Case{64, 1000, 64, 992, 8}, Case{64, 1000, 30, 32, 33}, Case{256, 70, 256, 64, 6},
+        Case{700, 64, 700, 0, 64}, Case{700, 64, 384, 0, 64}, Case{700, 64, 300, 0, 40},
+        Case{600, 1100, 600, 512, 588}, Case{600, 1100, 520, 512, 100},
+        Case{600, 1100, 100, 0, 1100}})
+    for (bool b_columns : {false, true})
+      for (Index m : {1, 13, 100}) {
+        check_packed_block<float>(m, c.k, c.n, c.rows, c.col0, c.cols, b_columns, seed);
+        check_packed_block<double>(m, c.k, c.n, c.rows, c.col0, c.cols, b_columns, seed);
+        seed += 3;
+      }
+}
+
+TEST_CASE("PackedRight::blockable: columns at panel starts, and at cache blocks when b is deep") {
+  const linrope::MatrixF shallow = linrope::MatrixF::Ones(64, 1000),
+                         deep = linrope::MatrixF::Ones(300, 1100);
+  const linrope::detail::PackedRight<float> few(linrope::detail::const_view(shallow));
+  const linrope::detail::PackedRight<float> many(linrope::detail::const_view(deep));
+  CHECK(few.blockable(0));
+  CHECK(few.blockable(96));
+  CHECK_FALSE(few.blockable(40));
+  CHECK(many.blockable(0));
+  CHECK(many.blockable(512));
+  CHECK_FALSE(many.blockable(17));
+#ifdef __AVX512F__
+  CHECK_FALSE(many.blockable(64));  // inside a cache block of 512 columns, 256 rows deep
+#else
+  CHECK(many.blockable(64));  // a row-major copy: any panel start
+#endif
 }
 
 // The Eigen path's determinism. gemm's double products, and its float products on machines

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <linrope/types.hpp>
 
 namespace linrope::detail {
 
@@ -30,6 +31,20 @@ class CachedBlock {
  private:
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
+};
+
+// `count` values of T in a CachedBlock, uninitialised: a kernel's per-call scratch of megabytes
+// (softmax's rotated keys and its backward's strips and partial dk, dv), which allocated afresh
+// page-faulted on every call: at d = 128, n = 4096, 45% of the softmax backward's time.
+template <class T>
+class CachedArray {
+ public:
+  explicit CachedArray(Index count) : block_(std::size_t(count) * sizeof(T)) {}
+  T* get() const { return reinterpret_cast<T*>(block_.data()); }
+  T& operator[](Index i) const { return get()[i]; }
+
+ private:
+  CachedBlock block_;
 };
 
 // Frees every block the cache holds; returns how many bytes that was.

@@ -230,8 +230,15 @@ void pack_right(ConstView<float> b, float* to) {
     }
 }
 
-// c (+)= a b, with b_block(jc, pc, nc, kc) giving B's packed kc x nc block at (pc, jc): packed on
-// the spot, or taken from a PackedRight.
+// B's packed kc x nc block at (pc, jc): panel jr / kNR (kNR columns, depth-major) at
+// data + jr depth, where depth >= kc (a PackedBlock's panels may be deeper than the rows it uses).
+struct PackedPanels {
+  const float* data;
+  Index depth;
+};
+
+// c (+)= a b, with b_block(jc, pc, nc, kc) giving B's PackedPanels at (pc, jc): packed on the
+// spot, or taken from a PackedRight.
 template <class BlockOfB>
 void gemm_packed(ConstView<float> a, Index n, View<float> c, bool accumulate, const Prefetch& next,
                  BlockOfB b_block) {
@@ -243,7 +250,7 @@ void gemm_packed(ConstView<float> a, Index n, View<float> c, bool accumulate, co
     for (Index pc = 0; pc < k; pc += kKC) {
       const Index kc = std::min(kKC, k - pc);
       const bool add = accumulate || pc > 0;
-      const float* packed_b = b_block(jc, pc, nc, kc);
+      const PackedPanels packed_b = b_block(jc, pc, nc, kc);
       for (Index ic = 0; ic < m; ic += kMC) {
         const Index mc = std::min(kMC, m - ic);
         // A is read in place when packing would cost about as much as the product (one or two
@@ -266,7 +273,8 @@ void gemm_packed(ConstView<float> a, Index n, View<float> c, bool accumulate, co
         }
         for (Index jr = 0; jr < nc; jr += kNR)
           for (Index ir = 0; ir < mc; ir += kMR)
-            micro_tile(kc, panel + ir * panel_step, row_step, col_step, packed_b + jr * kc,
+            micro_tile(kc, panel + ir * panel_step, row_step, col_step,
+                       packed_b.data + jr * packed_b.depth,
                        c.data + (ic + ir) * c.row_stride + jc + jr, c.row_stride,
                        std::min(kMR, mc - ir), std::min(kNR, nc - jr), add, feed);
       }
@@ -279,14 +287,27 @@ void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool acc
   float* packed_b = buffer(1, kNC * kKC).data();
   gemm_packed(a, b.cols, c, accumulate, next, [&](Index jc, Index pc, Index nc, Index kc) {
     pack_panels<kNR>(b.transposed(), jc, pc, nc, kc, packed_b);
-    return static_cast<const float*>(packed_b);
+    return PackedPanels{packed_b, kc};
   });
 }
 
 void gemm_packed(ConstView<float> a, const PackedRight<float>& b, View<float> c, bool accumulate,
                  const Prefetch& next) {
-  gemm_packed(a, b.cols(), c, accumulate, next, [&](Index jc, Index pc, Index nc, Index) {
-    return b.data() + packed_offset(b.rows(), jc, pc, nc);
+  gemm_packed(a, b.cols(), c, accumulate, next, [&](Index jc, Index pc, Index nc, Index kc) {
+    return PackedPanels{b.data() + packed_offset(b.rows(), jc, pc, nc), kc};
+  });
+}
+
+// The panels of a PackedRight's block hold its columns as they are in the whole: the block's
+// column col0 + jc lies in the whole's cache block at jc0 (a multiple of kNC), kc0 deep.
+void gemm_packed(ConstView<float> a, const PackedBlock<float>& b, View<float> c, bool accumulate,
+                 const Prefetch& next) {
+  const PackedRight<float>& whole = *b.whole;
+  gemm_packed(a, b.cols, c, accumulate, next, [&](Index jc, Index pc, Index, Index) {
+    const Index column = b.col0 + jc, jc0 = column / kNC * kNC;
+    const Index kc0 = std::min(kKC, whole.rows() - pc);
+    const Index offset = packed_offset(whole.rows(), jc0, pc, std::min(kNC, whole.cols() - jc0));
+    return PackedPanels{whole.data() + offset + (column - jc0) * kc0, kc0};
   });
 }
 
@@ -322,7 +343,12 @@ ConstView<T> eigen_operand(const PackedRight<T>& b) {
   return {b.data(), b.rows(), b.cols(), b.cols(), 1};
 }
 
-// Both gemm overloads: b is a ConstView or a PackedRight.
+template <class T>
+ConstView<T> eigen_operand(const PackedBlock<T>& b) {
+  return {b.whole->data() + b.col0, b.rows, b.cols, b.whole->cols(), 1};
+}
+
+// The gemm overloads: b is a ConstView, a PackedRight or a PackedBlock.
 template <class T, class Right>
 void product(ConstView<T> a, const Right& b, View<T> c, bool accumulate,
              [[maybe_unused]] const Prefetch& next) {
@@ -365,11 +391,35 @@ void gemm(ConstView<T> a, const PackedRight<T>& b, View<T> c, Write write) {
   product(a, b, c, write == Write::Add, Prefetch{});
 }
 
+template <class T>
+bool PackedRight<T>::blockable(Index col0) const {
+#ifdef __AVX512F__
+  static_assert(kPackedPanel == kNR);
+  if (kPackedKernel<T> && rows_ > kKC && col0 % kNC != 0) return false;
+#endif
+  return col0 % kPackedPanel == 0;
+}
+
+template <class T>
+PackedBlock<T> PackedRight<T>::block(Index rows, Index col0, Index cols) const {
+  assert(rows >= 0 && rows <= rows_ && col0 >= 0 && cols >= 0 && col0 + cols <= cols_);
+  assert(blockable(col0));
+  return {this, rows, col0, cols};
+}
+
+template <class T>
+void gemm(ConstView<T> a, const PackedBlock<T>& b, View<T> c, Write write) {
+  assert(a.cols == b.rows && c.rows == a.rows && c.cols == b.cols);
+  product(a, b, c, write == Write::Add, Prefetch{});
+}
+
 template void gemm<float>(ConstView<float>, ConstView<float>, View<float>, Write, Prefetch);
 template void gemm<double>(ConstView<double>, ConstView<double>, View<double>, Write, Prefetch);
 template class PackedRight<float>;
 template class PackedRight<double>;
 template void gemm<float>(ConstView<float>, const PackedRight<float>&, View<float>, Write);
 template void gemm<double>(ConstView<double>, const PackedRight<double>&, View<double>, Write);
+template void gemm<float>(ConstView<float>, const PackedBlock<float>&, View<float>, Write);
+template void gemm<double>(ConstView<double>, const PackedBlock<double>&, View<double>, Write);
 
 }  // namespace linrope::detail

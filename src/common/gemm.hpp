@@ -112,6 +112,12 @@ void gemm(ConstView<T> a, ConstView<T> b, View<T> c, Write write, Prefetch next 
 // rows, where repacking it cost about a third as much as the product itself). A copy of b, so it
 // does not refer to b's memory afterwards.
 template <class T>
+struct PackedBlock;
+
+// Columns are packed in panels of this many: a PackedBlock starts at a multiple of it.
+constexpr Index kPackedPanel = 32;
+
+template <class T>
 class PackedRight {
  public:
   PackedRight() = default;
@@ -119,11 +125,29 @@ class PackedRight {
   Index rows() const { return rows_; }
   Index cols() const { return cols_; }
   const T* data() const { return data_.data(); }
+  // Rows [0, rows) and columns [col0, col0 + cols) of b, multiplied from the packed form: for a
+  // matrix packed once and used block by block (softmax's keys and values, a block of keys per
+  // product: repacking them for every block of queries was ~6% of its backward). col0 must be a
+  // multiple of kPackedPanel, and either b has at most 256 rows or col0 is a multiple of 512 (the
+  // packed form's cache blocks): blockable(col0).
+  bool blockable(Index col0) const;
+  PackedBlock<T> block(Index rows, Index col0, Index cols) const;
 
  private:
   Index rows_ = 0, cols_ = 0;
   std::vector<T, Eigen::aligned_allocator<T>> data_;
 };
+
+template <class T>
+struct PackedBlock {
+  const PackedRight<T>* whole;
+  Index rows, col0, cols;
+};
+
+// c = a b, or c += a b (`write`), b a block of a packed matrix: bitwise gemm's c on the block's
+// view with AVX-512 (float); elsewhere Eigen multiplies the block of PackedRight's row-major copy.
+template <class T>
+void gemm(ConstView<T> a, const PackedBlock<T>& b, View<T> c, Write write);
 
 // c = a b, or c += a b (`write`), with b packed beforehand. Float with AVX-512: bitwise the same c
 // as gemm on b's view (the same panels through the same micro-kernel calls). Elsewhere (double, or

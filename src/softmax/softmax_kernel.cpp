@@ -8,6 +8,7 @@
 #include <linrope/attention.hpp>
 #include <vector>
 
+#include "common/block_cache.hpp"
 #include "common/check.hpp"
 #include "common/gemm.hpp"
 #include "common/parallel.hpp"
@@ -193,12 +194,11 @@ void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, Thr
   g.splits = key_splits(query_blocks, g.key_blocks, g.bk);
 
   // RoPE on a copy: the caller's keys stay untouched.
-  std::vector<T> k_rotated;
+  const CachedArray<T> k_rotated(options.rope != nullptr ? n_k * d : 0);
   if (options.rope != nullptr) {
-    k_rotated.assign(k, k + n_k * d);
-    RopeAccess::rotate_rows(*options.rope, k_rotated.data(), n_k, d, options.k_offset,
+    RopeAccess::rotate_rows(*options.rope, k, k_rotated.get(), n_k, d, options.k_offset,
                             detail::Turn::Apply);
-    k = k_rotated.data();
+    k = k_rotated.get();
   }
 
   const int threads = pass_threads(n, n_k, d + d_v, threading);
@@ -206,12 +206,11 @@ void softmax_head(const SoftmaxHead<T>& head, const SoftmaxOptions& options, Thr
   workspaces.reserve(threads);
   for (int t = 0; t < threads; ++t) workspaces.emplace_back(g.bq, g.bk, d, d_v);
   // The states of the key slices, [n x d_v] and [n] each, when the keys are split.
-  std::vector<T> slice_storage;
+  const CachedArray<T> slice_storage(g.splits > 1 ? g.splits * n * (d_v + 2) : 0);
   std::vector<BlockState<T>> slices;
   if (g.splits > 1) {
-    slice_storage.resize(std::size_t(g.splits * n * (d_v + 2)));
     for (Index s = 0; s < g.splits; ++s) {
-      T* base = slice_storage.data() + s * n * (d_v + 2);
+      T* base = slice_storage.get() + s * n * (d_v + 2);
       slices.push_back({base, base + n * d_v, base + n * d_v + n});
     }
   }
