@@ -324,15 +324,6 @@ bool trivial_product(Index k, View<T> c, bool accumulate) {
   return true;
 }
 
-// Whether float products run on the packed micro-kernel (and PackedRight<float> holds panels).
-template <class T>
-constexpr bool kPackedKernel =
-#ifdef __AVX512F__
-    std::is_same_v<T, float>;
-#else
-    false;
-#endif
-
 // Eigen's operand for b: the view itself, or the row-major copy a PackedRight holds off AVX-512.
 template <class T>
 ConstView<T> eigen_operand(ConstView<T> b) {

@@ -111,6 +111,16 @@ void gemm(ConstView<T> a, ConstView<T> b, View<T> c, Write write, Prefetch next 
 // fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-128
 // rows, where repacking it cost about a third as much as the product itself). A copy of b, so it
 // does not refer to b's memory afterwards.
+// Whether float products run on the packed micro-kernel (and PackedRight<float> holds panels):
+// float with AVX-512. Elsewhere a PackedRight is a row-major copy, which saves no work.
+template <class T>
+constexpr bool kPackedKernel =
+#ifdef __AVX512F__
+    std::is_same_v<T, float>;
+#else
+    false;
+#endif
+
 template <class T>
 struct PackedBlock;
 

@@ -35,17 +35,18 @@ struct Operands {
   const T* d_out;  // [n x d_v]
   Index n, n_k, d, d_v;
   Index bq, bk;  // queries per block (the strip's rows), keys per streamed block
-  // kr^T, v^T and kr packed once for the whole head: every block of queries multiplies them.
+  // kr^T, v^T and kr packed once for the whole head, where products use packed panels (else
+  // null): every block of queries multiplies them.
   const PackedRight<T>*kr_t, *v_t, *kr_packed;
 };
 
-// a b[:, j0 : j0 + cols] into c, b packed (`packed`) when the block lines up with its panels, else
-// from its view: the same bits either way with AVX-512.
+// a b[:, j0 : j0 + cols] into c, b packed (`packed`) when there is a packed form and the block
+// lines up with its panels, else from its view: the same bits either way.
 template <class T>
-void product_with_block(ConstView<T> a, const PackedRight<T>& packed, ConstView<T> b, Index j0,
+void product_with_block(ConstView<T> a, const PackedRight<T>* packed, ConstView<T> b, Index j0,
                         Index cols, View<T> c) {
-  if (packed.blockable(j0))
-    gemm(a, packed.block(packed.rows(), j0, cols), c, Write::Overwrite);
+  if (packed != nullptr && packed->blockable(j0))
+    gemm(a, packed->block(packed->rows(), j0, cols), c, Write::Overwrite);
   else
     gemm(a, ConstView<T>{b.data + j0 * b.col_stride, b.rows, cols, b.row_stride, b.col_stride}, c,
          Write::Overwrite);
@@ -118,9 +119,9 @@ void query_block(const Operands<T>& a, Index i0, Index rows, const SoftmaxOption
     const Index j0 = b * bk, cols = std::min(bk, key_end - j0);
     auto s = strip(ws.p.get(), j0, cols);
     auto dp = strip(ws.ds.get(), j0, cols);
-    product_with_block(rows_of(a.qs, i0, rows, d), *a.kr_t, rows_of(a.kr, 0, a.n_k, d).transposed(),
+    product_with_block(rows_of(a.qs, i0, rows, d), a.kr_t, rows_of(a.kr, 0, a.n_k, d).transposed(),
                        j0, cols, view(s));
-    product_with_block(rows_of(a.d_out, i0, rows, d_v), *a.v_t,
+    product_with_block(rows_of(a.d_out, i0, rows, d_v), a.v_t,
                        rows_of(a.v, 0, a.n_k, d_v).transposed(), j0, cols, view(dp));
     for (Index i = 0; i < rows; ++i) {
       const Index len = keys_admitted(options, first_pos + i, j0, cols);
@@ -173,7 +174,10 @@ void query_block(const Operands<T>& a, Index i0, Index rows, const SoftmaxOption
   if (d > 0) {
     gemm(rows_of(a.qs, i0, rows, d).transposed(), const_view(ds),
          View<T>{part.dk_t, d, key_end, part.stride}, Write::Add);
-    gemm(const_view(ds), a.kr_packed->block(key_end, 0, d), view(grad), Write::Overwrite);
+    if (a.kr_packed != nullptr)
+      gemm(const_view(ds), a.kr_packed->block(key_end, 0, d), view(grad), Write::Overwrite);
+    else
+      gemm(const_view(ds), rows_of(a.kr, 0, key_end, d), view(grad), Write::Overwrite);
   }
   // d s / d(R q) = scale kr: the scale that qs carries, then R^T at the queries' positions.
   grad *= scale;
@@ -242,12 +246,26 @@ void softmax_head_backward(const SoftmaxBackwardHead<T>& head, const SoftmaxOpti
                             Turn::Apply);
     kr = k_rotated.get();
   }
-  const PackedRight<T> kr_t(rows_of(kr, 0, n_k, d).transposed()),
-      v_t(rows_of(head.v, 0, n_k, d_v).transposed()), kr_packed(rows_of(kr, 0, n_k, d));
-  const Operands<T> a{
-      qs.get(), kr,   head.v,    head.d_out,         n,
-      n_k,      d,    d_v,       task_block_size(n), stream_block_size(options.block_size, n_k),
-      &kr_t,    &v_t, &kr_packed};
+  PackedRight<T> kr_t, v_t, kr_packed;
+  if constexpr (kPackedKernel<T>) {
+    kr_t = PackedRight<T>(rows_of(kr, 0, n_k, d).transposed());
+    v_t = PackedRight<T>(rows_of(head.v, 0, n_k, d_v).transposed());
+    kr_packed = PackedRight<T>(rows_of(kr, 0, n_k, d));
+  }
+  const bool packed = kPackedKernel<T>;
+  const Operands<T> a{qs.get(),
+                      kr,
+                      head.v,
+                      head.d_out,
+                      n,
+                      n_k,
+                      d,
+                      d_v,
+                      task_block_size(n),
+                      stream_block_size(options.block_size, n_k),
+                      packed ? &kr_t : nullptr,
+                      packed ? &v_t : nullptr,
+                      packed ? &kr_packed : nullptr};
 
   // Blocks of queries and the parts they form depend on n, n_k and options only.
   std::vector<Part<T>> parts = cut_parts(a, options);
