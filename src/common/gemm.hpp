@@ -107,10 +107,6 @@ enum class Write { Overwrite, Add };
 template <class T>
 void gemm(ConstView<T> a, ConstView<T> b, View<T> c, Write write, Prefetch next = {});
 
-// A right-hand factor laid out once in the form gemm would otherwise rebuild on every call: for a
-// fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-128
-// rows, where repacking it cost about a third as much as the product itself). A copy of b, so it
-// does not refer to b's memory afterwards.
 // Whether float products run on the packed micro-kernel (and PackedRight<float> holds panels):
 // float with AVX-512. Elsewhere a PackedRight is a row-major copy, which saves no work.
 template <class T>
@@ -127,6 +123,10 @@ struct PackedBlock;
 // Columns are packed in panels of this many: a PackedBlock starts at a multiple of it.
 constexpr Index kPackedPanel = 32;
 
+// A right-hand factor laid out once in the form gemm would otherwise rebuild on every call: for a
+// fixed matrix used in many products (FAVOR+'s projection, multiplied by every block of 64-128
+// rows, where repacking it cost about a third as much as the product itself). A copy of b, so it
+// does not refer to b's memory afterwards.
 template <class T>
 class PackedRight {
  public:
@@ -138,8 +138,8 @@ class PackedRight {
   // Rows [0, rows) and columns [col0, col0 + cols) of b, multiplied from the packed form: for a
   // matrix packed once and used block by block (softmax's keys and values, a block of keys per
   // product: repacking them for every block of queries was ~6% of its backward). col0 must be a
-  // multiple of kPackedPanel, and either b has at most 256 rows or col0 is a multiple of 512 (the
-  // packed form's cache blocks): blockable(col0).
+  // multiple of kPackedPanel and, where the form holds panels (kPackedKernel), either b has at
+  // most 256 rows or col0 is a multiple of 512 (its cache blocks): blockable(col0).
   bool blockable(Index col0) const;
   PackedBlock<T> block(Index rows, Index col0, Index cols) const;
 

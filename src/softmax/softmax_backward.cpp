@@ -90,7 +90,7 @@ struct Part {
   // Transposed: the strip (P, dS) is then the right-hand factor of its products, which gemm packs
   // 32 adjacent values at a time, whereas as the left-hand one (P^T, dS^T) it went 8 at a time
   // (12% of the backward's time).
-  Index stride;  // of dk_t's and dv_t's rows: n_k, plus a line so that rows share no cache set
+  Index stride;  // of dk_t's and dv_t's rows: n_k rounded up to a line, plus a line (no 2^k)
   T* dk_t;       // [d x n_k] qs^T dS
   T* dv_t;       // [d_v x n_k] d_out^T P
 };
