@@ -111,8 +111,10 @@ void query_block(const Operands<T>& a, Index i0, Index rows, const SoftmaxOption
   std::fill_n(ws.row_max.get(), rows, lowest);
   std::fill_n(ws.sum.begin(), rows, 0.0);
   std::fill_n(ws.dot.begin(), rows, 0.0);
+  // Key j0 of the strip's rows: 64-byte aligned only when j0 is a multiple of 16 floats.
   const auto strip = [&](T* base, Index j0, Index cols) {
-    return StridedRowMap<T>(base + j0, rows, cols, Eigen::OuterStride<>(stride));
+    using Block = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+    return Block(base + j0, rows, cols, Eigen::OuterStride<>(stride));
   };
 
   for (Index b = 0; b < key_blocks; ++b) {
