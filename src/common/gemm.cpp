@@ -70,6 +70,9 @@ constexpr Index kMR = 8, kNR = 32, kKC = 256, kMC = 96, kNC = 512;
 // run-to-run noise, +-15%; the limit follows the cache argument, not a measurement.)
 constexpr Index kColumnInPlace = 64;
 
+// A C whose rows are at least this many floats (4 KiB) apart is fetched ahead (micro_kernel).
+constexpr Index kFarRows = 1024;
+
 __mmask16 first_lanes(Index count) {
   return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
 }
@@ -160,6 +163,17 @@ void micro_kernel(Index kc, const float* a, Index row_step, Index col_step, cons
       acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
     }
   };
+  // C's tile is read after the k loop. Where its rows are a page or more apart (softmax's dk^T
+  // and dv^T, 16 KiB), every row is a separate stream the hardware prefetcher does not follow and
+  // each tile waited on its loads: fetch its lines now, so that the loop hides their latency.
+  // Closer rows are left alone: fetching them cost FAVOR+'s backward (C rows 256 floats apart,
+  // mostly in cache) 5%.
+  if (accumulate && ldc >= kFarRows)
+#pragma GCC unroll 8
+    for (Index i = 0; i < Rows; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + 16), _MM_HINT_T0);
+    }
   const LineFeed::Run run = feed.take(kc / 2);
   Index p = 0;
   for (Index line = 0; line < run.count; ++line, p += 2) {
