@@ -41,7 +41,6 @@ class CachedArray {
  public:
   explicit CachedArray(Index count) : block_(std::size_t(count) * sizeof(T)) {}
   T* get() const { return reinterpret_cast<T*>(block_.data()); }
-  T& operator[](Index i) const { return get()[i]; }
 
  private:
   CachedBlock block_;

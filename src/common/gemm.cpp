@@ -305,13 +305,6 @@ void gemm_packed(ConstView<float> a, ConstView<float> b, View<float> c, bool acc
   });
 }
 
-void gemm_packed(ConstView<float> a, const PackedRight<float>& b, View<float> c, bool accumulate,
-                 const Prefetch& next) {
-  gemm_packed(a, b.cols(), c, accumulate, next, [&](Index jc, Index pc, Index nc, Index kc) {
-    return PackedPanels{b.data() + packed_offset(b.rows(), jc, pc, nc), kc};
-  });
-}
-
 // The panels of a PackedRight's block hold its columns as they are in the whole: the block's
 // column col0 + jc lies in the whole's cache block at jc0 (a multiple of kNC), kc0 deep.
 void gemm_packed(ConstView<float> a, const PackedBlock<float>& b, View<float> c, bool accumulate,
@@ -323,6 +316,13 @@ void gemm_packed(ConstView<float> a, const PackedBlock<float>& b, View<float> c,
     const Index offset = packed_offset(whole.rows(), jc0, pc, std::min(kNC, whole.cols() - jc0));
     return PackedPanels{whole.data() + offset + (column - jc0) * kc0, kc0};
   });
+}
+
+// The whole of a PackedRight: its block from column 0, every row (the same panels at the same
+// depths as packed_offset lays them out).
+void gemm_packed(ConstView<float> a, const PackedRight<float>& b, View<float> c, bool accumulate,
+                 const Prefetch& next) {
+  gemm_packed(a, b.block(b.rows(), 0, b.cols()), c, accumulate, next);
 }
 
 #endif  // __AVX512F__
