@@ -64,12 +64,40 @@ template <class... Parts>
   throw_error<NonFiniteError>(function, parts...);
 }
 
-// True when every element of `m` is finite. x * 0 is 0 for finite x and NaN for inf or NaN: one
-// vectorised sum, ~4x faster than Eigen's allFinite.
+// sum over x[0, n) of x * 0, which is 0 when every value is finite and NaN otherwise (inf * 0 is
+// NaN). 64 independent sums, which the compiler keeps in vector registers: one running sum (or
+// Eigen's reduction, two) is a chain of dependent additions that checks one vector per 4 cycles,
+// which made the check 4-8% of an elu+1 causal backward (perf, bench_linear, n = 4096).
+template <class T>
+T zero_sum(const T* x, Index n) {
+  constexpr int kSums = 64;
+  T sums[kSums] = {};
+  Index j = 0;
+  for (; j + kSums <= n; j += kSums)
+    for (int t = 0; t < kSums; ++t) sums[t] += x[j + t] * T(0);
+  for (; j < n; ++j) sums[0] += x[j] * T(0);
+  for (int width = kSums / 2; width > 0; width /= 2)  // in halves: vector adds, not a chain of 64
+    for (int t = 0; t < width; ++t) sums[t] += sums[t + width];
+  return sums[0];
+}
+
+// True when every element of `m` is finite. x * 0 is 0 for finite x and NaN for inf or NaN: a
+// vectorised sum (zero_sum over each contiguous row or column where the elements are stored so),
+// ~4x faster than Eigen's allFinite.
 template <class M>
 bool all_finite(const M& m) {
   using Scalar = typename M::Scalar;
-  return m.size() == 0 || (m.array() * Scalar(0)).sum() == Scalar(0);
+  if (m.size() == 0) return true;
+  if constexpr (bool(M::Flags & Eigen::DirectAccessBit)) {
+    if (m.innerStride() == 1 && m.outerStride() == m.innerSize())  // one contiguous run
+      return zero_sum(m.data(), m.size()) == Scalar(0);
+    if (m.innerStride() == 1) {
+      for (Index o = 0; o < m.outerSize(); ++o)
+        if (zero_sum(m.data() + o * m.outerStride(), m.innerSize()) != Scalar(0)) return false;
+      return true;
+    }
+  }
+  return (m.array() * Scalar(0)).sum() == Scalar(0);
 }
 
 // Throws naming the first non-finite element of `m` (the matrix called `name`).
