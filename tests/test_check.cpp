@@ -42,7 +42,8 @@ TEST_CASE_TEMPLATE("all_finite finds one non-finite value at every position", T,
   }
 }
 
-TEST_CASE_TEMPLATE("all_finite on blocks: rows apart, columns, no direct access", T, float, double) {
+TEST_CASE_TEMPLATE("all_finite on blocks: rows apart, columns, no direct access", T, float,
+                   double) {
   RowMajor<T> m = RowMajor<T>::Constant(7, 70, T(2));
   const auto block = m.block(1, 3, 5, 66);  // rows 70 apart, 66 wide: the per-row path
   CHECK(all_finite(block));
