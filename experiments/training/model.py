@@ -13,15 +13,19 @@ from linrope.torch import GELU, Linear, MultiheadAttention, RMSNorm
 def attention_arguments(variant, d_model, heads, seed=0, stats_threshold=1e-3):
     """The linrope.torch.MultiheadAttention arguments (beyond d_model and heads) of a variant's
     causal layer: a linear one with num_features = feature_factor x head dim (FAVOR+'s m; the
-    other maps' m follows the head dim), its denominator statistics tracked; the decay and the
-    short convolution passed only when the variant has them."""
+    other maps' m follows the head dim), its denominator statistics tracked, and for FAVOR+ each
+    forward's features kept for its backward (save_features: the same gradients, bit for bit,
+    without the backward mapping q and k again: 1.05-1.06x the attention's forward + backward at
+    the study's shape, bench/RESULTS.md); the decay and the short convolution passed only when the
+    variant has them."""
     args = dict(attention=variant.attention, rope=variant.rope)
     if variant.linear:
         args.update(feature_map=variant.feature_map, placement=variant.placement,
                     denominator=variant.denominator,
                     num_features=variant.feature_factor * (d_model // heads), seed=seed,
                     redraw_interval=variant.redraw_interval, track_stats=True,
-                    stats_threshold=stats_threshold)
+                    stats_threshold=stats_threshold,
+                    save_features=variant.feature_map == "favor+")
     if variant.decay is not None:
         args["decay"] = variant.decay
     if variant.short_conv:

@@ -109,6 +109,26 @@ def test_decay_and_short_convolution_reach_the_layer_only_when_set():
     assert attention_arguments(from_name("favor-full-retnet"), 16, 2)["decay"] == "retnet"
 
 
+def test_favor_layers_keep_their_features_and_train_the_same_bits():
+    """FAVOR+ layers keep each forward's features for the backward (save_features), the other
+    maps' do not; and a step's gradients are the same bits either way."""
+    import torch
+    for variant in CATALOGUE:
+        if variant.linear:
+            expected = variant.feature_map == "favor+"
+            assert attention_arguments(variant, 16, 2)["save_features"] is expected
+    tokens = torch.randint(0, 40, (2, 33), generator=torch.Generator().manual_seed(1))
+    gradients = []
+    for save in (True, False):
+        model = Decoder(40, from_name("favor-numerator_only"), 16, 2, 2, seed=0)
+        for block in model.blocks:
+            assert block.attention.save_features
+            block.attention.save_features = save
+        model(tokens[:, :-1]).logsumexp(-1).sum().backward()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*gradients))
+
+
 def test_tables_list_variants_in_catalogue_order():
     """By the catalogue variant under the extras, then the extras: the committed study's tables
     keep their row order whatever order the runs were trained in."""
