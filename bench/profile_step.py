@@ -221,7 +221,8 @@ def say(*parts):
 
 def summary(values):
     ordered = sorted(values)
-    return dict(median=statistics.median(ordered), low=ordered[0], high=ordered[-1])
+    return dict(median=statistics.median(ordered), mean=statistics.fmean(ordered),
+                low=ordered[0], high=ordered[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +309,8 @@ def finish_case(args, run, shape, corpus, rounds):
                   round_wall_s=summary(statistics.median(t[0] for t in one) for one in rounds))
     result["tokens_per_s_wall"] = tokens / result["step_wall_s"]["median"]
     result["tokens_per_s_cpu"] = tokens / result["step_cpu_s"]["median"]
+    # What a run of many steps gets, the slow steps included (a burst of page faults, say)
+    result["tokens_per_s_cpu_mean"] = tokens / result["step_cpu_s"]["mean"]
     result["batch_ms"] = 1e3 * timed(lambda: [run.batch(i) for i in range(20)])[0] / 20
     torch.set_num_threads(args.threads)
     eval_tokens, evaluate = evaluation(args, run, shape, corpus)
@@ -328,7 +331,8 @@ def print_case(r):
     say(f"{r['variant']:24s} {str(r['shape']):9s} x{r['batch']:<3d} step: wall "
         f"{1e3 * wall['median']:7.1f} ms, CPU {1e3 * cpu['median']:7.1f} ms (rounds' medians "
         f"{1e3 * spread['low']:.1f}-{1e3 * spread['high']:.1f}); tokens/s "
-        f"{r['tokens_per_s_wall']:7.0f} wall, {r['tokens_per_s_cpu']:7.0f} CPU; eval "
+        f"{r['tokens_per_s_wall']:7.0f} wall, {r['tokens_per_s_cpu']:7.0f} CPU (mean step: "
+        f"{r['tokens_per_s_cpu_mean']:7.0f}); eval "
         f"{r['eval_tokens_per_s_cpu']:7.0f} tokens/s CPU ({r['eval_ms_per_step_cpu']:.1f} ms per "
         f"step); batch {r['batch_ms']:.2f} ms")
     if "profile" in r:
@@ -399,20 +403,23 @@ def compare(args, argv):
                 with open(out) as f:
                     seen[side].append(json.load(f)["results"]["cases"])
     rows = []
-    say("\n| variant | shape | before tokens/s (CPU) | after | after / before, per round |"
-        "\n|---|---|---|---|---|")
+    say("\n| variant | shape | before tokens/s (CPU) | after | after / before, per round | "
+        "the same from the mean step |\n|---|---|---|---|---|---|")
     for i, case in enumerate(seen["before"][0]):
         tps = {side: [r[i]["tokens_per_s_cpu"] for r in seen[side]] for side in sides}
         ratios = [a / b for a, b in zip(tps["after"], tps["before"])]
+        means = {side: [r[i]["tokens_per_s_cpu_mean"] for r in seen[side]] for side in sides}
         row = dict(variant=case["variant"], shape=case["shape"],
                    before=summary(tps["before"]), after=summary(tps["after"]),
-                   ratio=summary(ratios))
+                   ratio=summary(ratios),
+                   mean_ratio=summary(a / b for a, b in zip(means["after"], means["before"])))
         rows.append(row)
         say(f"| {row['variant']} | {row['shape']} | {row['before']['median']:.0f} "
             f"({row['before']['low']:.0f}-{row['before']['high']:.0f}) | "
             f"{row['after']['median']:.0f} ({row['after']['low']:.0f}-{row['after']['high']:.0f})"
             f" | **{row['ratio']['median']:.2f}x** ({row['ratio']['low']:.2f}-"
-            f"{row['ratio']['high']:.2f}) |")
+            f"{row['ratio']['high']:.2f}) | {row['mean_ratio']['median']:.2f}x "
+            f"({row['mean_ratio']['low']:.2f}-{row['mean_ratio']['high']:.2f}) |")
     return dict(rounds=seen, table=rows)
 
 
