@@ -11,7 +11,9 @@ A case is a variant at one shape: char_lm at a context (batch = --tokens / conte
     each running --steps steps of every case in turn (interleaved: a slower minute of the shared
     machine slows one round of each case), each step timed in wall and in CPU time
     (time.process_time: what this process ran, which other work on a shared machine does not add
-    to at one thread); the median step and the range of the rounds' medians;
+    to at one thread); the median step and the range of the rounds' medians, and the tokens/s of
+    the mean step (slow steps included: what a long run gets; with several cases, the first step
+    after a switch of case carries some of the switch's cost, page faults say);
   * tokens/s of the evaluation (validation_bpc over --eval-tokens characters at the context; MQAR:
     mqar_accuracy over its test set) and the time to draw a batch (train.Run.batch);
   * with --profile, where a step's time goes (breakdown()): torch.profiler over --steps more

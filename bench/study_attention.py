@@ -32,12 +32,16 @@ def parse_args():
     parser.add_argument("--calls", type=int, default=150, help="forward + backward pairs timed")
     parser.add_argument("--compare-saved", action="store_true",
                         help="time save_features=False and True alternated, and their ratio")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.calls < (2 if args.compare_saved else 1):
+        parser.error(f"--calls is {args.calls} but expected at least 1 (2 with --compare-saved)")
+    return args
 
 
 def main():
     args = parse_args()
     torch.set_num_threads(1)
+    linrope.set_num_threads(1)  # linrope's count is its own, not torch's
     batch, heads, n, d = (int(s) for s in args.shape.split(","))
     feature_map = linrope.FeatureMap(kind=args.map, input_dim=d, num_features=args.features,
                                      seed=1)

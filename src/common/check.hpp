@@ -12,6 +12,12 @@
 #include <string_view>
 #include <type_traits>
 
+// The non-finite checks (x * 0 sums, std::isfinite) rely on IEEE arithmetic, which
+// -ffast-math and -ffinite-math-only let the compiler assume away: every NaN would pass.
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#error "linrope needs NaN and inf: compile it without -ffast-math and -ffinite-math-only"
+#endif
+
 namespace linrope::detail {
 
 struct Shape {
@@ -75,23 +81,30 @@ T zero_sum(const T* x, Index n) {
   Index j = 0;
   for (; j + kSums <= n; j += kSums)
     for (int t = 0; t < kSums; ++t) sums[t] += x[j + t] * T(0);
-  for (; j < n; ++j) sums[0] += x[j] * T(0);
+  for (int t = 0; j + t < n; ++t) sums[t] += x[j + t] * T(0);  // the tail, in lanes too
   for (int width = kSums / 2; width > 0; width /= 2)  // in halves: vector adds, not a chain of 64
     for (int t = 0; t < width; ++t) sums[t] += sums[t + width];
   return sums[0];
 }
 
+// The shortest run that zero_sum checks; shorter ones go to Eigen's reduction. zero_sum's 64 sums
+// cost a fixed ~10-30 ns a call (zeroed, then reduced), which a short run does not repay: a
+// 16-float run took 13-34 ns against Eigen's 1.6, a strided block 16 wide and 4096 rows 132 us
+// against 6; the two break even near 1024 floats (a review's micro-benchmarks, AVX-512,
+// 2026-11-29).
+inline constexpr Index kZeroSumRun = 1024;
+
 // True when every element of `m` is finite. x * 0 is 0 for finite x and NaN for inf or NaN: a
-// vectorised sum (zero_sum over each contiguous row or column where the elements are stored so),
-// ~4x faster than Eigen's allFinite.
+// vectorised sum (zero_sum over each contiguous row or column of at least kZeroSumRun elements,
+// where the elements are stored so; Eigen's sum otherwise).
 template <class M>
 bool all_finite(const M& m) {
   using Scalar = typename M::Scalar;
   if (m.size() == 0) return true;
   if constexpr (bool(M::Flags & Eigen::DirectAccessBit)) {
-    if (m.innerStride() == 1 && m.outerStride() == m.innerSize())  // one contiguous run
-      return zero_sum(m.data(), m.size()) == Scalar(0);
-    if (m.innerStride() == 1) {
+    if (m.innerStride() == 1 && m.outerStride() == m.innerSize() && m.size() >= kZeroSumRun)
+      return zero_sum(m.data(), m.size()) == Scalar(0);  // one contiguous run
+    if (m.innerStride() == 1 && m.innerSize() >= kZeroSumRun) {
       for (Index o = 0; o < m.outerSize(); ++o)
         if (zero_sum(m.data() + o * m.outerStride(), m.innerSize()) != Scalar(0)) return false;
       return true;

@@ -118,15 +118,17 @@ def test_favor_layers_keep_their_features_and_train_the_same_bits():
             expected = variant.feature_map == "favor+"
             assert attention_arguments(variant, 16, 2)["save_features"] is expected
     tokens = torch.randint(0, 40, (2, 33), generator=torch.Generator().manual_seed(1))
-    gradients = []
-    for save in (True, False):
-        model = Decoder(40, from_name("favor-numerator_only"), 16, 2, 2, seed=0)
-        for block in model.blocks:
-            assert block.attention.save_features
-            block.attention.save_features = save
-        model(tokens[:, :-1]).logsumexp(-1).sum().backward()
-        gradients.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*gradients))
+    # eq. 19 keeps rotated numerator and plain denominator features; full, the plain ones only
+    for name in ("favor-numerator_only", "favor-full"):
+        gradients = []
+        for save in (True, False):
+            model = Decoder(40, from_name(name), 16, 2, 2, seed=0)
+            for block in model.blocks:
+                assert block.attention.save_features
+                block.attention.save_features = save
+            model(tokens[:, :-1]).logsumexp(-1).sum().backward()
+            gradients.append([p.grad.clone() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*gradients)), name
 
 
 def test_tables_list_variants_in_catalogue_order():
