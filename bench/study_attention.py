@@ -26,7 +26,8 @@ def parse_args():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--map", default="favor+", help="feature map (linrope.FeatureMap kind)")
-    parser.add_argument("--features", type=int, default=32, help="num_features (FAVOR+'s m)")
+    parser.add_argument("--features", type=int,
+                        help="num_features (FAVOR+'s m; default 2 x d, the study's)")
     parser.add_argument("--placement", default="numerator_only")
     parser.add_argument("--shape", default="4,4,1024,16", help="B,H,n,d of q, k and v")
     parser.add_argument("--calls", type=int, default=150, help="forward + backward pairs timed")
@@ -43,6 +44,8 @@ def main():
     torch.set_num_threads(1)
     linrope.set_num_threads(1)  # linrope's count is its own, not torch's
     batch, heads, n, d = (int(s) for s in args.shape.split(","))
+    if args.features is None:
+        args.features = 2 * d
     feature_map = linrope.FeatureMap(kind=args.map, input_dim=d, num_features=args.features,
                                      seed=1)
     width = d if args.placement == "before_map" else feature_map.output_dim
