@@ -4,7 +4,8 @@
 // system), measured at 6x the forward's own time through linrope.torch (bench/RESULTS.md, "Saved
 // features"). A CachedBlock comes from the cache when a free block fits (at most twice the size
 // asked for) and goes back to it when destroyed, as PyTorch's caching allocator does with its
-// tensors. The cache holds at most kCachedBytes; a block that would pass it is freed.
+// tensors. The cache holds at most kCachedBytes: a block given back to a full cache evicts the
+// oldest kept blocks until it fits (a block larger than the cap is freed).
 #pragma once
 
 #include <cstddef>
