@@ -45,9 +45,26 @@ struct SavedFeatures {
     f.clear();
     d.clear();
   }
-  std::size_t bytes() const { return f.bytes() + d.bytes(); }
-  bool empty() const { return f.empty() && d.empty(); }
-  const char* dtype() const { return !f.empty() ? "float32" : !d.empty() ? "float64" : "none"; }
+  // Read while no forward fills it: a forward lays out and may reallocate its blocks.
+  std::size_t bytes() const {
+    unfilled("nbytes");
+    return f.bytes() + d.bytes();
+  }
+  bool empty() const {
+    unfilled("empty");
+    return f.empty() && d.empty();
+  }
+  const char* dtype() const {
+    unfilled("dtype");
+    return !f.empty() ? "float32" : !d.empty() ? "float64" : "none";
+  }
+
+ private:
+  void unfilled(const char* property) const {
+    if (writing)
+      throw std::runtime_error(std::string("LinearSaved.") + property +
+                               ": a linear_attention forward is filling it");
+  }
 };
 
 // One call's use of a LinearSaved (none: null), taken and given back with the GIL held.

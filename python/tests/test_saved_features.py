@@ -50,6 +50,56 @@ def test_a_backward_refuses_features_of_another_call():
     assert saved.empty
 
 
+def test_while_a_forward_fills_it_no_other_call_may_use_it():
+    """The kernels run without the GIL: while a forward fills `saved` in one thread, another's
+    reads of it (which would see blocks being laid out), clear() and a second forward are
+    refused with RuntimeError, and all are allowed again once the forward has returned."""
+    import threading
+    import time
+    rng = np.random.default_rng(5)
+    fm = linrope.FeatureMap("favor+", 64, num_features=256, seed=1)
+    saved = linrope.LinearSaved()
+    copies = 1
+    while True:  # inputs large enough that one forward lasts >= 60 ms on this machine
+        q = rng.standard_normal((copies, 8, 1024, 64)).astype(np.float32)
+        started = time.perf_counter()
+        want = linrope.linear_attention(q, q, q, fm, causal=True, placement="none", saved=saved)
+        if time.perf_counter() - started >= 0.06 or copies >= 64:
+            break
+        copies *= 2
+    attempts = {
+        "nbytes": lambda: saved.nbytes, "empty": lambda: saved.empty,
+        "dtype": lambda: saved.dtype, "clear": saved.clear,
+        "forward": lambda: linrope.linear_attention(q[:, :1], q[:, :1], q[:, :1], fm,
+                                                    placement="none", saved=saved)}
+    refused = {}
+    for _ in range(3):  # in case a loaded machine never ran this thread during one forward
+        results = []
+        worker = threading.Thread(
+            target=lambda: results.append(linrope.linear_attention(
+                q, q, q, fm, causal=True, placement="none", saved=saved)))
+        worker.start()
+        while worker.is_alive():
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                except RuntimeError as error:
+                    refused.setdefault(name, str(error))
+            time.sleep(0.001)
+        worker.join()
+        np.testing.assert_array_equal(results[0], want)
+        if len(refused) == len(attempts):
+            break
+    assert set(refused) == set(attempts), refused
+    for name in ("nbytes", "empty", "dtype"):
+        assert refused[name] == f"LinearSaved.{name}: a linear_attention forward is filling it"
+    assert refused["clear"] == "LinearSaved.clear: a linear_attention call is using it"
+    assert "saved is in use by another call (a forward filling it)" in refused["forward"]
+    assert saved.dtype == "float32" and not saved.empty and saved.nbytes > 0  # free again
+    saved.clear()
+    assert saved.empty and saved.nbytes == 0
+
+
 @pytest.mark.parametrize("placement", ["numerator_only", "full"])
 @CAUSAL_OR_NOT
 def test_torch_save_features_gradcheck_and_bits(placement, causal):
