@@ -298,6 +298,26 @@ TEST_CASE("saved features: a backward refuses features of another call") {
   CHECK(refusal([&] { linear_attention_backward(q, k, v, d_out, *relu, other, from_elu); }) ==
         "linear_attention_backward: saved holds the features of another call: its forward had "
         "a map of kind elu+1, this call has relu");
+  // Fields no feature depends on are not compared: a deterministic map's seed, a rope's
+  // rotary_dim 0 (= dim) against its dim written out, an unscaled rope's scaling factor.
+  {
+    RopeConfig written_out = placement_rope(RopePlacement::NumeratorOnly, s.d, s.d, false);
+    REQUIRE(written_out.rotary_dim == written_out.dim);
+    RopeConfig implicit = written_out;
+    implicit.rotary_dim = 0;
+    written_out.scaling.factor = 2.0;  // kind None: unused
+    const Rope implicit_rope(implicit), written_out_rope(written_out);
+    LinearOptions forward_options = options, backward_options = options;
+    forward_options.rope = &implicit_rope;
+    backward_options.rope = &written_out_rope;
+    LinearSavedF from_alike;
+    linear_attention(q, k, v, *elu, forward_options, from_alike);
+    const auto elu_redrawn = make_map(FeatureMapKind::EluPlusOne, s.d);
+    elu_redrawn->redraw(4);
+    require_same_gradients(
+        linear_attention_backward(q, k, v, d_out, *elu_redrawn, backward_options, from_alike),
+        linear_attention_backward(q, k, v, d_out, *elu, forward_options));
+  }
   const auto redrawn = make_map(FeatureMapKind::FavorPositive, s.d, 8, 3);
   linear_attention(q, k, v, *redrawn, options, saved);
   redrawn->redraw(4);

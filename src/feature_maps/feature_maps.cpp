@@ -28,11 +28,6 @@ namespace {
 constexpr std::array<const char*, 6> kNames = {"elu+1",      "relu",  "favor+",
                                                "favor-trig", "1+cos", "favor-hyp"};
 
-bool is_favor(FeatureMapKind kind) {
-  return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
-         kind == FeatureMapKind::FavorHyperbolic;
-}
-
 // Every check runs before any work (and so before any parallel region).
 template <class T>
 void check_arguments(const FeatureMap& map, std::string_view fn,
@@ -140,7 +135,7 @@ std::unique_ptr<FeatureMap> make_feature_map(const FeatureMapConfig& config) {
                           kNames.size() - 1, "]");
   if (config.input_dim < 1)
     detail::throw_invalid(fn, "input_dim is ", config.input_dim, " but expected input_dim >= 1");
-  if (is_favor(config.kind)) {
+  if (detail::is_favor(config.kind)) {
     if (config.num_features < 1)
       detail::throw_invalid(fn, "num_features is ", config.num_features,
                             " but expected num_features >= 1 for ", to_string(config.kind));

@@ -2,6 +2,7 @@
 #include "common/block_cache.hpp"
 #include "common/check.hpp"
 #include "common/heads.hpp"
+#include "feature_maps/maps.hpp"
 #include "linear/saved.hpp"
 
 namespace linrope {
@@ -48,9 +49,23 @@ template <class T>
 SavedCall saved_call(const FeatureMap& map, const LinearOptions& options, Heads<const T> q,
                      Heads<const T> k) {
   SavedCall call;
+  // Configurations as the features depend on them, so that maps and ropes made alike compare
+  // equal: a deterministic map's random-projection fields, a rope's rotary_dim 0 (= dim) and an
+  // unscaled rope's scaling fields do not change a feature.
   call.map = map.config();
+  if (!is_favor(call.map.kind)) {
+    const FeatureMapConfig defaults;
+    call.map.num_features = defaults.num_features;
+    call.map.orthogonal = defaults.orthogonal;
+    call.map.regularized = defaults.regularized;
+    call.map.seed = defaults.seed;
+  }
   call.has_rope = options.rope != nullptr;
-  if (options.rope) call.rope = options.rope->config();
+  if (options.rope) {
+    call.rope = options.rope->config();
+    call.rope.rotary_dim = options.rope->rotary_dim();
+    if (call.rope.scaling.kind == RopeScalingKind::None) call.rope.scaling = RopeScaling{};
+  }
   call.placement = options.placement;
   call.causal = options.causal;
   call.q_offset = options.q_offset;
