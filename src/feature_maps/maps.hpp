@@ -33,14 +33,13 @@ double sum_of_squares(const T* p, Index d) {
 
 // elu+1, relu and 1+cos: element-wise (1+cos per row), no parameters.
 std::unique_ptr<FeatureMap> make_elementwise_map(const FeatureMapConfig& config);
-// favor+, favor-trig and favor-hyp: a seeded random projection W, then exponentials or sin/cos.
 // The maps whose features come from a random projection W: only they depend on num_features,
 // orthogonal, regularized and the seed.
 inline bool is_favor(FeatureMapKind kind) {
   return kind == FeatureMapKind::FavorPositive || kind == FeatureMapKind::FavorTrig ||
          kind == FeatureMapKind::FavorHyperbolic;
 }
-
+// favor+, favor-trig and favor-hyp: a seeded random projection W, then exponentials or sin/cos.
 std::unique_ptr<FeatureMap> make_favor_map(const FeatureMapConfig& config);
 
 // W is drawn from linrope::Random (linrope/random.hpp): platform-independent Gaussians.
