@@ -1,8 +1,9 @@
 // linrope: multi-head attention over contiguous row-major [batch, heads, n, d] buffers (PyTorch's
-// layout, `x.contiguous()`), parallel across (batch, head) and, when there are fewer heads than
-// threads, along the sequence. Each (b, h) slice gives exactly what the single-head call gives,
-// bit for bit, except causal linear attention on heads long enough to be split along the
-// sequence, which agrees to rounding ("Reproducibility" in attention.hpp).
+// layout, `x.contiguous()`) or [batch, n, heads, d] ones (HeadsLayout), parallel across (batch,
+// head) and, when there are fewer heads than threads, along the sequence. Each (b, h) slice gives
+// exactly what the single-head call gives, bit for bit, except causal linear attention on heads
+// long enough to be split along the sequence, which agrees to rounding ("Reproducibility" in
+// attention.hpp).
 #pragma once
 
 #include <linrope/attention.hpp>
@@ -10,13 +11,23 @@
 
 namespace linrope {
 
-// A view of a [batch, heads, n, d] buffer. `lengths` (optional, `batch` entries) marks padding:
-// rows at or past lengths[b] are neither attended to (keys) nor written (outputs).
+// How a Heads view's buffer holds its [batch, heads, n, d] elements, each layout dense:
+// BHND: [batch, heads, n, d], a head's rows one block (PyTorch's `x.contiguous()`);
+// BNHD: [batch, n, heads, d], a position's heads side by side: a projection's output [B, n, H d]
+//       seen per head, which PyTorch's `x.view(B, n, H, d).transpose(1, 2)` gives without a copy.
+// The kernels read a BNHD slice's rows gathered into per-thread scratch (a head's rows are H d
+// apart) and write its outputs back the same way; the results are the same bits in either layout.
+enum class HeadsLayout { BHND, BNHD };
+
+// A view of a buffer of [batch, heads, n, d] elements laid out as `layout` says. `lengths`
+// (optional, `batch` entries) marks padding: rows at or past lengths[b] are neither attended to
+// (keys) nor written (outputs). The views of one call may have different layouts.
 template <class T>
 struct Heads {
   T* data = nullptr;
   Index batch = 1, heads = 1, n = 0, d = 0;
   const Index* lengths = nullptr;
+  HeadsLayout layout = HeadsLayout::BHND;
 };
 
 // q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n,d_v]. Options as for the single-head

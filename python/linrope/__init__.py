@@ -2,11 +2,12 @@
 
 Arrays are float32 or float64, shaped (n, d) or (B, H, n, d) (``matmul``'s are matrices, and it
 may write into ``out``; ``gelu`` takes any shape, ``rms_norm`` any with a last dimension d >= 1);
-C-contiguous inputs are read in place, every other output is a new array, the GIL is released
-inside every kernel, and bad input raises
-ValueError with the C++ library's message: NonFiniteError (a ValueError) when the input data holds
-NaN or inf. The differentiable PyTorch layer is ``linrope.torch``
-(imported on its own, so that ``import linrope`` does not load PyTorch).
+C-contiguous inputs are read in place (the attentions' also (B, H, n, d) views of C-contiguous
+(B, n, H, d) arrays, their outputs then in that layout), every other output is a new array, the
+GIL is released inside every kernel, and bad input raises ValueError with the C++ library's
+message: NonFiniteError (a ValueError) when the input data holds NaN or inf. The differentiable
+PyTorch layer is ``linrope.torch`` (imported on its own, so that ``import linrope`` does not load
+PyTorch).
 
 Threads: linrope runs its kernels on ``get_num_threads()`` threads, the machine's cores (or
 OMP_NUM_THREADS) by default, whatever ``torch.set_num_threads`` says; ``import torch`` lowers the

@@ -73,22 +73,6 @@ void require_rank(std::string_view function, const char* name, const py::array& 
 // a is [..., d] of any rank >= 1: the feature maps act row-wise.
 void require_rows(std::string_view function, const char* name, const py::array& a);
 
-template <class T>
-Heads<T> heads_of(T* data, const py::array& a) {
-  if (a.ndim() == 2) return {data, 1, 1, Index(a.shape(0)), Index(a.shape(1))};
-  return {data, Index(a.shape(0)), Index(a.shape(1)), Index(a.shape(2)), Index(a.shape(3))};
-}
-
-template <class T>
-Heads<const T> input_heads(const CArray<T>& a) {
-  return heads_of<const T>(a.data(), a);
-}
-
-template <class T>
-Heads<T> output_heads(CArray<T>& a) {
-  return heads_of<T>(a.mutable_data(), a);
-}
-
 // Arrays of at least this many bytes come from the library's block cache (common/block_cache.hpp).
 inline constexpr std::size_t kCachedArrayBytes = std::size_t(1) << 18;
 

@@ -5,6 +5,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <linrope/linrope.hpp>
 #include <string_view>
 #include <utility>
@@ -40,45 +42,119 @@ py::object with_inputs(std::string_view function, const py::array& q, const py::
   return body.template operator()<double>();
 }
 
-// The C-contiguous q, k, v (and d_out) of one call, as the Heads views its kernels read: q and
-// d_out with q's lengths, k and v with k's.
+// An attention's input or output array and the layout its buffer has (include/linrope/batched.hpp,
+// HeadsLayout). An input is read in place when it is C-contiguous (BHND) or the [B, H, n, d] view
+// of a C-contiguous [B, n, H, d] buffer (BNHD: what PyTorch's `x.view(B, n, H, d).transpose(1, 2)`
+// of a projection's output gives), and aligned; any other is copied once, to BHND. An output takes
+// the layout of the input it matches (out and dq q's, dk k's, dv v's), so that a caller that gave
+// the one layout gets it back.
+template <class T>
+struct HeadsArray {
+  py::array_t<T> array;
+  HeadsLayout layout = HeadsLayout::BHND;
+
+  Heads<const T> view(const Lengths& lengths) const {
+    return with_lengths(heads_of<const T>(array.data()), lengths);
+  }
+  Heads<T> mutable_view(const Lengths& lengths) {
+    return with_lengths(heads_of<T>(array.mutable_data()), lengths);
+  }
+
+ private:
+  template <class U>
+  Heads<U> heads_of(U* data) const {
+    const py::array& a = array;
+    if (a.ndim() == 2) return {data, 1, 1, Index(a.shape(0)), Index(a.shape(1))};
+    return {
+        data,  Index(a.shape(0)), Index(a.shape(1)), Index(a.shape(2)), Index(a.shape(3)), nullptr,
+        layout};
+  }
+};
+
+// True when `a` (4-D) is the [B, H, n, d] view of a C-contiguous [B, n, H, d] buffer of T: its
+// strides those of that buffer transposed, a stride of an extent-1 dimension not counting.
+template <class T>
+bool is_bnhd(const py::array& a) {
+  if (a.ndim() != 4) return false;
+  const py::ssize_t B = a.shape(0), H = a.shape(1), n = a.shape(2), d = a.shape(3);
+  const py::ssize_t item = sizeof(T),
+                    expected[4] = {n * H * d * item, d * item, H * d * item, item};
+  const py::ssize_t extents[4] = {B, H, n, d};
+  for (int i = 0; i < 4; ++i)
+    if (extents[i] > 1 && a.strides(i) != expected[i]) return false;
+  return true;
+}
+
+// `a` (dtype already checked) as the kernels read it: in place when C-contiguous or BNHD and
+// aligned, else a C-contiguous copy.
+template <class T>
+HeadsArray<T> heads_array(const py::array& a) {
+  const bool aligned = reinterpret_cast<std::uintptr_t>(a.data()) % alignof(T) == 0;
+  if (aligned && a.size() > 0 && !(a.flags() & py::array::c_style) && is_bnhd<T>(a))
+    return {py::array_t<T>::ensure(a), HeadsLayout::BNHD};
+  CArray<T> c = contiguous<T>(a);
+  return {py::reinterpret_steal<py::array_t<T>>(c.release()), HeadsLayout::BHND};
+}
+
+// A new array laid out as `like` is, of its shape with the last dimension `last`, contents
+// unspecified (zeroed if `zero`).
+template <class T>
+HeadsArray<T> new_heads_array(const HeadsArray<T>& like, py::ssize_t last, bool zero = false) {
+  CArray<T> buffer;
+  if (like.layout == HeadsLayout::BNHD) {
+    const py::array& a = like.array;
+    buffer = new_array<T>({a.shape(0), a.shape(2), a.shape(1), last});
+  } else {
+    buffer = new_array<T>(like.array, last);
+  }
+  if (zero) std::fill_n(buffer.mutable_data(), buffer.size(), T(0));
+  if (like.layout == HeadsLayout::BHND)
+    return {py::reinterpret_steal<py::array_t<T>>(buffer.release()), HeadsLayout::BHND};
+  return {py::array_t<T>::ensure(buffer.attr("transpose")(0, 2, 1, 3)), HeadsLayout::BNHD};
+}
+
+// q, k, v (and d_out) of one call as the kernels read them, and their Heads views: q and d_out
+// with q's lengths, k and v with k's.
 template <class T>
 struct Inputs {
-  CArray<T> q, k, v, d_out;
+  HeadsArray<T> q, k, v, d_out;
   const Lengths &q_lengths, &k_lengths;
 
-  Heads<const T> q_heads() const { return with_lengths(input_heads(q), q_lengths); }
-  Heads<const T> k_heads() const { return with_lengths(input_heads(k), k_lengths); }
-  Heads<const T> v_heads() const { return with_lengths(input_heads(v), k_lengths); }
-  Heads<const T> d_out_heads() const { return with_lengths(input_heads(d_out), q_lengths); }
-  // The output [.., n, d_v], zero where the lengths leave rows unwritten.
-  CArray<T> new_output() const {
-    const py::ssize_t d_v = v.shape(v.ndim() - 1);
-    return q_lengths ? zero_array<T>(q, d_v) : new_array<T>(q, d_v);
+  Heads<const T> q_heads() const { return q.view(q_lengths); }
+  Heads<const T> k_heads() const { return k.view(k_lengths); }
+  Heads<const T> v_heads() const { return v.view(k_lengths); }
+  Heads<const T> d_out_heads() const { return d_out.view(q_lengths); }
+  // The output [.., n, d_v] in q's layout, zero where the lengths leave rows unwritten.
+  HeadsArray<T> new_output() const {
+    const py::array& values = v.array;
+    return new_heads_array<T>(q, values.shape(values.ndim() - 1), bool(q_lengths));
   }
 };
 
 template <class T>
 Inputs<T> inputs(const py::array& q, const py::array& k, const py::array& v, const py::array* d_out,
                  const Lengths& q_lengths, const Lengths& k_lengths) {
-  return {contiguous<T>(q), contiguous<T>(k),
-          contiguous<T>(v), d_out ? contiguous<T>(*d_out) : CArray<T>(),
-          q_lengths,        k_lengths};
+  return {heads_array<T>(q), heads_array<T>(k),
+          heads_array<T>(v), d_out ? heads_array<T>(*d_out) : HeadsArray<T>(),
+          q_lengths,         k_lengths};
 }
 
-// dq, dk, dv: new arrays of the shapes of q, k, v; `run` calls the C++ backward on their views
-// (which writes every row, zeros past the lengths), holding `map` (if any) while it runs.
+// dq, dk, dv: new arrays of the shapes and layouts of q, k, v; `run` calls the C++ backward on
+// their views (which writes every row, zeros past the lengths), holding `map` (if any) while it
+// runs.
 template <class T, class Run>
 py::object gradients(const Inputs<T>& in, const FeatureMap* map, Run&& run) {
-  CArray<T> dq = new_array<T>(in.q, in.q.shape(in.q.ndim() - 1));
-  CArray<T> dk = new_array<T>(in.k, in.k.shape(in.k.ndim() - 1));
-  CArray<T> dv = new_array<T>(in.v, in.v.shape(in.v.ndim() - 1));
+  const auto like = [](const HeadsArray<T>& x) {
+    const py::array& a = x.array;
+    return new_heads_array<T>(x, a.shape(a.ndim() - 1));
+  };
+  HeadsArray<T> dq = like(in.q), dk = like(in.k), dv = like(in.v);
   {
     KernelScope scope(map);
-    run(with_lengths(output_heads(dq), in.q_lengths), with_lengths(output_heads(dk), in.k_lengths),
-        with_lengths(output_heads(dv), in.k_lengths));
+    run(dq.mutable_view(in.q_lengths), dk.mutable_view(in.k_lengths),
+        dv.mutable_view(in.k_lengths));
   }
-  return py::make_tuple(std::move(dq), std::move(dk), std::move(dv));
+  return py::make_tuple(std::move(dq.array), std::move(dk.array), std::move(dv.array));
 }
 
 }  // namespace linrope::python

@@ -123,7 +123,7 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
                                            method, chunk_size, denominator, decay, head_decays);
   return with_inputs(fn, q, k, v, nullptr, q_lengths, k_lengths, [&]<class T>() -> py::object {
     const Inputs<T> in = inputs<T>(q, k, v, nullptr, q_lengths, k_lengths);
-    CArray<T> out = in.new_output();
+    HeadsArray<T> out = in.new_output();
     DenominatorStats stats{.threshold = stats_threshold};
     const Heads<const T> q_heads = in.q_heads();
     const Index m = map.output_dim(), d_v = in.v_heads().d;
@@ -133,7 +133,7 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
     {
       const SavedUse use(fn, saved, true);
       KernelScope scope(&map);
-      const Heads<T> out_heads = with_lengths(output_heads(out), q_lengths);
+      const Heads<T> out_heads = out.mutable_view(q_lengths);
       DenominatorStats* wanted = return_stats ? &stats : nullptr;
       const bool stateful = initial.present || return_state;
       // saved_arg: the LinearSaved to fill, or nothing.
@@ -154,7 +154,7 @@ py::object linear_forward(const py::array& q, const py::array& k, const py::arra
     }
     if (saved) saved->clear_other<T>();
     py::list result;
-    result.append(std::move(out));
+    result.append(std::move(out.array));
     if (return_stats) result.append(stats_dict(stats));
     if (return_state) result.append(final.to_tuple());
     if (result.size() == 1) return result[0];

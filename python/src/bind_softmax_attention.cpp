@@ -16,13 +16,13 @@ py::object softmax_forward(const py::array& q, const py::array& k, const py::arr
   const SoftmaxOptions options = softmax_options(fn, causal, scale, rope, q_offset, k_offset);
   return with_inputs(fn, q, k, v, nullptr, q_lengths, k_lengths, [&]<class T>() -> py::object {
     const Inputs<T> in = inputs<T>(q, k, v, nullptr, q_lengths, k_lengths);
-    CArray<T> out = in.new_output();
+    HeadsArray<T> out = in.new_output();
     {
       KernelScope scope;
-      softmax_attention(in.q_heads(), in.k_heads(), in.v_heads(),
-                        with_lengths(output_heads(out), q_lengths), options);
+      softmax_attention(in.q_heads(), in.k_heads(), in.v_heads(), out.mutable_view(q_lengths),
+                        options);
     }
-    return out;
+    return std::move(out.array);
   });
 }
 

@@ -1,5 +1,6 @@
-// Private: what both batched attentions share over [batch, heads, n, d] buffers: shape checks,
-// the slices of a view, the finiteness checks, and the loop that spreads the slices over threads.
+// Private: what both batched attentions share over [batch, heads, n, d] views: shape checks,
+// the slices of a view (and their rows as the kernels read them, whatever the layout), the
+// finiteness checks, and the loop that spreads the slices over threads.
 #pragma once
 
 #include <algorithm>
@@ -7,12 +8,14 @@
 #include <iterator>
 #include <limits>
 #include <linrope/batched.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/check.hpp"
 #include "common/parallel.hpp"
+#include "common/scratch.hpp"
 
 namespace linrope::detail {
 
@@ -31,14 +34,72 @@ Index valid_rows(const Heads<T>& h, Index b) {
   return h.lengths ? h.lengths[b] : h.n;
 }
 
+// Row 0 of slice (b, head), and the distance from one of its rows to the next.
 template <class T>
-const T* slice(const Heads<T>& h, Index b, Index head) {
+T* slice(const Heads<T>& h, Index b, Index head) {
+  if (h.layout == HeadsLayout::BNHD) return h.data + (b * h.n * h.heads + head) * h.d;
   return h.data + (b * h.heads + head) * h.n * h.d;
 }
 template <class T>
-T* slice_out(const Heads<T>& h, Index b, Index head) {
-  return h.data + (b * h.heads + head) * h.n * h.d;
+Index row_stride(const Heads<T>& h) {
+  return h.layout == HeadsLayout::BNHD ? h.heads * h.d : h.d;
 }
+
+// Copies `rows` rows of `d` values from rows `from_stride` apart to rows `to_stride` apart: one
+// Eigen assignment, inlined and vectorised, rather than a memmove call per row of 16-64 values (the
+// two measured alike, within the noise, in bench/head_copies_bound.py --layer).
+template <class T>
+void copy_rows(const T* from, Index from_stride, T* to, Index to_stride, Index rows, Index d) {
+  using Rows = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
+  using ConstRows = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+  Rows(to, rows, d, Eigen::OuterStride<>(to_stride)) =
+      ConstRows(from, rows, d, Eigen::OuterStride<>(from_stride));
+}
+
+// Rows [0, rows) of slice (b, head) as the dense [rows x d] block the single-head kernels read:
+// the view's own memory in BHND, a copy in this thread's scratch in BNHD. That scratch is
+// Lifetime::Thread, as the backward's features are (a training step repeats its shapes): each
+// scratch level a BNHD call used stays with the thread at its largest size, up to 7 slices' rows
+// (a backward's q, k, v, d_out, dq, dk, dv), whatever later calls use that level for.
+template <class T>
+class SliceRows {
+ public:
+  SliceRows(const Heads<const T>& h, Index b, Index head, Index rows) : data_(slice(h, b, head)) {
+    if (h.layout == HeadsLayout::BHND) return;
+    scratch_.emplace(rows * h.d, Lifetime::Thread);
+    copy_rows(data_, row_stride(h), scratch_->data(), h.d, rows, h.d);
+    data_ = scratch_->data();
+  }
+  const T* data() const { return data_; }
+
+ private:
+  std::optional<Scratch<T>> scratch_;
+  const T* data_;
+};
+
+// Where a kernel writes rows [0, rows) of slice (b, head) of an output: the view's own memory in
+// BHND; in BNHD a scratch block that write_back copies into the view's rows.
+template <class T>
+class SliceOutput {
+ public:
+  SliceOutput(const Heads<T>& h, Index b, Index head, Index rows)
+      : view_(slice(h, b, head)), data_(view_), d_(h.d), stride_(row_stride(h)), rows_(rows) {
+    if (h.layout == HeadsLayout::BHND) return;
+    scratch_.emplace(rows * h.d, Lifetime::Thread);
+    data_ = scratch_->data();
+  }
+  T* data() const { return data_; }
+  // The rows written, into the view (BNHD; in BHND they are there already).
+  void write_back() const {
+    if (scratch_) copy_rows(data_, d_, view_, stride_, rows_, d_);
+  }
+
+ private:
+  std::optional<Scratch<T>> scratch_;
+  T* view_;
+  T* data_;
+  Index d_, stride_, rows_;
+};
 
 // batch * heads * n * d, the elements a view spans (sizes already known non-negative), or throws
 // if their bytes could not be addressed: every offset into the view would overflow.
@@ -59,6 +120,9 @@ Index checked_size(std::string_view fn, std::string_view name, const Heads<T>& h
 
 template <class T>
 void check_view(std::string_view fn, std::string_view name, const Heads<T>& h) {
+  if (h.layout != HeadsLayout::BHND && h.layout != HeadsLayout::BNHD)
+    throw_invalid(fn, name, ".layout is ", static_cast<int>(h.layout),
+                  " but expected HeadsLayout::BHND or HeadsLayout::BNHD");
   if (h.batch < 0 || h.heads < 0 || h.n < 0 || h.d < 0)
     throw_invalid(fn, name, " is ", describe(h), " but expected non-negative sizes");
   if (checked_size(fn, name, h) > 0 && h.data == nullptr)
@@ -98,8 +162,8 @@ void check_inputs(std::string_view fn, const Heads<const T>& q, const Heads<cons
   if (v.n != k.n) throw_invalid(fn, "v is ", describe(v), " but k has n = ", k.n);
 }
 
-// True when the elements of two views share memory. Views are dense, so each spans
-// [data, data + batch heads n d).
+// True when the elements of two views share memory. Views are dense in either layout, so each
+// spans [data, data + batch heads n d).
 template <class A, class B>
 bool overlaps(const Heads<A>& a, const Heads<B>& b) {
   const auto begin = [](const auto* p) { return reinterpret_cast<std::uintptr_t>(p); };
@@ -152,12 +216,13 @@ void check_backward_heads(std::string_view fn, const Heads<const T>& q, const He
   require_separate(fn, "dv", dv, "dk", dk);
 }
 
-// The rows of slice s of q, k or v within the lengths (v's are k's).
+// The rows of slice s of q, k or v within the lengths (v's are k's), where they lie.
 template <class T>
-Eigen::Map<const Matrix<T>> valid_slice(const Heads<const T>& h, Index s,
-                                        const Heads<const T>& lengths_from) {
+Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> valid_slice(
+    const Heads<const T>& h, Index s, const Heads<const T>& lengths_from) {
   const Index b = s / h.heads;
-  return Eigen::Map<const Matrix<T>>(slice(h, b, s % h.heads), valid_rows(lengths_from, b), h.d);
+  return {slice(h, b, s % h.heads), valid_rows(lengths_from, b), h.d,
+          Eigen::OuterStride<>(row_stride(h))};
 }
 
 // "q[b, h]": slice s of the view called `tensor`, for messages.
@@ -228,8 +293,9 @@ void for_each_head(Index batch, Index heads, Run run) {
 // Zeros rows [from, n) of slice (b, head) of a view: a backward's gradients past the lengths.
 template <class T>
 void zero_rows_past(const Heads<T>& h, Index b, Index head, Index from) {
-  T* data = h.data + (b * h.heads + head) * h.n * h.d;
-  std::fill(data + from * h.d, data + h.n * h.d, T(0));
+  T* data = slice(h, b, head);
+  const Index stride = row_stride(h);
+  for (Index i = from; i < h.n; ++i) std::fill_n(data + i * stride, h.d, T(0));
 }
 
 }  // namespace linrope::detail

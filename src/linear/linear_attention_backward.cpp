@@ -57,8 +57,6 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
                       const HeadStates<const T>* d_final = nullptr,
                       const HeadStates<T>* d_initial = nullptr,
                       const LinearSaved<T>* saved = nullptr) {
-  using detail::slice;
-  using detail::slice_out;
   using detail::valid_rows;
   detail::check_backward_heads(kFn, q, k, v, d_out, dq, dk, dv);
   detail::check_linear_setup(kFn, map, options, q.d, q.heads);
@@ -89,10 +87,16 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
                                       detail::z_of(final_gradient, s),
                                       detail::S_of(initial_gradient, s),
                                       detail::z_of(initial_gradient, s)};
-    run_head<T>(
-        {slice(q, b, h), slice(k, b, h), slice(v, b, h), slice(d_out, b, h), slice_out(dq, b, h),
-         slice_out(dk, b, h), slice_out(dv, b, h), n, n_k, options.q_offset, options.k_offset},
-        setup_of_slice, threading, ports, kept ? &kept->slices[std::size_t(s)] : nullptr);
+    const detail::SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k),
+        d_out_rows(d_out, b, h, n);
+    const detail::SliceOutput<T> dq_rows(dq, b, h, n), dk_rows(dk, b, h, n_k),
+        dv_rows(dv, b, h, n_k);
+    run_head<T>({q_rows.data(), k_rows.data(), v_rows.data(), d_out_rows.data(), dq_rows.data(),
+                 dk_rows.data(), dv_rows.data(), n, n_k, options.q_offset, options.k_offset},
+                setup_of_slice, threading, ports, kept ? &kept->slices[std::size_t(s)] : nullptr);
+    dq_rows.write_back();
+    dk_rows.write_back();
+    dv_rows.write_back();
     detail::zero_rows_past(dq, b, h, n);
     detail::zero_rows_past(dk, b, h, n_k);
     detail::zero_rows_past(dv, b, h, n_k);

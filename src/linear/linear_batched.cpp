@@ -13,8 +13,6 @@ namespace linrope {
 namespace {
 
 using detail::check_heads;
-using detail::slice;
-using detail::slice_out;
 using detail::valid_rows;
 
 // initial and final: the stateful call's (attention.hpp, "State in, state out"); null for the
@@ -62,9 +60,10 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     setup_of_slice.nonfinite = &nonfinite[s];
     setup_of_slice.use_decay(detail::decay_of(options, h));
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
-    detail::LinearHead<T> head{
-        slice(q, b, h),   slice(k, b, h),  slice(v, b, h), slice_out(out, b, h), n, n_k,
-        options.q_offset, options.k_offset};
+    const detail::SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k);
+    const detail::SliceOutput<T> out_rows(out, b, h, n);
+    detail::LinearHead<T> head{q_rows.data(), k_rows.data(),    v_rows.data(),   out_rows.data(), n,
+                               n_k,           options.q_offset, options.k_offset};
     // The forward's features stored straight into the slice's rows as they are computed.
     std::optional<detail::KeptFeatures<T>> keep_queries, keep_keys;
     detail::SavedSlice<T>* slice_kept = kept ? &kept->slices[std::size_t(s)] : nullptr;
@@ -91,6 +90,7 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     } else {
       detail::linear_noncausal(head, setup_of_slice, tally, threading);
     }
+    out_rows.write_back();
     if (slice_kept) {
       slice_kept->queries.given = slice_kept->queries.rows;
       slice_kept->keys.given = slice_kept->keys.rows;

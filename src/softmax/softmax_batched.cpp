@@ -13,8 +13,8 @@ namespace {
 using detail::check_heads;
 using detail::for_each_head;
 using detail::require_finite_heads;
-using detail::slice;
-using detail::slice_out;
+using detail::SliceOutput;
+using detail::SliceRows;
 using detail::valid_rows;
 
 // What the forward and the backward both check of q, k, v and the options (shapes first).
@@ -34,15 +34,13 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
   check_heads(fn, q, k, v, out);
   check_inputs(fn, q, k, v, options);
   const auto run = [&](Index b, Index h, detail::Threads threading) {
-    const detail::SoftmaxHead<T> head{slice(q, b, h),
-                                      slice(k, b, h),
-                                      slice(v, b, h),
-                                      slice_out(out, b, h),
-                                      valid_rows(q, b),
-                                      valid_rows(k, b),
-                                      q.d,
-                                      v.d};
+    const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
+    const SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k);
+    const SliceOutput<T> out_rows(out, b, h, n);
+    const detail::SoftmaxHead<T> head{
+        q_rows.data(), k_rows.data(), v_rows.data(), out_rows.data(), n, n_k, q.d, v.d};
     detail::softmax_head(head, options, threading);
+    out_rows.write_back();
   };
   for_each_head(q.batch, q.heads, run);
 }
@@ -59,18 +57,24 @@ void softmax_batched_backward(Heads<const T> q, Heads<const T> k, Heads<const T>
   detail::require_finite_view(fn, "d_out", d_out, q);
   const auto run = [&](Index b, Index h, detail::Threads threading) {
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
-    const detail::SoftmaxBackwardHead<T> head{slice(q, b, h),
-                                              slice(k, b, h),
-                                              slice(v, b, h),
-                                              slice(d_out, b, h),
-                                              slice_out(dq, b, h),
-                                              slice_out(dk, b, h),
-                                              slice_out(dv, b, h),
+    const SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k),
+        d_out_rows(d_out, b, h, n);
+    const SliceOutput<T> dq_rows(dq, b, h, n), dk_rows(dk, b, h, n_k), dv_rows(dv, b, h, n_k);
+    const detail::SoftmaxBackwardHead<T> head{q_rows.data(),
+                                              k_rows.data(),
+                                              v_rows.data(),
+                                              d_out_rows.data(),
+                                              dq_rows.data(),
+                                              dk_rows.data(),
+                                              dv_rows.data(),
                                               n,
                                               n_k,
                                               q.d,
                                               v.d};
     detail::softmax_head_backward(head, options, threading);
+    dq_rows.write_back();
+    dk_rows.write_back();
+    dv_rows.write_back();
     detail::zero_rows_past(dq, b, h, n);
     detail::zero_rows_past(dk, b, h, n_k);
     detail::zero_rows_past(dv, b, h, n_k);

@@ -20,7 +20,9 @@ k_lengths (B entries: a list, array or tensor) mark padding in (B, H, n, d) batc
 past them are not attended to, their outputs are 0 and their gradients 0. Tensors are float32 or
 float64, shaped (n, d) or (B, H, n, d), as in ``linrope`` (linear, gelu and rms_norm: any
 shape); arguments and names are those of the NumPy functions. Contiguous tensors reach the
-kernels without a copy (torch and NumPy share the memory), outputs are new tensors.
+kernels without a copy (torch and NumPy share the memory), and so do the attentions' (B, H, n, d)
+views of a contiguous (B, n, H, d) tensor, `x.view(B, n, H, d).transpose(1, 2)`, whose outputs
+and gradients come back in the same layout; outputs are new tensors.
 """
 import math
 import numbers

@@ -322,8 +322,10 @@ class MultiheadAttention(nn.Module):
         self.feature_map = linrope.FeatureMap(seed=int(self.feature_seed), **self._map_args)
 
     def _heads(self, x, n):
-        # [B, n, E] -> [B, H, n, head_dim], contiguous: the layout linrope reads in place.
-        return x.view(x.shape[0], n, self.num_heads, self.head_dim).transpose(1, 2).contiguous()
+        # [B, n, E] -> [B, H, n, head_dim], a view: linrope's kernels read this layout in place
+        # (HeadsLayout BNHD) and give their outputs and gradients in it, so neither the heads'
+        # split nor their merge before out_proj copies.
+        return x.view(x.shape[0], n, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, query, key=None, value=None, *, first_position=0, lengths=None,
                 key_lengths=None, cache=None, return_cache=False):
