@@ -17,6 +17,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "linear_cases.hpp"
@@ -329,6 +330,320 @@ TEST_CASE("saved features: a backward refuses features of another call") {
   saved.clear();
   CHECK(saved.empty());
   CHECK(saved.bytes() == 0);
+}
+
+// One batched call as a backward's check of `saved` (src/linear/saved.hpp, SavedCall) sees it:
+// shapes, lengths, options, and the configurations its map and rope are made from. The base call
+// sets every compared field to something a single change can move: lengths, offsets, per-head
+// decays, a FAVOR+ map, and a YaRN rope (an unscaled rope's scaling fields are not compared).
+struct SavedCallCase {
+  Index batch = 2, heads = 2, n = 9, n_k = 11, d = 5, d_v = 3;
+  std::vector<Index> q_lengths{8, 6}, k_lengths{10, 9};
+  FeatureMapConfig map{.kind = FeatureMapKind::FavorPositive,
+                       .input_dim = 5,
+                       .num_features = 8,
+                       .orthogonal = true,
+                       .seed = 5,
+                       .regularized = false};
+  bool has_rope = true;
+  RopeConfig rope{.dim = 8,
+                  .rotary_dim = 8,
+                  .base = 10000.0,
+                  .layout = RopeLayout::Interleaved,
+                  .scaling = {.kind = RopeScalingKind::Yarn,
+                              .factor = 2.0,
+                              .original_max_position = 16,
+                              .beta_fast = 32.0,
+                              .beta_slow = 1.0}};
+  LinearOptions options = linear_options(true, RopePlacement::NumeratorOnly, nullptr, 1e-3, 2, 0);
+  std::vector<double> head_decays{1.0, 0.9};
+};
+
+// Inputs large enough for every call below (the base call is the largest): a call reads a prefix.
+struct CallInputs {
+  MatrixF q = input<float>(2 * 2 * 9, 5, 41), k = input<float>(2 * 2 * 11, 5, 42),
+          v = input<float>(2 * 2 * 11, 3, 43), d_out = input<float>(2 * 2 * 9, 3, 44);
+};
+
+struct CallGradients {
+  MatrixF dq, dk, dv;
+};
+
+// A call's map, rope and options (pointing at the rope and at c's head_decays).
+struct BuiltCall {
+  explicit BuiltCall(const SavedCallCase& c)
+      : map(make_feature_map(c.map)),
+        rope(c.has_rope ? std::make_unique<Rope>(c.rope) : nullptr),
+        options(c.options) {
+    options.rope = rope.get();
+    options.head_decays = c.head_decays;
+  }
+  std::unique_ptr<FeatureMap> map;
+  std::unique_ptr<Rope> rope;
+  LinearOptions options;
+};
+
+Heads<const float> call_view(const SavedCallCase& c, const MatrixF& x, Index rows, Index cols,
+                             const std::vector<Index>& lengths) {
+  REQUIRE(c.batch * c.heads * rows * cols <= x.size());
+  return {x.data(), c.batch, c.heads, rows, cols, lengths.data()};
+}
+
+void call_forward(const CallInputs& x, const SavedCallCase& c, LinearSavedF& saved) {
+  const BuiltCall built(c);
+  MatrixF out = MatrixF::Zero(c.batch * c.heads * c.n, c.d_v);
+  linear_attention(
+      call_view(c, x.q, c.n, c.d, c.q_lengths), call_view(c, x.k, c.n_k, c.d, c.k_lengths),
+      call_view(c, x.v, c.n_k, c.d_v, c.k_lengths),
+      Heads<float>{out.data(), c.batch, c.heads, c.n, c.d_v}, *built.map, built.options, saved);
+}
+
+// c's backward, reading `saved` when given.
+CallGradients call_backward(const CallInputs& x, const SavedCallCase& c,
+                            const LinearSavedF* saved) {
+  const BuiltCall built(c);
+  CallGradients g{MatrixF::Zero(c.batch * c.heads * c.n, c.d),
+                  MatrixF::Zero(c.batch * c.heads * c.n_k, c.d),
+                  MatrixF::Zero(c.batch * c.heads * c.n_k, c.d_v)};
+  const auto q = call_view(c, x.q, c.n, c.d, c.q_lengths),
+             k = call_view(c, x.k, c.n_k, c.d, c.k_lengths),
+             v = call_view(c, x.v, c.n_k, c.d_v, c.k_lengths),
+             d_out = call_view(c, x.d_out, c.n, c.d_v, c.q_lengths);
+  const Heads<float> dq{g.dq.data(), c.batch, c.heads, c.n, c.d},
+      dk{g.dk.data(), c.batch, c.heads, c.n_k, c.d},
+      dv{g.dv.data(), c.batch, c.heads, c.n_k, c.d_v};
+  if (saved)
+    linear_attention_backward(q, k, v, d_out, dq, dk, dv, *built.map, built.options, *saved);
+  else
+    linear_attention_backward(q, k, v, d_out, dq, dk, dv, *built.map, built.options);
+  return g;
+}
+
+void require_same_gradients(const CallGradients& got, const CallGradients& want) {
+  require_same_bits(got.dq, want.dq, "dq");
+  require_same_bits(got.dk, want.dk, "dk");
+  require_same_bits(got.dv, want.dv, "dv");
+}
+
+const std::string kAnotherCall =
+    "linear_attention_backward: saved holds the features of another call: its forward had ";
+
+// One field of SavedCall changed: the backward's call is the forward's with `change` applied (and
+// both are the base call with `both` applied, when given); the refusal reads kAnotherCall + had.
+struct FieldChange {
+  const char* field;
+  void (*change)(SavedCallCase&);
+  const char* had;
+  void (*both)(SavedCallCase&) = nullptr;
+};
+
+// A call without a placement: its rope's width is not checked against d or m, so a rope of
+// another width (or none) is a valid call.
+void no_placement(SavedCallCase& c) { c.options.placement = RopePlacement::None; }
+
+// Every field check_saved compares (linear_saved.cpp), in its order.
+const FieldChange kFieldChanges[] = {
+    {"batch",
+     [](SavedCallCase& c) {
+       c.batch = 1;
+       c.q_lengths = {8};
+       c.k_lengths = {10};
+     },
+     "batch = 2, this call has 1"},
+    // One decay per head: head_decays follows heads (else a refusal of its own, before saved).
+    {"heads",
+     [](SavedCallCase& c) {
+       c.heads = 1;
+       c.head_decays = {1.0};
+     },
+     "heads = 2, this call has 1"},
+    {"n (q's rows)", [](SavedCallCase& c) { c.n = 8; }, "n = 9, this call has 8"},
+    {"n_k (k's rows)", [](SavedCallCase& c) { c.n_k = 10; }, "n_k = 11, this call has 10"},
+    {"d",
+     [](SavedCallCase& c) {
+       c.d = 4;
+       c.map.input_dim = 4;
+     },
+     "d = 5, this call has 4"},
+    {"q's length, batch entry 1", [](SavedCallCase& c) { c.q_lengths[1] = 5; },
+     "q's length[1] = 6, this call has 5"},
+    {"k's length, batch entry 0", [](SavedCallCase& c) { c.k_lengths[0] = 7; },
+     "k's length[0] = 10, this call has 7"},
+    // A decay < 1 is refused on a non-causal call: the decays go too (causal is compared first).
+    {"causal",
+     [](SavedCallCase& c) {
+       c.options.causal = false;
+       c.head_decays = {};
+     },
+     "options.causal = 1, this call has 0"},
+    {"placement", [](SavedCallCase& c) { c.options.placement = RopePlacement::Full; },
+     "options.placement = numerator_only, this call has full"},
+    {"q_offset", [](SavedCallCase& c) { c.options.q_offset = 3; },
+     "options.q_offset = 2, this call has 3"},
+    {"k_offset", [](SavedCallCase& c) { c.options.k_offset = 1; },
+     "options.k_offset = 0, this call has 1"},
+    {"head_decays", [](SavedCallCase& c) { c.head_decays[1] = 0.8; },
+     "the decay of head[1] = 0.90000000000000002, this call has 0.80000000000000004"},
+    {"decay (one for every head)",
+     [](SavedCallCase& c) {
+       c.head_decays = {};
+       c.options.decay = 0.9;
+     },
+     "the decay of head[0] = 1, this call has 0.90000000000000002"},
+    // The rope's width is m for numerator_only: it grows with the map.
+    {"m",
+     [](SavedCallCase& c) {
+       c.map.num_features = 16;
+       c.rope.dim = c.rope.rotary_dim = 16;
+     },
+     "m = map.output_dim() = 8, this call has 16"},
+    // num_features cannot differ alone: m is f (favor+) or 2f (favor-trig, favor-hyp), so another
+    // f of the same kind changes m, compared first; the m check fires.
+    {"num_features",
+     [](SavedCallCase& c) {
+       c.map.num_features = 4;
+       c.rope.dim = c.rope.rotary_dim = 4;
+     },
+     "m = map.output_dim() = 8, this call has 4"},
+    // favor-trig with f = 4 has favor+'s m = 8.
+    {"map kind",
+     [](SavedCallCase& c) {
+       c.map.kind = FeatureMapKind::FavorTrig;
+       c.map.num_features = 4;
+     },
+     "a map of kind favor+, this call has favor-trig"},
+    {"map orthogonal", [](SavedCallCase& c) { c.map.orthogonal = false; },
+     "map orthogonal = 1, this call has 0"},
+    {"map regularized", [](SavedCallCase& c) { c.map.regularized = true; },
+     "map regularized = 0, this call has 1"},
+    {"map seed", [](SavedCallCase& c) { c.map.seed = 6; },
+     "a map drawn from seed 5, this call has 6"},
+    // A rope set or not, and its dim: with a placement, the rope must be there and its width fit
+    // d (before_map) or m (numerator_only, full), both compared first; so these three calls have
+    // placement none (a rope is then allowed, or none, of any width).
+    {"rope set", [](SavedCallCase& c) { c.has_rope = false; },
+     "options.rope set = 1, this call has 0", no_placement},
+    {"rope unset", [](SavedCallCase& c) { c.has_rope = true; },
+     "options.rope set = 0, this call has 1",
+     [](SavedCallCase& c) {
+       no_placement(c);
+       c.has_rope = false;
+     }},
+    {"rope dim",
+     [](SavedCallCase& c) {
+       c.rope.dim = 6;
+       c.rope.rotary_dim = 6;
+     },
+     "options.rope's dim = 8, this call has 6", no_placement},
+    {"rope rotary_dim", [](SavedCallCase& c) { c.rope.rotary_dim = 6; },
+     "options.rope's rotary_dim = 8, this call has 6"},
+    {"rope base", [](SavedCallCase& c) { c.rope.base = 500; },
+     "options.rope's base = 10000, this call has 500"},
+    {"rope layout", [](SavedCallCase& c) { c.rope.layout = RopeLayout::Half; },
+     "options.rope's layout = interleaved, this call has half"},
+    {"rope scaling kind", [](SavedCallCase& c) { c.rope.scaling.kind = RopeScalingKind::Linear; },
+     "options.rope's scaling = yarn, this call has linear"},
+    {"rope scaling kind, to none",
+     [](SavedCallCase& c) { c.rope.scaling.kind = RopeScalingKind::None; },
+     "options.rope's scaling = yarn, this call has none"},
+    {"rope scaling factor", [](SavedCallCase& c) { c.rope.scaling.factor = 3.0; },
+     "options.rope's scaling factor = 2, this call has 3"},
+    {"rope original_max_position",
+     [](SavedCallCase& c) { c.rope.scaling.original_max_position = 32; },
+     "options.rope's original_max_position = 16, this call has 32"},
+    {"rope beta_fast", [](SavedCallCase& c) { c.rope.scaling.beta_fast = 16.0; },
+     "options.rope's beta_fast = 32, this call has 16"},
+    {"rope beta_slow", [](SavedCallCase& c) { c.rope.scaling.beta_slow = 2.0; },
+     "options.rope's beta_slow = 1, this call has 2"},
+};
+
+TEST_CASE("saved features: a backward refuses a forward that differs in any one compared field") {
+  const CallInputs x;
+  for (const FieldChange& f : kFieldChanges) {
+    INFO("field: " << std::string(f.field));
+    SavedCallCase forward_call;
+    if (f.both) f.both(forward_call);
+    SavedCallCase backward_call = forward_call;
+    f.change(backward_call);
+    LinearSavedF saved;
+    call_forward(x, forward_call, saved);
+    const std::size_t bytes = saved.bytes();
+    CHECK(refusal([&] { call_backward(x, backward_call, &saved); }) == kAnotherCall + f.had);
+    // The changed call is a valid call of its own: with its own forward's features, accepted.
+    LinearSavedF own;
+    call_forward(x, backward_call, own);
+    CHECK(refusal([&] { call_backward(x, backward_call, &own); }).empty());
+    // The refusal left `saved` as it was: the forward's own backward reads it, the plain bits.
+    CHECK_FALSE(saved.empty());
+    CHECK(saved.bytes() == bytes);
+    require_same_gradients(call_backward(x, forward_call, &saved),
+                           call_backward(x, forward_call, nullptr));
+  }
+}
+
+TEST_CASE("saved features: options no feature depends on are not compared") {
+  // eps, the denominator, the causal method and its chunk size, and d_v change the backward, not
+  // the features: a backward that differs from its forward in one of them reads the forward's
+  // features and gives its own plain backward's bits.
+  const CallInputs x;
+  const SavedCallCase base;
+  LinearSavedF saved;
+  call_forward(x, base, saved);
+  const std::pair<const char*, void (*)(SavedCallCase&)> changes[] = {
+      {"eps", [](SavedCallCase& c) { c.options.eps = 1e-2; }},
+      {"denominator", [](SavedCallCase& c) { c.options.denominator = false; }},
+      {"method", [](SavedCallCase& c) { c.options.method = CausalMethod::Chunked; }},
+      {"chunk_size",
+       [](SavedCallCase& c) {
+         c.options.method = CausalMethod::Chunked;
+         c.options.chunk_size = 3;
+       }},
+      {"d_v", [](SavedCallCase& c) { c.d_v = 2; }},
+  };
+  for (const auto& [field, change] : changes) {
+    INFO("field: " << std::string(field));
+    SavedCallCase other = base;
+    change(other);
+    require_same_gradients(call_backward(x, other, &saved), call_backward(x, other, nullptr));
+  }
+}
+
+TEST_CASE("saved features: a batched forward that throws leaves saved refused until refilled") {
+  CallInputs x;
+  const SavedCallCase c;
+  LinearSavedF saved;
+  call_forward(x, c, saved);
+  REQUIRE_FALSE(saved.empty());
+  // A forward refused by its checks leaves `saved` as it was: still read, the plain bits.
+  SavedCallCase refused = c;
+  refused.options.eps = -1;
+  CHECK(refusal([&] { call_forward(x, refused, saved); }) ==
+        "linear_attention: options.eps is -1 but expected a finite eps >= 0");
+  CHECK_FALSE(saved.empty());
+  require_same_gradients(call_backward(x, c, &saved), call_backward(x, c, nullptr));
+  // Slice (b = 1, h = 0) holds q_lengths[1] = 6 rows: a NaN in row 7 is never read; one in row 3
+  // is. The forward that finds it has begun refilling `saved`: it clears it, so that it reads as
+  // empty, holds no memory, and the backward refuses it as it refuses an empty one, rather than
+  // reading rows that were partly written.
+  const Index slice_row = (1 * c.heads + 0) * c.n;
+  const float kept = x.q(slice_row + 7, 1);
+  x.q(slice_row + 7, 1) = std::numeric_limits<float>::quiet_NaN();
+  call_forward(x, c, saved);
+  CHECK_FALSE(saved.empty());
+  x.q(slice_row + 7, 1) = kept;
+  const float within = x.q(slice_row + 3, 1);
+  x.q(slice_row + 3, 1) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_AS(call_forward(x, c, saved), NonFiniteError);
+  x.q(slice_row + 3, 1) = within;
+  CHECK(saved.empty());
+  CHECK(saved.bytes() == 0);
+  CHECK(refusal([&] { call_backward(x, c, &saved); }) ==
+        "linear_attention_backward: saved is empty; expected the LinearSaved that this call's "
+        "forward filled");
+  // A forward that succeeds fills it again: read, the plain bits.
+  call_forward(x, c, saved);
+  CHECK_FALSE(saved.empty());
+  require_same_gradients(call_backward(x, c, &saved), call_backward(x, c, nullptr));
 }
 
 TEST_CASE("saved features: slices without queries, after keys none of them sees") {

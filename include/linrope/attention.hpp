@@ -250,7 +250,8 @@ AttentionGradients<double> linear_attention_backward(
 // token of the backward's work). Its memory is O((n + n_k) m) per slice, alive from the forward
 // to the backward (bytes(); the block holding it may be up to twice that). A forward that takes
 // one fills it, replacing what it held (a call refused by its checks leaves it as it was; one that
-// finds a non-finite input leaves it empty); a backward that takes one only reads it, so several
+// finds a non-finite input, or throws otherwise once it has begun, leaves it empty, its memory
+// freed); a backward that takes one only reads it, so several
 // backwards may read one object at once, and gives the same gradients as without it, the same
 // bits (tests/test_saved_features.cpp). The backward checks that `saved` comes from a forward of
 // the same shapes, lengths, positions, placement, decays, map configuration (kind, m, seed: a

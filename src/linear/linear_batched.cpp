@@ -96,9 +96,16 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
       slice_kept->keys.given = slice_kept->keys.rows;
     }
   };
-  detail::for_each_head(q.batch, q.heads, run);
-  for (Index s = 0; s < slices; ++s)
-    if (nonfinite[s].raised()) detail::require_finite_slice(fn, q, k, v, s);
+  // A forward that throws leaves `saved` empty (attention.hpp), its memory freed, not held by
+  // rows that no backward may read.
+  try {
+    detail::for_each_head(q.batch, q.heads, run);
+    for (Index s = 0; s < slices; ++s)
+      if (nonfinite[s].raised()) detail::require_finite_slice(fn, q, k, v, s);
+  } catch (...) {
+    if (saved) saved->clear();
+    throw;
+  }
   if (stats) {
     detail::DenominatorTally(threshold).store(*stats);
     for (const auto& tally : tallies) tally.merge_into(*stats);
