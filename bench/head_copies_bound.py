@@ -103,6 +103,8 @@ def one_layer(args):
     for i in range(args.warm_up + args.steps):
         for side in SIDES[i % 3:] + SIDES[:i % 3]:
             patch(side)
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
             start = time.process_time()
             layer(x).backward(g)
             if i >= args.warm_up:

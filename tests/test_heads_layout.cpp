@@ -466,8 +466,24 @@ const Shape kShapes[] = {
 const Shape kLongLinear = {1, 1, 1100, 1100, 4, 3, {1037}, {1100}};
 const Shape kLongSoftmax = {1, 1, 301, 301, 4, 3, {250}, {301}};
 
+// With 4 threads, fewer slices than threads and more than one head: each slice then runs on every
+// thread, gathered on the calling one, its rows H d apart (with one head they are d apart, as in
+// BHND, and a stride error would not show).
+constexpr int kFewSlicesThreads = 4;
+const Shape kFewSlices[] = {
+    {1, 2, 7, 33, 5, 4, {6}, {20}},
+    {1, 3, 33, 33, 3, 5, {20}, {33}},
+};
+
 // The shapes a sweep runs with `threads`.
 std::vector<Shape> shapes(int threads, const Shape& long_shape) {
+  if (threads == kFewSlicesThreads) {
+    std::vector<Shape> few(std::begin(kFewSlices), std::end(kFewSlices));
+    Shape long_heads = long_shape;
+    long_heads.heads = 2;
+    few.push_back(long_heads);
+    return few;
+  }
   std::vector<Shape> all(std::begin(kShapes), std::end(kShapes));
   if (threads == kSplitThreads) all.push_back(long_shape);
   return all;
@@ -505,11 +521,10 @@ LinearOptions case_options(const LinearCase& c, const Shape& s, const Rope* rope
   return options;
 }
 
-// Runs body(problem, shape) on every shape (long_shape among them with kSplitThreads threads),
-// with 1 thread and with kSplitThreads.
+// Runs body(problem, shape) on every shape that shapes() gives each thread count.
 template <class T, class Body>
 void for_each_problem(const Shape& long_shape, Body body) {
-  for (const int threads : {1, kSplitThreads}) {
+  for (const int threads : {1, kSplitThreads, kFewSlicesThreads}) {
     const ThreadCount thread_count(threads);
     CAPTURE(threads);
     for (const Shape& s : shapes(threads, long_shape)) {

@@ -33,12 +33,12 @@ struct Heads {
 // q [B,H,n,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n,d_v]. Options as for the single-head
 // calls; a linear attention's LinearOptions::head_decays, when not empty, holds H decays, head h
 // decaying by head_decays[h]. Throws std::invalid_argument on null data, mismatched
-// batch/heads/widths, lengths outside [0, n], a view whose batch * heads * n * d overflows, an
-// output that shares memory with an input (in place) or, in a backward, with another gradient, or
-// non-finite inputs (within the lengths). softmax_attention checks its inputs before it writes
-// anything; linear_attention finds a non-finite value as its kernels read each block (a separate
-// scan would cost one more pass over memory), so when it throws for one, `out` may hold partial
-// results.
+// batch/heads/widths, a layout that is neither HeadsLayout, lengths outside [0, n], a view whose
+// batch * heads * n * d overflows, an output that shares memory with an input (in place) or, in a
+// backward, with another gradient, or non-finite inputs (within the lengths). softmax_attention
+// checks its inputs before it writes anything; linear_attention finds a non-finite value as its
+// kernels read each block (a separate scan would cost one more pass over memory), so when it
+// throws for one, `out` may hold partial results.
 void softmax_attention(Heads<const float> q, Heads<const float> k, Heads<const float> v,
                        Heads<float> out, const SoftmaxOptions& options = {});
 void softmax_attention(Heads<const double> q, Heads<const double> k, Heads<const double> v,

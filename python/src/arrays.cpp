@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "attention_inputs.hpp"
 #include "bindings.hpp"
 
 namespace linrope::python {
@@ -44,6 +45,18 @@ void bind_arrays(py::module_& m) {
     if (dtype_of("_kernel_view", "x", x) == DType::Float32)
       return reinterpret_cast<std::uintptr_t>(contiguous<float>(x).data());
     return reinterpret_cast<std::uintptr_t>(contiguous<double>(x).data());
+  });
+  // The same for an attention's input (attention_inputs.hpp, heads_array), and the layout the
+  // kernels are told it has.
+  m.def("_kernel_heads_view", [](const py::array& x) -> py::tuple {
+    const auto view = [](const auto& heads) {
+      const py::array& a = heads.array;
+      return py::make_tuple(reinterpret_cast<std::uintptr_t>(a.data()),
+                            heads.layout == HeadsLayout::BNHD ? "BNHD" : "BHND");
+    };
+    if (dtype_of("_kernel_heads_view", "x", x) == DType::Float32)
+      return view(heads_array<float>(x));
+    return view(heads_array<double>(x));
   });
 }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <linrope/linrope.hpp>
+#include <stdexcept>
 #include <string_view>
 #include <utility>
 
@@ -71,6 +72,14 @@ struct HeadsArray {
   }
 };
 
+// `a` (an array of T, any strides) as a py::array_t<T> without a copy.
+template <class T>
+py::array_t<T> viewed(const py::object& a) {
+  py::array_t<T> view = py::array_t<T>::ensure(a);
+  if (!view) throw std::logic_error("linrope: an array of the checked dtype could not be viewed");
+  return view;
+}
+
 // True when `a` (4-D) is the [B, H, n, d] view of a C-contiguous [B, n, H, d] buffer of T: its
 // strides those of that buffer transposed, a stride of an extent-1 dimension not counting.
 template <class T>
@@ -91,7 +100,7 @@ template <class T>
 HeadsArray<T> heads_array(const py::array& a) {
   const bool aligned = reinterpret_cast<std::uintptr_t>(a.data()) % alignof(T) == 0;
   if (aligned && a.size() > 0 && !(a.flags() & py::array::c_style) && is_bnhd<T>(a))
-    return {py::array_t<T>::ensure(a), HeadsLayout::BNHD};
+    return {viewed<T>(a), HeadsLayout::BNHD};
   CArray<T> c = contiguous<T>(a);
   return {py::reinterpret_steal<py::array_t<T>>(c.release()), HeadsLayout::BHND};
 }
@@ -110,7 +119,7 @@ HeadsArray<T> new_heads_array(const HeadsArray<T>& like, py::ssize_t last, bool 
   if (zero) std::fill_n(buffer.mutable_data(), buffer.size(), T(0));
   if (like.layout == HeadsLayout::BHND)
     return {py::reinterpret_steal<py::array_t<T>>(buffer.release()), HeadsLayout::BHND};
-  return {py::array_t<T>::ensure(buffer.attr("transpose")(0, 2, 1, 3)), HeadsLayout::BNHD};
+  return {viewed<T>(buffer.attr("transpose")(0, 2, 1, 3)), HeadsLayout::BNHD};
 }
 
 // q, k, v (and d_out) of one call as the kernels read them, and their Heads views: q and d_out

@@ -29,8 +29,37 @@ def dense(*arrays):
 
 
 def assert_same_bits(got, want):
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert np.ascontiguousarray(g).tobytes() == np.ascontiguousarray(w).tobytes()
+
+
+def address(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_which_arrays_are_read_in_place_and_as_which_layout():
+    """What the kernels are handed (the module's _kernel_heads_view: the address they read, and
+    the layout they are told): views of C-contiguous (B, n, H, d) buffers in place as BNHD, read-
+    only ones and a batch sliced from a larger buffer too; C-contiguous arrays (H = 1 or n = 1
+    included) in place as BHND; a misaligned view or an empty one copied to BHND."""
+    view = linrope._core._kernel_heads_view
+    rng = np.random.default_rng(1)
+    q = bnhd(rng, 3, 5, 4, D, np.float32)
+    assert view(q) == (address(q), "BNHD")
+    read_only = q.copy(order="K")
+    read_only.flags.writeable = False
+    assert is_bnhd(read_only) and view(read_only) == (address(read_only), "BNHD")
+    assert view(q[1:2]) == (address(q[1:2]), "BNHD")
+    for dense in (bnhd(rng, 2, 5, 1, D, np.float64), bnhd(rng, 2, 1, 3, D, np.float64)):
+        assert dense.flags.c_contiguous and view(dense) == (address(dense), "BHND")
+    raw = np.zeros(2 * 5 * 3 * D * 4 + 1, np.uint8)
+    misaligned = np.frombuffer(raw.data, np.float32, 2 * 5 * 3 * D, offset=1)
+    misaligned = misaligned.reshape(2, 5, 3, D).transpose(0, 2, 1, 3)
+    got_address, layout = view(misaligned)
+    assert layout == "BHND" and got_address != address(misaligned)
+    empty = np.zeros((2, 0, 3, D), np.float32).transpose(0, 2, 1, 3)
+    assert view(empty)[1] == "BHND"
 
 
 CALLS = {
@@ -126,8 +155,10 @@ def test_gradcheck_through_the_views(attention, causal):
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_multihead_attention_makes_no_layout_copies(attention, monkeypatch):
-    """MultiheadAttention hands the kernels views of its projections and gets back an output
-    that its merge before out_proj views rather than copies; its output and gradients are
+    """MultiheadAttention hands the kernels views of its projections, gets back an output that
+    its merge before out_proj views rather than copies, and d_out arrives in the same layout
+    (so the backward copies nothing either: dq, dk, dv come back in their inputs' layout, as
+    test_views_are_read_in_place_and_give_the_same_bits shows); its output and gradients are
     those of the same layer given C-contiguous heads, bit for bit."""
     torch.manual_seed(0)
     layer = lt.MultiheadAttention(16, 2, attention, causal=True, num_features=8)
@@ -136,11 +167,15 @@ def test_multihead_attention_makes_no_layout_copies(attention, monkeypatch):
     original = getattr(lt.layers, function)
     seen = []
 
+    def bnhd_tensor(t):
+        return t.transpose(1, 2).is_contiguous() and not t.is_contiguous()
+
     def recording(q, k, v, *args, **kwargs):
         result = original(q, k, v, *args, **kwargs)
         out = result[0] if isinstance(result, tuple) else result
-        seen.append((q.transpose(1, 2).is_contiguous() and not q.is_contiguous(),
-                     out.transpose(1, 2).is_contiguous()))
+        seen.append(("q, k, v", all(bnhd_tensor(t) for t in (q, k, v))))
+        seen.append(("out", bnhd_tensor(out)))
+        out.register_hook(lambda d_out: seen.append(("d_out", bnhd_tensor(d_out))))
         return result
 
     def contiguous(q, k, v, *args, **kwargs):
@@ -150,10 +185,27 @@ def test_multihead_attention_makes_no_layout_copies(attention, monkeypatch):
     monkeypatch.setattr(lt.layers, function, recording)
     views = layer(x)
     views_grads = torch.autograd.grad(views, [x, *layer.parameters()], g)
-    assert seen == [(True, True)]
+    assert seen == [("q, k, v", True), ("out", True), ("d_out", True)]
     monkeypatch.setattr(lt.layers, function, contiguous)
     copies = layer(x)
     copies_grads = torch.autograd.grad(copies, [x, *layer.parameters()], g)
     torch.testing.assert_close(views, copies, rtol=0, atol=0)
     for a, b in zip(views_grads, copies_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_multihead_attention_copies_heads_that_are_not_a_projections_view(monkeypatch):
+    """With short_conv the heads come from a convolution's output, which is not contiguous: the
+    layer copies them once (C-contiguous heads), rather than let the kernels copy them in the
+    forward and again in the backward."""
+    torch.manual_seed(0)
+    layer = lt.MultiheadAttention(16, 2, "linear", causal=True, short_conv=3)
+    original, seen = lt.layers.linear_attention, []
+
+    def recording(q, k, v, *args, **kwargs):
+        seen.append(all(t.is_contiguous() for t in (q, k, v)))
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(lt.layers, "linear_attention", recording)
+    layer(torch.randn(2, 9, 16)).sum().backward()
+    assert seen == [True]

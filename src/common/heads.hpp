@@ -4,18 +4,18 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <iterator>
 #include <limits>
 #include <linrope/batched.hpp>
-#include <optional>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/check.hpp"
 #include "common/parallel.hpp"
-#include "common/scratch.hpp"
 
 namespace linrope::detail {
 
@@ -56,46 +56,64 @@ void copy_rows(const T* from, Index from_stride, T* to, Index to_stride, Index r
       ConstRows(from, rows, d, Eigen::OuterStride<>(from_stride));
 }
 
+// A call's views that may be gathered at once, each with its own buffer: q, k, v, d_out and the
+// outputs (out in a forward, dq in a backward; dk, dv).
+enum class GatherSlot { Q, K, V, DOut, OutOrDq, DK, DV, Count };
+
+// This thread's buffer for `slot`, of at least `count` values. Kept at its largest size for the
+// thread's later calls (a training step repeats its shapes; release_cached_memory does not free
+// it), and apart from the Scratch stack, so that the kernels' scratch sits at the same levels,
+// and keeps the same lifetimes, whether a call gathers or not.
+// 64-byte aligned, as Scratch's blocks are: the kernels' vector loads of a row then split no more
+// cache lines than they do in a BHND buffer.
+template <class T>
+T* gather_buffer(GatherSlot slot, Index count) {
+  constexpr std::size_t kAlign = 64, kPad = kAlign / sizeof(T);
+  thread_local std::array<std::vector<T>, std::size_t(GatherSlot::Count)> buffers;
+  std::vector<T>& buffer = buffers[std::size_t(slot)];
+  if (buffer.size() < std::size_t(count) + kPad) buffer.resize(std::size_t(count) + kPad);
+  void* start = buffer.data();
+  std::size_t space = buffer.size() * sizeof(T);
+  return static_cast<T*>(std::align(kAlign, std::size_t(count) * sizeof(T), start, space));
+}
+
 // Rows [0, rows) of slice (b, head) as the dense [rows x d] block the single-head kernels read:
-// the view's own memory in BHND, a copy in this thread's scratch in BNHD. That scratch is
-// Lifetime::Thread, as the backward's features are (a training step repeats its shapes): each
-// scratch level a BNHD call used stays with the thread at its largest size, up to 7 slices' rows
-// (a backward's q, k, v, d_out, dq, dk, dv), whatever later calls use that level for.
+// the view's own memory in BHND, a copy in the calling thread's gather buffer in BNHD (with fewer
+// slices than threads, the thread that hands each slice to all of them).
 template <class T>
 class SliceRows {
  public:
-  SliceRows(const Heads<const T>& h, Index b, Index head, Index rows) : data_(slice(h, b, head)) {
+  SliceRows(const Heads<const T>& h, Index b, Index head, Index rows, GatherSlot slot)
+      : data_(slice(h, b, head)) {
     if (h.layout == HeadsLayout::BHND) return;
-    scratch_.emplace(rows * h.d, Lifetime::Thread);
-    copy_rows(data_, row_stride(h), scratch_->data(), h.d, rows, h.d);
-    data_ = scratch_->data();
+    T* gathered = gather_buffer<T>(slot, rows * h.d);
+    copy_rows(data_, row_stride(h), gathered, h.d, rows, h.d);
+    data_ = gathered;
   }
   const T* data() const { return data_; }
 
  private:
-  std::optional<Scratch<T>> scratch_;
   const T* data_;
 };
 
 // Where a kernel writes rows [0, rows) of slice (b, head) of an output: the view's own memory in
-// BHND; in BNHD a scratch block that write_back copies into the view's rows.
+// BHND; in BNHD the gather buffer, which write_back copies into the view's rows.
 template <class T>
 class SliceOutput {
  public:
-  SliceOutput(const Heads<T>& h, Index b, Index head, Index rows)
-      : view_(slice(h, b, head)), data_(view_), d_(h.d), stride_(row_stride(h)), rows_(rows) {
-    if (h.layout == HeadsLayout::BHND) return;
-    scratch_.emplace(rows * h.d, Lifetime::Thread);
-    data_ = scratch_->data();
-  }
+  SliceOutput(const Heads<T>& h, Index b, Index head, Index rows, GatherSlot slot)
+      : view_(slice(h, b, head)),
+        data_(h.layout == HeadsLayout::BHND ? view_ : gather_buffer<T>(slot, rows * h.d)),
+        d_(h.d),
+        stride_(row_stride(h)),
+        rows_(rows) {}
   T* data() const { return data_; }
   // The rows written, into the view (BNHD; in BHND they are there already).
   void write_back() const {
-    if (scratch_) copy_rows(data_, d_, view_, stride_, rows_, d_);
+    if (data_ != view_) copy_rows(data_, d_, view_, stride_, rows_, d_);
   }
 
  private:
-  std::optional<Scratch<T>> scratch_;
   T* view_;
   T* data_;
   Index d_, stride_, rows_;

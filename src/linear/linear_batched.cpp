@@ -1,5 +1,6 @@
 // Linear attention over [batch, heads, n, d] buffers: checks, then one single-head kernel per
 // (batch, head) slice, the slices spread over the OpenMP threads.
+#include <exception>
 #include <linrope/batched.hpp>
 #include <optional>
 
@@ -14,6 +15,24 @@ namespace {
 
 using detail::check_heads;
 using detail::valid_rows;
+
+// Clears `saved` (if any) when the scope it guards throws: a forward that throws once it has begun
+// refilling it leaves it empty (attention.hpp), its memory freed, not held by rows that no backward
+// may read.
+template <class T>
+class ClearedOnThrow {
+ public:
+  explicit ClearedOnThrow(LinearSaved<T>* saved) : saved_(saved) {}
+  ~ClearedOnThrow() {
+    if (saved_ && std::uncaught_exceptions() > exceptions_) saved_->clear();
+  }
+  ClearedOnThrow(const ClearedOnThrow&) = delete;
+  ClearedOnThrow& operator=(const ClearedOnThrow&) = delete;
+
+ private:
+  LinearSaved<T>* saved_;
+  int exceptions_ = std::uncaught_exceptions();
+};
 
 // initial and final: the stateful call's (attention.hpp, "State in, state out"); null for the
 // plain call, whose causal slices start empty and discard their state. saved: where to keep the
@@ -39,6 +58,7 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
   std::vector<detail::DenominatorTally> tallies(slices, detail::DenominatorTally(threshold));
   // Non-finite inputs are found by the kernels as they read them (common/nonfinite.hpp).
   std::vector<detail::NonFiniteFlag> nonfinite(slices);
+  const ClearedOnThrow<T> cleared(saved);
   detail::SavedHeads<T>* kept = saved ? &detail::SavedAccess::refill(*saved) : nullptr;
   const auto mapped_keys = [&](Index b) {
     return detail::mapped_keys(options.causal, keep_state, valid_rows(q, b), valid_rows(k, b),
@@ -60,8 +80,10 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     setup_of_slice.nonfinite = &nonfinite[s];
     setup_of_slice.use_decay(detail::decay_of(options, h));
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
-    const detail::SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k);
-    const detail::SliceOutput<T> out_rows(out, b, h, n);
+    using Slot = detail::GatherSlot;
+    const detail::SliceRows<T> q_rows(q, b, h, n, Slot::Q), k_rows(k, b, h, n_k, Slot::K),
+        v_rows(v, b, h, n_k, Slot::V);
+    const detail::SliceOutput<T> out_rows(out, b, h, n, Slot::OutOrDq);
     detail::LinearHead<T> head{q_rows.data(), k_rows.data(),    v_rows.data(),   out_rows.data(), n,
                                n_k,           options.q_offset, options.k_offset};
     // The forward's features stored straight into the slice's rows as they are computed.
@@ -96,16 +118,9 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
       slice_kept->keys.given = slice_kept->keys.rows;
     }
   };
-  // A forward that throws leaves `saved` empty (attention.hpp), its memory freed, not held by
-  // rows that no backward may read.
-  try {
-    detail::for_each_head(q.batch, q.heads, run);
-    for (Index s = 0; s < slices; ++s)
-      if (nonfinite[s].raised()) detail::require_finite_slice(fn, q, k, v, s);
-  } catch (...) {
-    if (saved) saved->clear();
-    throw;
-  }
+  detail::for_each_head(q.batch, q.heads, run);
+  for (Index s = 0; s < slices; ++s)
+    if (nonfinite[s].raised()) detail::require_finite_slice(fn, q, k, v, s);
   if (stats) {
     detail::DenominatorTally(threshold).store(*stats);
     for (const auto& tally : tallies) tally.merge_into(*stats);

@@ -322,10 +322,13 @@ class MultiheadAttention(nn.Module):
         self.feature_map = linrope.FeatureMap(seed=int(self.feature_seed), **self._map_args)
 
     def _heads(self, x, n):
-        # [B, n, E] -> [B, H, n, head_dim], a view: linrope's kernels read this layout in place
-        # (HeadsLayout BNHD) and give their outputs and gradients in it, so neither the heads'
-        # split nor their merge before out_proj copies.
-        return x.view(x.shape[0], n, self.num_heads, self.head_dim).transpose(1, 2)
+        # [B, n, E] -> [B, H, n, head_dim]. From a contiguous x (the projections' output), a view
+        # that linrope's kernels read in place (HeadsLayout BNHD), giving their output and
+        # gradients in that layout: no copy for the split, the merge before out_proj or their
+        # gradients. Another x (a short convolution's output, say) is copied once here, as the
+        # kernels would copy it in the forward and again in the backward.
+        heads = x.view(x.shape[0], n, self.num_heads, self.head_dim).transpose(1, 2)
+        return heads if x.is_contiguous() else heads.contiguous()
 
     def forward(self, query, key=None, value=None, *, first_position=0, lengths=None,
                 key_lengths=None, cache=None, return_cache=False):
