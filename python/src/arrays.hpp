@@ -101,14 +101,6 @@ CArray<T> new_array(const py::array& like, py::ssize_t last) {
   return new_array<T>(shape);
 }
 
-// The same, zero-filled: the attention calls leave rows past the lengths unwritten.
-template <class T>
-CArray<T> zero_array(const py::array& like, py::ssize_t last) {
-  CArray<T> a = new_array<T>(like, last);
-  std::fill_n(a.mutable_data(), a.size(), T(0));
-  return a;
-}
-
 // Padding: lengths[b] for every batch entry b of `a`, or none. The C++ call reads a raw pointer,
 // so the count is checked here; the values (in [0, n]) are checked by the C++ call.
 using Lengths = std::optional<std::vector<Index>>;

@@ -106,7 +106,7 @@ HeadsArray<T> heads_array(const py::array& a) {
 }
 
 // A new array laid out as `like` is, of its shape with the last dimension `last`, contents
-// unspecified (zeroed if `zero`).
+// unspecified, or zeroed if `zero` (the attention calls leave rows past the lengths unwritten).
 template <class T>
 HeadsArray<T> new_heads_array(const HeadsArray<T>& like, py::ssize_t last, bool zero = false) {
   CArray<T> buffer;
