@@ -125,21 +125,15 @@ def one_side(args):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import linrope
     import torch
-    from profile_step import make_run, parse_args as step_args
+    from profile_step import make_run, parse_args as step_args, steps
     from training.data import load_corpus
     torch.set_num_threads(1)
     linrope.set_num_threads(1)
     patch(args.side)
     run = make_run(step_args(["--contexts", str(args.context)]), args.variant, args.context,
                    load_corpus())
-    times = []
-    for i in range(args.warm_up + args.steps):
-        run.config.steps += 1
-        start = time.process_time()
-        run.train()
-        if i >= args.warm_up:
-            times.append(1e3 * (time.process_time() - start))
-    print(json.dumps(times))
+    steps(run, args.warm_up)
+    print(json.dumps([1e3 * cpu for _, cpu in steps(run, args.steps)]))
 
 
 def main():

@@ -1,7 +1,10 @@
 #!/usr/bin/python3
 """The study's training step, timed and profiled (issue 39): experiments/training's own Run (its
-Decoder, loss, backward, clipping and AdamW; train.Run.train) stepped one step at a time with its
-evaluation left out, for each variant and shape asked for, and the evaluation timed on its own.
+Decoder, loss, backward, clipping and AdamW; train.Run.train) with its evaluation left out, for
+each variant and shape asked for, and the evaluation timed on its own. The steps are taken as a
+long run takes them: the schedule is long (no step is its last, which logs and summarises), one
+step in the plan's log_every is logged, and each is timed from the end of the one before
+(train.RunHooks.stepped).
 
 A case is a variant at one shape: char_lm at a context (batch = --tokens / context: 16 x 256 and
 4 x 1024, as the plans use), or MQAR at one (length, pairs) setting trained on its own (batch
@@ -249,7 +252,10 @@ def make_run(args, variant, shape, corpus):
         fields = dict(batch_size=args.tokens // shape, context=shape, text_digest=corpus.digest)
     else:
         fields = dict(batch_size=args.mqar_batch, context=0, mqar_settings=(shape,))
-    config = Config(task=args.task, variant=from_name(variant), seed=0, steps=0, lr=1e-3,
+    # A schedule far longer than anything stepped here: steps() trains in parts (stop_after), so
+    # no step is the schedule's last (logged, its summary made), and 1 in log_every is logged,
+    # as in a long run.
+    config = Config(task=args.task, variant=from_name(variant), seed=0, steps=10 ** 9, lr=1e-3,
                     warmup=1, eval_every=10 ** 9, log_every=10, checkpoint_every=10 ** 9,
                     threads=args.threads, **model_of(args), **fields)
     run = Run(config, corpus)
@@ -258,13 +264,22 @@ def make_run(args, variant, shape, corpus):
 
 
 def steps(run, count):
-    """Runs `count` more training steps, one train() call each; their (wall, CPU) seconds."""
-    times = []
-    for _ in range(count):
-        run.config.steps += 1
-        wall, cpu = time.perf_counter(), time.process_time()
-        run.train()
-        times.append((time.perf_counter() - wall, time.process_time() - cpu))
+    """Runs `count` more training steps in one train() call; each step's (wall, CPU) seconds,
+    from the end of one to the end of the next (train.RunHooks.stepped), the first from the
+    call."""
+    from training.train import RunHooks
+    marks = [(time.perf_counter(), time.process_time())]
+
+    class Marks(RunHooks):
+        def stepped(self, _):
+            marks.append((time.perf_counter(), time.process_time()))
+
+    hooks, run.hooks = run.hooks, Marks()
+    try:
+        run.train(stop_after=count)
+    finally:
+        run.hooks = hooks
+    times = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
     if run.records["diverged_step"] is not None:
         raise RuntimeError("the run diverged: %s" % run.records["diverged_reason"])
     return times

@@ -102,9 +102,14 @@ class RunHooks:
     a subclass to training.__main__.main (tests/torchrun_entry.py) and acts on run.model through
     PyTorch's public module hooks: an interrupt at a step, a backward that raises on one rank, the
     digests of what each rank computed. Runs from the command line have none (these do nothing).
-    Runs trained in worker processes (--jobs) get a pickled copy."""
+    Runs trained in worker processes (--jobs) get a pickled copy. stepped(run) is called at the
+    end of every step train() completes, logging and evaluation included: bench/profile_step.py
+    times steps there, as a long run takes them."""
 
     def started(self, run):
+        pass
+
+    def stepped(self, run):
         pass
 
     def finished(self, run):
@@ -354,12 +359,17 @@ class Run:
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip))
         return norm, layer_norms, None if math.isfinite(norm) else "gradient norm %s" % norm
 
-    def train(self, checkpoint=None, progress=None):
+    def train(self, checkpoint=None, progress=None, stop_after=None):
+        """Trains up to config.steps (the schedule's length), or, with stop_after, at most that
+        many steps of this call: a caller that steps a run in parts (bench/profile_step.py) then
+        gets steps like a long run's, not each one the schedule's last (logged, its summary
+        made)."""
         c, model = self.config, self.model
         torch.set_num_threads(c.threads)
         linrope.set_num_threads(c.threads)
         model.train()
-        while (self.step < c.steps and self.records["diverged_step"] is None
+        last = c.steps if stop_after is None else min(c.steps, self.step + stop_after)
+        while (self.step < last and self.records["diverged_step"] is None
                and self.records["target_step"] is None):
             step = self.step
             started = time.perf_counter()
@@ -404,6 +414,7 @@ class Run:
             if checkpoint and (self.step % c.checkpoint_every == 0):
                 self.save(checkpoint)
             self.records["wall_seconds"] += time.perf_counter() - started
+            self.hooks.stepped(self)
         self.hooks.finished(self)
         return self.summary()
 

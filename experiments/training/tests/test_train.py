@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import linrope
 from training import mqar
-from training.train import TIMING, Run, learning_rate, loss_of
+from training.train import TIMING, Run, RunHooks, learning_rate, loss_of
 
 
 class Stop(Exception):
@@ -457,6 +457,35 @@ def test_resumed_run_equals_an_uninterrupted_one(variant, tiny, corpus, tmp_path
         seeds = [int(b.attention.feature_seed) for b in resumed.model.blocks]
         assert seeds == [int(b.attention.feature_seed) for b in whole.model.blocks]
         assert seeds[0] != 0  # W was redrawn (layer 0's first seed is 1000 x 0 + 0)
+
+
+def test_a_run_trained_in_parts_equals_one_trained_whole(tiny, corpus):
+    """train(stop_after=k) returns after k steps of the schedule (config.steps, not k, sets the
+    learning rates and which step is the last); calls of 5, 0 and the rest give bitwise the run
+    of one call, and RunHooks.stepped sees every step once, in order, after its records."""
+    config = tiny(log_every=3)
+    whole = Run(config, corpus)
+    whole.train()
+
+    class Seen(RunHooks):
+        def __init__(self):
+            self.steps, self.rows = [], []
+
+        def stepped(self, run):
+            self.steps.append(run.step)
+            self.rows.append(len(run.records["curves"]))
+
+    seen = Seen()
+    parts = Run(config, corpus, hooks=seen)
+    for count, expected_step in ((5, 5), (0, 5), (10 ** 6, config.steps)):
+        parts.train(stop_after=count)
+        assert parts.step == expected_step
+    assert seen.steps == list(range(1, config.steps + 1))
+    assert seen.rows == [step // 3 + (step == config.steps and step % 3 != 0)
+                         for step in seen.steps]
+    assert same_records(parts.records, whole.records)
+    assert same_tensors(parts.model.state_dict(), whole.model.state_dict())
+    assert same_tensors(parts.optimiser.state_dict(), whole.optimiser.state_dict())
 
 
 def test_checkpoint_at_the_end_resumes_to_nothing(tiny, corpus, tmp_path):
