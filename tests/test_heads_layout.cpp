@@ -711,3 +711,36 @@ TEST_CASE("heads layout: a layout neither BHND nor BNHD is refused, naming the v
     }
   }
 }
+
+// The gathered rows live in blocks of the process-wide cache, given back when their slice is done:
+// release_cached_memory then frees exactly one [n x d] block per view gathered (one thread, so the
+// two slices reuse them in turn); a BNHD view with one head has its rows d apart already and is
+// read and written in place (nothing gathered, nothing cached).
+TEST_CASE("heads layout: gathered rows come from the block cache, one head is read in place") {
+  const ThreadCount one(1);
+  constexpr Index kN = 64, kD = 8;
+  const auto map = layout_map(kElu, kD);
+  const LinearOptions options = linear_options(false, kNone, nullptr, 1e-3, 0, 0);
+  const auto cached_after_call = [&](Index heads, HeadsLayout layout) {
+    const Index size = heads * kN * kD;
+    const MatrixD x = gaussian(3, size, 3, 1.0);
+    std::vector<float> q(static_cast<std::size_t>(size)), k(q.size()), v(q.size()), out(q.size());
+    for (Index e = 0; e < size; ++e) {
+      q[std::size_t(e)] = float(x(0, e));
+      k[std::size_t(e)] = float(x(1, e));
+      v[std::size_t(e)] = float(x(2, e));
+    }
+    const auto in = [&](const std::vector<float>& a) {
+      return Heads<const float>{a.data(), 1, heads, kN, kD, nullptr, layout};
+    };
+    release_cached_memory();
+    linear_attention(in(q), in(k), in(v),
+                     Heads<float>{out.data(), 1, heads, kN, kD, nullptr, layout}, *map, options);
+    return release_cached_memory();
+  };
+  const std::size_t block = kN * kD * sizeof(float);
+  const std::size_t dense = cached_after_call(2, kBHND);
+  CHECK(cached_after_call(2, kBNHD) == dense + 4 * block);  // q, k, v and out gathered
+  CHECK(cached_after_call(1, kBNHD) == dense);
+  CHECK(cached_after_call(1, kBHND) == dense);
+}

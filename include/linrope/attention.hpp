@@ -290,8 +290,8 @@ using LinearSavedD = LinearSaved<double>;
 // A LinearSaved's memory, once it is destroyed or refilled at another size, is kept for the next
 // one (up to 1 GiB of freed blocks, process-wide, the oldest given up first when a newer one
 // needs the room: a training loop makes one every step, and fresh pages cost a fault each); so
-// are the Python module's large output arrays. This frees what is kept and returns its size in
-// bytes.
+// are the Python module's large output arrays, the softmax kernels' scratch and the rows the
+// batched calls gather from BNHD views. This frees what is kept and returns its size in bytes.
 std::size_t release_cached_memory();
 
 // linear_attention and its backward as above, the forward filling `saved` and the backward

@@ -4,16 +4,15 @@
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <iterator>
 #include <limits>
 #include <linrope/batched.hpp>
-#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/block_cache.hpp"
 #include "common/check.hpp"
 #include "common/parallel.hpp"
 
@@ -56,65 +55,68 @@ void copy_rows(const T* from, Index from_stride, T* to, Index to_stride, Index r
       ConstRows(from, rows, d, Eigen::OuterStride<>(from_stride));
 }
 
-// A call's views that may be gathered at once, each with its own buffer: q, k, v, d_out and the
-// outputs (out in a forward, dq in a backward; dk, dv).
-enum class GatherSlot { Q, K, V, DOut, OutOrDq, DK, DV, Count };
-
-// This thread's buffer for `slot`, of at least `count` values. Kept at its largest size for the
-// thread's later calls (a training step repeats its shapes; release_cached_memory does not free
-// it), and apart from the Scratch stack, so that the kernels' scratch sits at the same levels,
-// and keeps the same lifetimes, whether a call gathers or not.
-// 64-byte aligned, as Scratch's blocks are: the kernels' vector loads of a row then split no more
-// cache lines than they do in a BHND buffer.
+// True when a slice's rows lie d apart already (BHND, or BNHD with one head): the kernels read
+// and write them in place.
 template <class T>
-T* gather_buffer(GatherSlot slot, Index count) {
-  constexpr std::size_t kAlign = 64, kPad = kAlign / sizeof(T);
-  thread_local std::array<std::vector<T>, std::size_t(GatherSlot::Count)> buffers;
-  std::vector<T>& buffer = buffers[std::size_t(slot)];
-  if (buffer.size() < std::size_t(count) + kPad) buffer.resize(std::size_t(count) + kPad);
-  void* start = buffer.data();
-  std::size_t space = buffer.size() * sizeof(T);
-  return static_cast<T*>(std::align(kAlign, std::size_t(count) * sizeof(T), start, space));
+bool dense_rows(const Heads<T>& h) {
+  return row_stride(h) == h.d;
 }
 
+// A [rows x d] block for one slice's gathered rows: from the process-wide block cache
+// (block_cache.hpp), so that a training step's repeated shapes find their blocks again and
+// release_cached_memory frees them, and given back when the slice is done. 64-byte aligned, as
+// Scratch's blocks are: the kernels' vector loads of a row then split no more cache lines than
+// they do in a BHND buffer (16-byte aligned buffers measured slower).
+template <class T>
+class GatherBlock {
+ public:
+  GatherBlock(Index rows, Index d) : block_(std::size_t(rows * d) * sizeof(T)) {}
+  T* data() const { return reinterpret_cast<T*>(block_.data()); }
+
+ private:
+  CachedBlock block_;
+};
+
 // Rows [0, rows) of slice (b, head) as the dense [rows x d] block the single-head kernels read:
-// the view's own memory in BHND, a copy in the calling thread's gather buffer in BNHD (with fewer
-// slices than threads, the thread that hands each slice to all of them).
+// the view's own memory where its rows are dense (dense_rows), else a copy in a GatherBlock (with
+// fewer slices than threads, made by the thread that hands each slice to all of them).
 template <class T>
 class SliceRows {
  public:
-  SliceRows(const Heads<const T>& h, Index b, Index head, Index rows, GatherSlot slot)
-      : data_(slice(h, b, head)) {
-    if (h.layout == HeadsLayout::BHND) return;
-    T* gathered = gather_buffer<T>(slot, rows * h.d);
-    copy_rows(data_, row_stride(h), gathered, h.d, rows, h.d);
-    data_ = gathered;
+  SliceRows(const Heads<const T>& h, Index b, Index head, Index rows)
+      : data_(slice(h, b, head)), gathered_(dense_rows(h) ? 0 : rows, h.d) {
+    if (dense_rows(h) || rows == 0) return;
+    copy_rows(data_, row_stride(h), gathered_.data(), h.d, rows, h.d);
+    data_ = gathered_.data();
   }
   const T* data() const { return data_; }
 
  private:
   const T* data_;
+  GatherBlock<T> gathered_;
 };
 
-// Where a kernel writes rows [0, rows) of slice (b, head) of an output: the view's own memory in
-// BHND; in BNHD the gather buffer, which write_back copies into the view's rows.
+// Where a kernel writes rows [0, rows) of slice (b, head) of an output: the view's own memory
+// where its rows are dense; otherwise a GatherBlock, which write_back copies into the view's rows.
 template <class T>
 class SliceOutput {
  public:
-  SliceOutput(const Heads<T>& h, Index b, Index head, Index rows, GatherSlot slot)
+  SliceOutput(const Heads<T>& h, Index b, Index head, Index rows)
       : view_(slice(h, b, head)),
-        data_(h.layout == HeadsLayout::BHND ? view_ : gather_buffer<T>(slot, rows * h.d)),
+        gathered_(dense_rows(h) ? 0 : rows, h.d),
+        data_(dense_rows(h) || rows == 0 ? view_ : gathered_.data()),
         d_(h.d),
         stride_(row_stride(h)),
         rows_(rows) {}
   T* data() const { return data_; }
-  // The rows written, into the view (BNHD; in BHND they are there already).
+  // The rows written, into the view (where they were gathered; dense views hold them already).
   void write_back() const {
     if (data_ != view_) copy_rows(data_, d_, view_, stride_, rows_, d_);
   }
 
  private:
   T* view_;
+  GatherBlock<T> gathered_;
   T* data_;
   Index d_, stride_, rows_;
 };

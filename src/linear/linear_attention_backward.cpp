@@ -87,11 +87,10 @@ void backward_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Head
                                       detail::z_of(final_gradient, s),
                                       detail::S_of(initial_gradient, s),
                                       detail::z_of(initial_gradient, s)};
-    using Slot = detail::GatherSlot;
-    const detail::SliceRows<T> q_rows(q, b, h, n, Slot::Q), k_rows(k, b, h, n_k, Slot::K),
-        v_rows(v, b, h, n_k, Slot::V), d_out_rows(d_out, b, h, n, Slot::DOut);
-    const detail::SliceOutput<T> dq_rows(dq, b, h, n, Slot::OutOrDq),
-        dk_rows(dk, b, h, n_k, Slot::DK), dv_rows(dv, b, h, n_k, Slot::DV);
+    const detail::SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k),
+        d_out_rows(d_out, b, h, n);
+    const detail::SliceOutput<T> dq_rows(dq, b, h, n), dk_rows(dk, b, h, n_k),
+        dv_rows(dv, b, h, n_k);
     run_head<T>({q_rows.data(), k_rows.data(), v_rows.data(), d_out_rows.data(), dq_rows.data(),
                  dk_rows.data(), dv_rows.data(), n, n_k, options.q_offset, options.k_offset},
                 setup_of_slice, threading, ports, kept ? &kept->slices[std::size_t(s)] : nullptr);

@@ -80,10 +80,8 @@ void linear_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads<
     setup_of_slice.nonfinite = &nonfinite[s];
     setup_of_slice.use_decay(detail::decay_of(options, h));
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
-    using Slot = detail::GatherSlot;
-    const detail::SliceRows<T> q_rows(q, b, h, n, Slot::Q), k_rows(k, b, h, n_k, Slot::K),
-        v_rows(v, b, h, n_k, Slot::V);
-    const detail::SliceOutput<T> out_rows(out, b, h, n, Slot::OutOrDq);
+    const detail::SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k);
+    const detail::SliceOutput<T> out_rows(out, b, h, n);
     detail::LinearHead<T> head{q_rows.data(), k_rows.data(),    v_rows.data(),   out_rows.data(), n,
                                n_k,           options.q_offset, options.k_offset};
     // The forward's features stored straight into the slice's rows as they are computed.

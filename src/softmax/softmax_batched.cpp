@@ -15,7 +15,6 @@ using detail::for_each_head;
 using detail::require_finite_heads;
 using detail::SliceOutput;
 using detail::SliceRows;
-using Slot = detail::GatherSlot;
 using detail::valid_rows;
 
 // What the forward and the backward both check of q, k, v and the options (shapes first).
@@ -36,9 +35,8 @@ void softmax_batched(Heads<const T> q, Heads<const T> k, Heads<const T> v, Heads
   check_inputs(fn, q, k, v, options);
   const auto run = [&](Index b, Index h, detail::Threads threading) {
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
-    const SliceRows<T> q_rows(q, b, h, n, Slot::Q), k_rows(k, b, h, n_k, Slot::K),
-        v_rows(v, b, h, n_k, Slot::V);
-    const SliceOutput<T> out_rows(out, b, h, n, Slot::OutOrDq);
+    const SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k);
+    const SliceOutput<T> out_rows(out, b, h, n);
     const detail::SoftmaxHead<T> head{
         q_rows.data(), k_rows.data(), v_rows.data(), out_rows.data(), n, n_k, q.d, v.d};
     detail::softmax_head(head, options, threading);
@@ -59,10 +57,9 @@ void softmax_batched_backward(Heads<const T> q, Heads<const T> k, Heads<const T>
   detail::require_finite_view(fn, "d_out", d_out, q);
   const auto run = [&](Index b, Index h, detail::Threads threading) {
     const Index n = valid_rows(q, b), n_k = valid_rows(k, b);
-    const SliceRows<T> q_rows(q, b, h, n, Slot::Q), k_rows(k, b, h, n_k, Slot::K),
-        v_rows(v, b, h, n_k, Slot::V), d_out_rows(d_out, b, h, n, Slot::DOut);
-    const SliceOutput<T> dq_rows(dq, b, h, n, Slot::OutOrDq), dk_rows(dk, b, h, n_k, Slot::DK),
-        dv_rows(dv, b, h, n_k, Slot::DV);
+    const SliceRows<T> q_rows(q, b, h, n), k_rows(k, b, h, n_k), v_rows(v, b, h, n_k),
+        d_out_rows(d_out, b, h, n);
+    const SliceOutput<T> dq_rows(dq, b, h, n), dk_rows(dk, b, h, n_k), dv_rows(dv, b, h, n_k);
     const detail::SoftmaxBackwardHead<T> head{q_rows.data(),
                                               k_rows.data(),
                                               v_rows.data(),
