@@ -518,23 +518,9 @@ const FieldChange kFieldChanges[] = {
      "map regularized = 0, this call has 1"},
     {"map seed", [](SavedCallCase& c) { c.map.seed = 6; },
      "a map drawn from seed 5, this call has 6"},
-    // A rope set or not, and its dim: with a placement, the rope must be there and its width fit
-    // d (before_map) or m (numerator_only, full), both compared first; so these three calls have
-    // placement none (a rope is then allowed, or none, of any width).
-    {"rope set", [](SavedCallCase& c) { c.has_rope = false; },
-     "options.rope set = 1, this call has 0", no_placement},
-    {"rope unset", [](SavedCallCase& c) { c.has_rope = true; },
-     "options.rope set = 0, this call has 1",
-     [](SavedCallCase& c) {
-       no_placement(c);
-       c.has_rope = false;
-     }},
-    {"rope dim",
-     [](SavedCallCase& c) {
-       c.rope.dim = 6;
-       c.rope.rotary_dim = 6;
-     },
-     "options.rope's dim = 8, this call has 6", no_placement},
+    // A rope set or not, and its dim, are never compared on their own: a placement needs a rope of
+    // the width d (before_map) or m (numerator_only, full), and with placement none the rope is no
+    // part of the call ("options no feature depends on", below).
     {"rope rotary_dim", [](SavedCallCase& c) { c.rope.rotary_dim = 6; },
      "options.rope's rotary_dim = 8, this call has 6"},
     {"rope base", [](SavedCallCase& c) { c.rope.base = 500; },
@@ -605,6 +591,35 @@ TEST_CASE("saved features: options no feature depends on are not compared") {
     SavedCallCase other = base;
     change(other);
     require_same_gradients(call_backward(x, other, &saved), call_backward(x, other, nullptr));
+  }
+}
+
+TEST_CASE("saved features: with placement none the rope is not compared") {
+  // The call uses no rope: a backward with none, or with a rope of another width or base, than
+  // its forward had reads the forward's features and gives its own plain backward's bits.
+  const CallInputs x;
+  SavedCallCase base;
+  no_placement(base);
+  const std::pair<const char*, void (*)(SavedCallCase&)> changes[] = {
+      {"rope unset", [](SavedCallCase& c) { c.has_rope = false; }},
+      {"rope dim",
+       [](SavedCallCase& c) {
+         c.rope.dim = 6;
+         c.rope.rotary_dim = 6;
+       }},
+      {"rope base", [](SavedCallCase& c) { c.rope.base = 500; }},
+  };
+  for (const bool forward_rope : {true, false}) {
+    SavedCallCase forward = base;
+    forward.has_rope = forward_rope;
+    LinearSavedF saved;
+    call_forward(x, forward, saved);
+    for (const auto& [field, change] : changes) {
+      INFO("forward has a rope: " << forward_rope << ", field: " << std::string(field));
+      SavedCallCase other = base;
+      change(other);
+      require_same_gradients(call_backward(x, other, &saved), call_backward(x, other, nullptr));
+    }
   }
 }
 

@@ -51,7 +51,8 @@ SavedCall saved_call(const FeatureMap& map, const LinearOptions& options, Heads<
   SavedCall call;
   // Configurations as the features depend on them, so that maps and ropes made alike compare
   // equal: a deterministic map's random-projection fields, a rope's rotary_dim 0 (= dim) and an
-  // unscaled rope's scaling fields do not change a feature.
+  // unscaled rope's scaling fields do not change a feature; nor does a rope that the placement
+  // leaves unused (none), which is then no part of the call.
   call.map = map.config();
   if (!is_favor(call.map.kind)) {
     const FeatureMapConfig defaults;
@@ -60,8 +61,8 @@ SavedCall saved_call(const FeatureMap& map, const LinearOptions& options, Heads<
     call.map.regularized = defaults.regularized;
     call.map.seed = defaults.seed;
   }
-  call.has_rope = options.rope != nullptr;
-  if (options.rope) {
+  call.has_rope = options.rope != nullptr && options.placement != RopePlacement::None;
+  if (call.has_rope) {
     call.rope = options.rope->config();
     call.rope.rotary_dim = options.rope->rotary_dim();
     if (call.rope.scaling.kind == RopeScalingKind::None) call.rope.scaling = RopeScaling{};
@@ -128,7 +129,8 @@ void check_saved(std::string_view fn, const SavedHeads<T>* saved, const SavedCal
   require_same(fn, "map orthogonal =", map.orthogonal, now_map.orthogonal);
   require_same(fn, "map regularized =", map.regularized, now_map.regularized);
   require_same(fn, "a map drawn from seed", map.seed, now_map.seed);
-  require_same(fn, "options.rope set =", was.has_rope, now.has_rope);
+  // The placements are the same (compared above), so both calls use a rope (checked against d or
+  // m by the call) or neither does.
   if (!was.has_rope) return;
   const RopeConfig &rope = was.rope, &now_rope = now.rope;
   require_same(fn, "options.rope's dim =", rope.dim, now_rope.dim);
