@@ -1,4 +1,5 @@
 // favor+, favor-trig and favor-hyp: random features through the projection W (projection.cpp).
+#include <array>
 #include <cmath>
 #include <type_traits>
 
@@ -109,21 +110,32 @@ class FavorMap final : public FeatureMap {
       const Index first = b * kBlockRows, rows = std::min(kBlockRows, n - first);
       gemm(const_view(x.middleRows(first, rows)), wt, view(out.middleRows(first, rows).leftCols(f)),
            Write::Overwrite);
-      for (Index i = first; i < first + rows; ++i) {
+      // Two passes over the block's rows: first each row's reductions (|x|^2, max_l u_l) and so
+      // its shift, then the exponentials (sines, cosines) of every row. In one pass a row's
+      // exponentials waited on its own max, a chain of latencies per row that left the vector
+      // units idle at small f (the study's f = 32: two packets a row); apart, the rows'
+      // exponentials are independent work that the CPU overlaps. The same operations on the same
+      // values: the same bits.
+      std::array<RowShift<T>, kBlockRows> shifts;
+      for (Index r = 0; r < rows; ++r) {
+        const Index i = first + r;
         const double squared = sum_of_squares(x.data() + i * x.outerStride(), d);
         const double h = squared * inv_two_sqrt_d;
-        double scale = 0;
         if (std::is_same_v<T, float> && std::sqrt(squared) * projection_bound > 1e36) {
           // Rare: the float GEMM may have overflowed; redo this row in double (allocates).
           Vector<double> row(output_dim());
           row.head(f) = wt_d_.transpose() * x.row(i).transpose().template cast<double>();
-          scale = finish_row<double>(row.data(), h, log_scale != nullptr);
+          const RowShift<double> shift = shift_of_row(row.data(), h, log_scale != nullptr);
+          apply_shift(row.data(), shift);
           for (Index l = 0; l < row.size(); ++l) out(i, l) = T(row[l]);
+          shifts[r] = RowShift<T>{.shift = 0, .log_scale = shift.log_scale, .done = true};
         } else {
-          scale = finish_row<T>(&out(i, 0), h, log_scale != nullptr);
+          shifts[r] = shift_of_row(&out(i, 0), h, log_scale != nullptr);
         }
-        if (log_scale) log_scale[i] = scale;
+        if (log_scale) log_scale[i] = shifts[r].log_scale;
       }
+      for (Index r = 0; r < rows; ++r)
+        if (!shifts[r].done) apply_shift(&out(first + r, 0), shifts[r]);
     });
   }
 
@@ -147,6 +159,15 @@ class FavorMap final : public FeatureMap {
     for (Index first = 0; first < n; first += block) {
       const Index rows = std::min(block, n - first);
       RowMap<T> products(scratch.data(), rows, f);
+      // Each row's (g . phi) before the product, which does not need it: the rows' reductions are
+      // then independent work, not each a chain of latencies between the product and its row's
+      // update (the same operations: the same bits).
+      std::array<T, kBlockRows> along_x;
+      for (Index i = 0; i < rows; ++i)
+        along_x[std::size_t(i)] =
+            T(h_sign * inv_sqrt_d *
+              dot_of(g.data() + (first + i) * g.outerStride(),
+                     features.data() + (first + i) * features.outerStride(), output_dim()));
       for (Index i = 0; i < rows; ++i) {
         const auto phi = features.row(first + i).array();
         const auto grad = g.row(first + i).array();
@@ -165,52 +186,65 @@ class FavorMap final : public FeatureMap {
       }
       gemm(const_view(products), const_view(scaled_transpose_matrix<T>()).transposed(),
            view(dx.middleRows(first, rows)), Write::Overwrite);
-      for (Index i = first; i < first + rows; ++i) {
-        const double along_x = h_sign * inv_sqrt_d *
-                               dot_of(g.data() + i * g.outerStride(),
-                                      features.data() + i * features.outerStride(), output_dim());
-        dx.row(i) += T(along_x) * x.row(i);
-      }
+      for (Index i = 0; i < rows; ++i)
+        dx.row(first + i) += along_x[std::size_t(i)] * x.row(first + i);
     }
   }
 
-  // row[0, f) holds u on entry; on exit row[0, m) holds the features of one row. Returns log_scale.
-  // The exponentials, sines and cosines go through exp_shifted, sin_of and cos_of, so that
-  // a row's features are the same bits wherever the row sits (packet_map.hpp).
+  // What a row's features need besides u (row[0, f) of its output): the shift its exponentials
+  // take (favor+: max_l u_l, or h + ln(f) / 2 unstabilised; favor-hyp: max_l |u_l|, or
+  // h + ln(2f) / 2; favor-trig, unstabilised: the scale exp(h - ln(f) / 2) its sines and cosines
+  // are multiplied by), and its log_scale (0 unstabilised). done: the row's features are written
+  // already (the double path).
   template <class T>
-  double finish_row(T* row, double h, bool stabilized) const {
+  struct RowShift {
+    T shift = 0;
+    double log_scale = 0;
+    bool done = false;
+  };
+
+  template <class T>
+  RowShift<T> shift_of_row(const T* row, double h, bool stabilized) const {
     using Array = Eigen::Array<T, 1, Eigen::Dynamic>;
-    const Index f = num_features();
-    Eigen::Map<Array> u(row, f);
-    const double half_log_f = half_log_f_;
+    const Eigen::Map<const Array> u(row, num_features());
     switch (kind()) {
       case FeatureMapKind::FavorPositive: {
-        if (!stabilized) {
-          exp_shifted(row, row, f, T(h + half_log_f));
-          return 0;
-        }
+        if (!stabilized) return {.shift = T(h + half_log_f_)};
         const T top = u.maxCoeff();
-        exp_shifted(row, row, f, top);
-        return double(top) - h - half_log_f;
+        return {.shift = top, .log_scale = double(top) - h - half_log_f_};
       }
       case FeatureMapKind::FavorHyperbolic: {
-        const double half_log_2f = half_log_2f_;
-        const T c = stabilized ? u.abs().maxCoeff() : T(h + half_log_2f);
-        Eigen::Map<Array>(row + f, f) = -u;  // exact
-        exp_shifted(row + f, row + f, f, c);
-        exp_shifted(row, row, f, c);
-        return stabilized ? double(c) - h - half_log_2f : 0;
+        if (!stabilized) return {.shift = T(h + half_log_2f_)};
+        const T c = u.abs().maxCoeff();
+        return {.shift = c, .log_scale = double(c) - h - half_log_2f_};
       }
-      default: {  // FavorTrig
+      default:  // FavorTrig
+        if (!stabilized) return {.shift = T(std::exp(h - half_log_f_))};
+        return {.log_scale = h - half_log_f_};
+    }
+  }
+
+  // row[0, f) holds u on entry; on exit row[0, m) holds the row's features. The exponentials,
+  // sines and cosines go through exp_shifted, sin_of and cos_of, so that a row's features are the
+  // same bits wherever the row sits (packet_map.hpp).
+  template <class T>
+  void apply_shift(T* row, const RowShift<T>& s) const {
+    using Array = Eigen::Array<T, 1, Eigen::Dynamic>;
+    const Index f = num_features();
+    switch (kind()) {
+      case FeatureMapKind::FavorPositive:
+        exp_shifted(row, row, f, s.shift);
+        return;
+      case FeatureMapKind::FavorHyperbolic:
+        Eigen::Map<Array>(row + f, f) = -Eigen::Map<const Array>(row, f);  // exact
+        exp_shifted(row + f, row + f, f, s.shift);
+        exp_shifted(row, row, f, s.shift);
+        return;
+      default:  // FavorTrig: [sin u, cos u]
         cos_of(row, row + f, f);
         sin_of(row, row, f);
-        if (!stabilized) {
-          const T scale = T(std::exp(h - half_log_f));
-          Eigen::Map<Array>(row, 2 * f) *= scale;  // one rounding per element, like the scalar path
-          return 0;
-        }
-        return h - half_log_f;
-      }
+        // Unstabilised, scaled: one rounding per element, like the scalar path.
+        if (s.shift != T(0)) Eigen::Map<Array>(row, 2 * f) *= s.shift;
     }
   }
 
