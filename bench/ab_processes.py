@@ -2,10 +2,12 @@
 """Two or more builds of a Google Benchmark program, compared one process at a time.
 
 One process runs the same call at a steady speed, but two processes of the same binary can differ
-by 20-25% on the machines we measure on (where the buffers land), so a comparison inside one
-process each says little. This runs every binary --processes times, alternated (the order
-reversed every other round), each process taking the median of --repetitions repetitions, and
-prints per benchmark each binary's median over its processes and their range.
+by 20-45% on the machines we measure on, so a comparison inside one process each says little. On
+the 2-vCPU machines, at least part of it is which vCPU a process runs on: the study's FAVOR+ call
+pinned with taskset took 1.68-1.71 ms on vCPU 0 and 1.73-2.47 ms on vCPU 1 (2026-11-29). This
+runs every binary --processes times, alternated (the order reversed every other round), each
+process taking the median of --repetitions repetitions, and prints per benchmark each binary's
+median over its processes and their range.
 
   OMP_NUM_THREADS=1 /usr/bin/python3 bench/ab_processes.py --processes 8 \\
       --filter 'softmax/(backward|streaming)/n:4096/d:(64|128)/causal:(0|1)/' \\
