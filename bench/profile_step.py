@@ -2,9 +2,10 @@
 """The study's training step, timed and profiled (issue 39): experiments/training's own Run (its
 Decoder, loss, backward, clipping and AdamW; train.Run.train) with its evaluation left out, for
 each variant and shape asked for, and the evaluation timed on its own. The steps are taken as a
-long run takes them: the schedule is long (no step is its last, which logs and summarises), one
-step in the plan's log_every is logged, and each is timed from the end of the one before
-(train.RunHooks.stepped).
+long run takes them: in one train() call per batch of steps (stop_after), of a schedule so long
+that no step is its last (which logs and summarises), one step in 10 logged (log_every), each
+timed at its end (train.RunHooks.stepped) from the end of the one before, or, the first of a
+call, from the call.
 
 A case is a variant at one shape: char_lm at a context (batch = --tokens / context: 16 x 256 and
 4 x 1024, as the plans use), or MQAR at one (length, pairs) setting trained on its own (batch

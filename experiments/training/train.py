@@ -104,7 +104,8 @@ class RunHooks:
     digests of what each rank computed. Runs from the command line have none (these do nothing).
     Runs trained in worker processes (--jobs) get a pickled copy. stepped(run) is called at the
     end of every step train() completes, logging and evaluation included: bench/profile_step.py
-    times steps there, as a long run takes them."""
+    times steps there, as a long run takes them. finished(run) is called once the run has ended
+    (by train(), before it returns the summary), not after a call that stop_after cut short."""
 
     def started(self, run):
         pass
@@ -360,10 +361,12 @@ class Run:
         return norm, layer_norms, None if math.isfinite(norm) else "gradient norm %s" % norm
 
     def train(self, checkpoint=None, progress=None, stop_after=None):
-        """Trains up to config.steps (the schedule's length), or, with stop_after, at most that
-        many steps of this call: a caller that steps a run in parts (bench/profile_step.py) then
-        gets steps like a long run's, not each one the schedule's last (logged, its summary
-        made)."""
+        """Trains up to config.steps (the schedule's length) and returns the run's summary, once
+        hooks.finished has seen it. With stop_after, at most that many steps of this call: a call
+        that stops before the run ends (the schedule done, a divergence, the target reached)
+        returns None, with no summary made (it decodes a whole sequence) and no finished hook,
+        so that a caller stepping a run in parts (bench/profile_step.py) gets steps as a long run
+        takes them, not each one the schedule's last (logged and summarised)."""
         c, model = self.config, self.model
         torch.set_num_threads(c.threads)
         linrope.set_num_threads(c.threads)
@@ -415,6 +418,9 @@ class Run:
                 self.save(checkpoint)
             self.records["wall_seconds"] += time.perf_counter() - started
             self.hooks.stepped(self)
+        if (self.step < c.steps and self.records["diverged_step"] is None
+                and self.records["target_step"] is None):
+            return None  # stopped after stop_after steps: the run goes on
         self.hooks.finished(self)
         return self.summary()
 

@@ -1,4 +1,4 @@
-// Private: large blocks of memory kept between uses, process-wide. A LinearSaved's features live
+// Private: blocks of memory kept between uses, process-wide. A LinearSaved's features live
 // from a forward to its backward, and a training loop makes a new one every step: allocated afresh,
 // their tens of MB cost a page fault per 4 KiB every step (glibc returns blocks this large to the
 // system), measured at 6x the forward's own time through linrope.torch (bench/RESULTS.md, "Saved
@@ -36,7 +36,8 @@ class CachedBlock {
 
 // `count` values of T in a CachedBlock, uninitialised: a kernel's per-call scratch of megabytes
 // (softmax's rotated keys and its backward's strips and partial dk, dv), which allocated afresh
-// page-faulted on every call: at d = 128, n = 4096, 45% of the softmax backward's time.
+// page-faulted on every call: at d = 128, n = 4096, 45% of the softmax backward's time; and the
+// rows a batched call gathers from a BNHD slice (heads.hpp).
 template <class T>
 class CachedArray {
  public:

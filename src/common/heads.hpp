@@ -62,49 +62,44 @@ bool dense_rows(const Heads<T>& h) {
   return row_stride(h) == h.d;
 }
 
-// A [rows x d] block for one slice's gathered rows: from the process-wide block cache
-// (block_cache.hpp), so that a training step's repeated shapes find their blocks again and
-// release_cached_memory frees them, and given back when the slice is done. 64-byte aligned, as
-// Scratch's blocks are: the kernels' vector loads of a row then split no more cache lines than
-// they do in a BHND buffer (16-byte aligned buffers measured slower).
+// The [rows x d] values a slice's gathered rows take: none where they are dense. They come from
+// the process-wide block cache (CachedArray), so that a training step's repeated shapes find their
+// blocks again and release_cached_memory frees them, and go back when the slice is done. 64-byte
+// aligned, as Scratch's blocks are: the kernels' vector loads of a row then split no more cache
+// lines than they do in a BHND buffer (16-byte aligned buffers measured slower).
 template <class T>
-class GatherBlock {
- public:
-  GatherBlock(Index rows, Index d) : block_(std::size_t(rows * d) * sizeof(T)) {}
-  T* data() const { return reinterpret_cast<T*>(block_.data()); }
-
- private:
-  CachedBlock block_;
-};
+Index gathered_size(const Heads<T>& h, Index rows) {
+  return dense_rows(h) ? 0 : rows * h.d;
+}
 
 // Rows [0, rows) of slice (b, head) as the dense [rows x d] block the single-head kernels read:
-// the view's own memory where its rows are dense (dense_rows), else a copy in a GatherBlock (with
-// fewer slices than threads, made by the thread that hands each slice to all of them).
+// the view's own memory where its rows are dense (dense_rows), else a gathered copy (with fewer
+// slices than threads, made by the thread that hands each slice to all of them).
 template <class T>
 class SliceRows {
  public:
   SliceRows(const Heads<const T>& h, Index b, Index head, Index rows)
-      : data_(slice(h, b, head)), gathered_(dense_rows(h) ? 0 : rows, h.d) {
-    if (dense_rows(h) || rows == 0) return;
-    copy_rows(data_, row_stride(h), gathered_.data(), h.d, rows, h.d);
-    data_ = gathered_.data();
+      : data_(slice(h, b, head)), gathered_(gathered_size(h, rows)) {
+    if (gathered_size(h, rows) == 0) return;
+    copy_rows(data_, row_stride(h), gathered_.get(), h.d, rows, h.d);
+    data_ = gathered_.get();
   }
   const T* data() const { return data_; }
 
  private:
   const T* data_;
-  GatherBlock<T> gathered_;
+  CachedArray<T> gathered_;
 };
 
 // Where a kernel writes rows [0, rows) of slice (b, head) of an output: the view's own memory
-// where its rows are dense; otherwise a GatherBlock, which write_back copies into the view's rows.
+// where its rows are dense; otherwise gathered rows, which write_back copies into the view's.
 template <class T>
 class SliceOutput {
  public:
   SliceOutput(const Heads<T>& h, Index b, Index head, Index rows)
       : view_(slice(h, b, head)),
-        gathered_(dense_rows(h) ? 0 : rows, h.d),
-        data_(dense_rows(h) || rows == 0 ? view_ : gathered_.data()),
+        gathered_(gathered_size(h, rows)),
+        data_(gathered_size(h, rows) == 0 ? view_ : gathered_.get()),
         d_(h.d),
         stride_(row_stride(h)),
         rows_(rows) {}
@@ -116,7 +111,7 @@ class SliceOutput {
 
  private:
   T* view_;
-  GatherBlock<T> gathered_;
+  CachedArray<T> gathered_;
   T* data_;
   Index d_, stride_, rows_;
 };

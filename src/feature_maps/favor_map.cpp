@@ -193,13 +193,14 @@ class FavorMap final : public FeatureMap {
 
   // What a row's features need besides u (row[0, f) of its output): the shift its exponentials
   // take (favor+: max_l u_l, or h + ln(f) / 2 unstabilised; favor-hyp: max_l |u_l|, or
-  // h + ln(2f) / 2; favor-trig, unstabilised: the scale exp(h - ln(f) / 2) its sines and cosines
-  // are multiplied by), and its log_scale (0 unstabilised). done: the row's features are written
-  // already (the double path).
+  // h + ln(2f) / 2), or for favor-trig unstabilised (scaled) the factor exp(h - ln(f) / 2) its
+  // sines and cosines are multiplied by; and its log_scale (0 unstabilised). done: the row's
+  // features are written already (the double path).
   template <class T>
   struct RowShift {
     T shift = 0;
     double log_scale = 0;
+    bool scaled = false;
     bool done = false;
   };
 
@@ -219,7 +220,7 @@ class FavorMap final : public FeatureMap {
         return {.shift = c, .log_scale = double(c) - h - half_log_2f_};
       }
       default:  // FavorTrig
-        if (!stabilized) return {.shift = T(std::exp(h - half_log_f_))};
+        if (!stabilized) return {.shift = T(std::exp(h - half_log_f_)), .scaled = true};
         return {.log_scale = h - half_log_f_};
     }
   }
@@ -244,7 +245,7 @@ class FavorMap final : public FeatureMap {
         cos_of(row, row + f, f);
         sin_of(row, row, f);
         // Unstabilised, scaled: one rounding per element, like the scalar path.
-        if (s.shift != T(0)) Eigen::Map<Array>(row, 2 * f) *= s.shift;
+        if (s.scaled) Eigen::Map<Array>(row, 2 * f) *= s.shift;
     }
   }
 

@@ -461,28 +461,37 @@ def test_resumed_run_equals_an_uninterrupted_one(variant, tiny, corpus, tmp_path
 
 def test_a_run_trained_in_parts_equals_one_trained_whole(tiny, corpus):
     """train(stop_after=k) returns after k steps of the schedule (config.steps, not k, sets the
-    learning rates and which step is the last); calls of 5, 0 and the rest give bitwise the run
-    of one call, and RunHooks.stepped sees every step once, in order, after its records."""
-    config = tiny(log_every=3)
+    learning rates and which step is the last, logged whatever log_every says); calls of 5, 0
+    and the rest give bitwise the run of one call. RunHooks.stepped sees every step once, in
+    order, after its records; a call cut short returns None and leaves finished unseen, the last
+    returns the summary once finished has seen the run."""
+    config = tiny(steps=13, log_every=3)
     whole = Run(config, corpus)
-    whole.train()
+    whole_summary = whole.train()
 
     class Seen(RunHooks):
         def __init__(self):
-            self.steps, self.rows = [], []
+            self.steps, self.rows, self.finished_at = [], [], []
 
         def stepped(self, run):
             self.steps.append(run.step)
             self.rows.append(len(run.records["curves"]))
 
+        def finished(self, run):
+            self.finished_at.append(run.step)
+
     seen = Seen()
     parts = Run(config, corpus, hooks=seen)
-    for count, expected_step in ((5, 5), (0, 5), (10 ** 6, config.steps)):
-        parts.train(stop_after=count)
-        assert parts.step == expected_step
+    for count, expected_step in ((5, 5), (0, 5)):
+        assert parts.train(stop_after=count) is None
+        assert parts.step == expected_step and seen.finished_at == []
+    summary = parts.train(stop_after=10 ** 6)
+    assert parts.step == config.steps and seen.finished_at == [config.steps]
+    assert {k: v for k, v in summary.items() if k not in TIMING} == \
+        {k: v for k, v in whole_summary.items() if k not in TIMING}
     assert seen.steps == list(range(1, config.steps + 1))
-    assert seen.rows == [step // 3 + (step == config.steps and step % 3 != 0)
-                         for step in seen.steps]
+    # Rows at steps 3, 6, 9, 12, and at 13, the schedule's last.
+    assert seen.rows == [step // 3 + (step == config.steps) for step in seen.steps]
     assert same_records(parts.records, whole.records)
     assert same_tensors(parts.model.state_dict(), whole.model.state_dict())
     assert same_tensors(parts.optimiser.state_dict(), whole.optimiser.state_dict())
